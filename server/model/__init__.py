@@ -1,0 +1,1 @@
+"""Model definitions and loaders (Hugging Face directories, GGUF, the embedded default)."""
