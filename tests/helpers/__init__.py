@@ -1,0 +1,1 @@
+"""Shared test builders (tiny models, fake requests). Import as `from helpers.tiny_models import ...`."""
