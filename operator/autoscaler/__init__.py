@@ -1,0 +1,1 @@
+"""Queue-depth autoscaler: scrape the engines, decide replicas, write the scale subresource."""
