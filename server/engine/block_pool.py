@@ -1,0 +1,41 @@
+"""A fixed pool of KV-cache blocks with reference counts.
+
+A block is shared copy-free by every sequence (and the prefix cache) that references it;
+it returns to the free list when its last reference goes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV-cache pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` free blocks with one reference each; the caller checked num_free."""
+        assert count <= len(self._free), f"asked for {count} blocks, {len(self._free)} free"
+        blocks = [self._free.popleft() for _ in range(count)]
+        for block in blocks:
+            self.ref_counts[block] = 1
+        return blocks
+
+    def incref(self, block: int) -> None:
+        assert self.ref_counts[block] > 0, f"block {block} is free"
+        self.ref_counts[block] += 1
+
+    def decref(self, block: int) -> None:
+        """Drop one reference; the block is free again when none remain."""
+        assert self.ref_counts[block] > 0, f"double free of block {block}"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free.append(block)

@@ -1,0 +1,53 @@
+"""Engine configuration: one field per entry of `server.flags.ENGINE_FLAGS`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from ..flags import ENGINE_FLAGS
+
+
+@dataclass
+class EngineConfig:
+    """Validated engine knobs; the defaults mirror ENGINE_FLAGS so `EngineConfig()` is the CLI default."""
+
+    model: str = "embedded"
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= block_size ({self.block_size})")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported by this engine yet")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """Read the ENGINE_FLAGS dests from a parsed namespace (missing ones keep defaults)."""
+        known = {f.name for f in fields(cls)}
+        values = {flag.dest: getattr(args, flag.dest) for flag in ENGINE_FLAGS
+                  if flag.dest in known and hasattr(args, flag.dest)}
+        return cls(**values)

@@ -1,0 +1,92 @@
+"""Block tables of sequences on top of the block pool and the (optional) prefix cache."""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool
+from .radix_cache import RadixCache
+from .sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.cache = RadixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.prefix_cache_queries = 0  # tokens
+        self.prefix_cache_hits = 0  # tokens
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.cache.num_cached_blocks if self.cache else 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some sequence references (cache-only blocks count as reclaimable)."""
+        cached_only = 0
+        if self.cache:
+            refs = self.pool.ref_counts
+            cached_only = sum(1 for b in self.cache.cached_blocks() if refs[b] == 1)
+        return self.pool.num_blocks - self.pool.num_free - cached_only
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a fresh sequence the cached blocks of its longest prefix; returns cached tokens.
+
+        The last token is never matched: its logits must be computed.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if self.cache is None:
+            return 0
+        blocks = self.cache.match_prefix(seq.token_ids[:-1], seq.params.cache_salt)
+        for block in blocks:
+            self.pool.incref(block)
+        seq.block_table = blocks
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        seq.num_inserted_blocks = len(blocks)
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens; False if out of blocks."""
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        missing = needed - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if self.pool.num_free < missing and self.cache is not None:
+            self.cache.evict(missing - self.pool.num_free)
+        if self.pool.num_free < missing:
+            return False
+        seq.block_table += self.pool.allocate(missing)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hand newly filled blocks to the prefix cache, adopting blocks it already holds."""
+        if self.cache is None:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_inserted_blocks:
+            return
+        canonical = self.cache.insert(seq.token_ids[:num_full * self.block_size],
+                                      seq.block_table[:num_full], seq.params.cache_salt)
+        for i in range(seq.num_inserted_blocks, num_full):
+            if seq.block_table[i] != canonical[i]:  # computed twice: keep the cached copy
+                self.pool.incref(canonical[i])
+                self.pool.decref(seq.block_table[i])
+                seq.block_table[i] = canonical[i]
+        seq.num_inserted_blocks = num_full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share the parent's full prompt blocks; the child recomputes the partial tail."""
+        num_full = parent.num_prompt_tokens // self.block_size
+        child.block_table = parent.block_table[:num_full]
+        for block in child.block_table:
+            self.pool.incref(block)
+        child.num_computed_tokens = num_full * self.block_size
+        child.num_inserted_blocks = min(parent.num_inserted_blocks, num_full)
+
+    def free(self, seq: Sequence) -> None:
+        for block in seq.block_table:
+            self.pool.decref(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_inserted_blocks = 0

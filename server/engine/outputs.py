@@ -1,0 +1,45 @@
+"""What the engine hands back per request, shaped like vLLM's RequestOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative
+    token_ids: list[int]  # cumulative
+    delta_text: str  # new since the previous RequestOutput of this request
+    delta_token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None  # cumulative, one dict per generated token
+    finish_reason: str | None  # None while running, then "stop" | "length" | "abort"
+    stop_reason: str | int | None  # the stop string / stop token id that ended it
+
+
+@dataclass
+class RequestMetrics:
+    """time.monotonic() stamps; None until the event happens."""
+
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)

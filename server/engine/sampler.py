@@ -1,0 +1,167 @@
+"""Turn a batch of logits into next tokens, all rows at once.
+
+Penalties, min_tokens masking, temperature, top-k, top-p and min-p are tensor ops over the
+whole batch. Randomness uses the exponential-race trick (argmax of probs / Exp(1) noise is a
+sample from probs): unseeded rows draw their noise from one engine generator in a single
+call, seeded rows from their own `torch.Generator` so a request replays exactly.
+Logprobs are computed from the raw model logits, before any processing, as vLLM does by
+default: they describe the model, not the sampling knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .outputs import Logprob
+from .sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: None, or (top token ids, their logprobs, sampled logprob, sampled rank)
+    logprobs: list[tuple[list[int], list[float], float, int] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.seeded: dict[int, torch.Generator] = {}  # id(seq) -> generator
+
+    def forget(self, seq: Sequence) -> None:
+        self.seeded.pop(id(seq), None)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        params = [seq.params for seq in seqs]
+        raw = logits
+        logits = self._apply_penalties(logits, seqs)
+        logits = self._mask_stops_before_min_tokens(logits, seqs)
+        greedy = [p.temperature == 0.0 for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, greedy)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, seqs, tokens))
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rep = [s.params.repetition_penalty for s in seqs]
+        pres = [s.params.presence_penalty for s in seqs]
+        freq = [s.params.frequency_penalty for s in seqs]
+        use_rep = any(r != 1.0 for r in rep)
+        use_additive = any(p != 0.0 for p in pres) or any(f != 0.0 for f in freq)
+        if not use_rep and not use_additive:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        if use_rep:  # HF/vLLM: over prompt and output tokens
+            seen = self._counts([s.token_ids for s in seqs], vocab) > 0
+            penalty = self._column(rep)
+            scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, scaled, logits)
+        if use_additive:  # OpenAI: over output tokens only
+            counts = self._counts([s.output_token_ids for s in seqs], vocab)
+            logits -= self._column(freq) * counts + self._column(pres) * (counts > 0)
+        return logits
+
+    def _counts(self, token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+        longest = max((len(t) for t in token_lists), default=0)
+        padded = torch.full((len(token_lists), longest + 1), vocab, dtype=torch.int64)
+        for row, tokens in enumerate(token_lists):
+            padded[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        counts = torch.zeros(len(token_lists), vocab + 1, device=self.device)
+        counts.scatter_add_(1, padded.to(self.device), torch.ones_like(padded, dtype=torch.float32,
+                                                                       device=self.device))
+        return counts[:, :vocab]
+
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]
+                                      ) -> torch.Tensor:
+        rows, cols = [], []
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                stops = set(seq.params.stop_token_ids) | set(seq.request.eos_token_ids)
+                rows += [row] * len(stops)
+                cols += sorted(stops)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[rows, cols] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]
+                ) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        temperature = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        scaled = logits / temperature
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        if any(top_k):
+            k = torch.tensor([k if k > 0 else scaled.shape[1] for k in top_k], device=self.device)
+            k = k.clamp(max=scaled.shape[1])
+            kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if any(p.top_p < 1.0 for p in params):
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            top_p = self._column([p.top_p if p.top_p < 1.0 else float("inf") for p in params])
+            drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            scaled = scaled.masked_fill(drop, float("-inf"))
+        probs = scaled.softmax(dim=-1)
+        if any(p.min_p > 0.0 for p in params):
+            floor = self._column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None and not greedy[row]:
+                noise[row].exponential_(generator=self._seeded_generator(seq))
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_mask = torch.tensor(greedy, device=self.device)
+        return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+
+    def _seeded_generator(self, seq: Sequence) -> torch.Generator:
+        generator = self.seeded.get(id(seq))
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            assert seq.params.seed is not None
+            generator.manual_seed(seq.params.seed + seq.index)
+            self.seeded[id(seq)] = generator
+        return generator
+
+    def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor
+                  ) -> list[tuple[list[int], list[float], float, int] | None]:
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        result: list[tuple[list[int], list[float], float, int] | None] = [None] * len(seqs)
+        if not rows:
+            return result
+        index = torch.tensor(rows, device=self.device)
+        logprobs = raw.index_select(0, index).float().log_softmax(dim=-1)
+        chosen = tokens.index_select(0, index)
+        chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
+        ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+        k = max(seqs[i].params.logprobs or 0 for i in rows)
+        top = logprobs.topk(k, dim=-1) if k else None
+        for j, row in enumerate(rows):
+            want = seqs[row].params.logprobs or 0
+            ids = top.indices[j, :want].tolist() if top is not None else []
+            values = top.values[j, :want].tolist() if top is not None else []
+            result[row] = (ids, values, float(chosen_lp[j]), int(ranks[j]))
+        return result
+
+
+def to_logprob_dict(entry: tuple[list[int], list[float], float, int], sampled: int,
+                    decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """One position's logprobs as vLLM returns them: the top-k plus the sampled token."""
+    ids, values, sampled_lp, sampled_rank = entry
+    out = {sampled: Logprob(sampled_lp, sampled_rank, decode(sampled))}
+    for rank, (token, value) in enumerate(zip(ids, values), start=1):
+        if token not in out:
+            out[token] = Logprob(value, rank, decode(token))
+    return out

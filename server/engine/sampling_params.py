@@ -1,0 +1,111 @@
+"""Per-request sampling knobs (vLLM's names and defaults) and their validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message is meant for the client."""
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16  # None = up to the context length
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k alternatives per token; the sampled token is always included
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0  # lower is served first
+    cache_salt: str | None = None
+
+    # NOTE: the model's generation_config defaults apply only to fields the caller did not
+    # set, so the constructor records which ones it was given (setting a field later counts too).
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        explicit = self.__dict__.get("_explicit")
+        if explicit is not None:
+            explicit.add(name)
+        object.__setattr__(self, name, value)
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        return frozenset(self.__dict__.get("_explicit", ()))
+
+    def with_defaults(self, defaults: dict[str, Any]) -> "SamplingParams":
+        """A copy where every field the caller left unset takes the model's default."""
+        names = {f.name for f in dataclasses.fields(self)}
+        changes = {k: v for k, v in defaults.items()
+                   if k in names and k not in self.explicit_fields and v is not None}
+        merged = dataclasses.replace(self, **changes)
+        object.__setattr__(merged, "_explicit", set(self.explicit_fields) | set(changes))
+        return merged
+
+    def validate(self) -> None:
+        """Model-independent checks; the engine adds context-length and vocabulary checks."""
+        def fail(message: str) -> None:
+            raise InvalidRequestError(message)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail(f"n must be at least 1, got {self.n}.")
+        if self.temperature < 0.0:
+            fail(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            fail(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            fail(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.repetition_penalty <= 0.0:
+            fail(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            fail(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(f"min_tokens ({self.min_tokens}) must be less than or equal to "
+                 f"max_tokens ({self.max_tokens}).")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            fail(f"logprobs must be in [0, 20], got {self.logprobs}.")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop strings must be non-empty strings.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _wrap_init(init: Any) -> Any:
+    def __init__(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        given = [f.name for f in dataclasses.fields(SamplingParams)][:len(args)] + list(kwargs)
+        object.__setattr__(self, "_explicit", set(given))
+
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+SamplingParams.__init__ = _wrap_init(SamplingParams.__init__)  # type: ignore[method-assign]

@@ -1,0 +1,147 @@
+"""Iteration-level continuous batching with chunked prefill (vLLM v1's token-budget view).
+
+Every step gives each sequence a number of new tokens to compute: running decodes first,
+then prefill chunks of partially prefilled sequences, then waiting sequences, under
+`max_num_batched_tokens` and `max_num_seqs`. When blocks run out the newest running
+sequence (highest priority value, latest arrival) is preempted: its blocks are freed and it
+is recomputed later, cheaply when its prefix is still cached.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .sequence import Request, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool  # this chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # (sibling, index into `scheduled`): siblings of an n>1 request sample their first token
+    # from the logits of the first sequence's last prompt chunk.
+    forks: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished_seqs(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        self._enqueue(request.seqs[0])
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        scheduled: set[int] = set()
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0 or len(out.scheduled) == self.max_num_seqs:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = self._pick_victim(scheduled)
+                if victim is None:
+                    break
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self._add(out, seq, num_new)
+                scheduled.add(id(seq))
+                budget -= num_new
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs
+               and len(out.scheduled) < self.max_num_seqs):
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:
+                cached = self.kv.match_prefix(seq)
+                if seq.request.metrics.first_scheduled_time is None:
+                    seq.request.num_cached_tokens = cached
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(seq, num_new):
+                self.kv.free(seq)  # give back the matched prefix; retry next step
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = time.monotonic()
+            self._add(out, seq, num_new)
+            budget -= num_new
+        return out
+
+    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        out.scheduled.append(ScheduledSeq(seq, num_new, samples))
+        out.num_tokens += num_new
+        if samples and seq.index == 0:
+            for sibling in seq.request.seqs[1:]:
+                if sibling.status is SequenceStatus.FORK_PENDING:
+                    out.forks.append((sibling, len(out.scheduled) - 1))
+
+    def _pick_victim(self, scheduled: set[int]) -> Sequence | None:
+        """The newest running sequence not already scheduled this step."""
+        for seq in reversed(self.running):
+            if id(seq) not in scheduled:
+                return seq
+        return None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and queue it for recomputation."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        self._enqueue(seq)
+        self.num_preemptions += 1
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Account for a finished forward pass: advance, cache full blocks, fork siblings."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(item.seq)
+        for sibling, parent_index in out.forks:
+            if sibling.status is SequenceStatus.FORK_PENDING:
+                self.kv.fork(out.scheduled[parent_index].seq, sibling)
+                sibling.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, sibling, key=lambda s: s.sort_key)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence (done or aborted) and release its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED

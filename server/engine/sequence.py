@@ -1,0 +1,104 @@
+"""Request and sequence state: what the scheduler moves between queues.
+
+A request with `n` completions owns `n` sequences. Only the first is prefilled; the others
+fork from it when its prompt is done, sharing the prompt's full KV blocks by reference.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .outputs import Logprob, RequestMetrics
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued: new, or preempted and to be recomputed
+    RUNNING = "running"
+    FORK_PENDING = "fork_pending"  # a sibling waiting for the first sequence's prompt
+    FINISHED = "finished"
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    seqs: list["Sequence"] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefix-cache hit of the first scheduling
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        self.seqs = [Sequence(self, i) for i in range(self.params.n)]
+        for sibling in self.seqs[1:]:
+            sibling.status = SequenceStatus.FORK_PENDING
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.status is SequenceStatus.FINISHED for seq in self.seqs)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most tokens a sequence may generate."""
+        limit = self.max_model_len
+        if self.params.max_tokens is not None:
+            limit = min(limit, len(self.prompt_token_ids) + self.params.max_tokens)
+        return limit
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_inserted_blocks: int = 0  # leading blocks already handed to the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    detokenizer: "IncrementalDetokenizer | None" = None
+    num_sent_tokens: int = 0  # output tokens already reported to the caller
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        if self.request.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: priority (lower first), then arrival, then completion index."""
+        return (self.request.params.priority, self.request.arrival_order, self.index)
