@@ -1,0 +1,96 @@
+"""The FastAPI app: OpenAI routes behind the API key, probes and /metrics in the open."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kubeinfer.server import __version__
+from kubeinfer.server.api.auth import ApiKeyCheck
+from kubeinfer.server.api.chat import create_chat_completion, render_chat
+from kubeinfer.server.api.completions import create_completion
+from kubeinfer.server.api.errors import OpenAIError, install_error_handlers
+from kubeinfer.server.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           TokenizeRequest)
+from kubeinfer.server.api.responses import ModelCard, ModelList
+from kubeinfer.server.api.sampling import check_token_ids
+from kubeinfer.server.api.state import ServerState
+from kubeinfer.server.api.streams import ClientDisconnected
+
+
+def _api_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request, state)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request, state)
+
+    @router.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, root=state.model_source,
+                                         max_model_len=state.engine.max_model_len)])
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.check_model(body.model)
+        if body.messages is not None:
+            ids = render_chat(state, body.messages, body.add_generation_prompt)
+        else:
+            ids = state.engine.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        check_token_ids(body.tokens, state.engine.tokenizer.vocab_size, "tokens")
+        return {"prompt": state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return router
+
+
+def _ops_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        """Liveness: the engine loop runs and steps whenever it has work."""
+        if state.engine.is_alive():
+            return Response(status_code=200)
+        raise OpenAIError(503, "engine loop is not running")
+
+    @router.get("/ready")
+    async def ready() -> Response:
+        """Readiness: fails as soon as draining starts, so the Service stops routing here."""
+        if state.admission.draining:
+            raise OpenAIError(503, "draining", code="draining")
+        return Response(status_code=200)
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    return router
+
+
+def build_app(state: ServerState, api_keys: list[str]) -> FastAPI:
+    app = FastAPI(title="kubeinfer", version=__version__, docs_url=None, redoc_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    app.include_router(_api_routes(state), dependencies=[Depends(ApiKeyCheck(api_keys))])
+    app.include_router(_ops_routes(state))
+    return app
+

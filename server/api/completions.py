@@ -1,0 +1,84 @@
+"""POST /v1/completions: text or token-id prompts (one or a list), streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kubeinfer.server.api.errors import OpenAIError
+from kubeinfer.server.api.logprobs import completion_logprobs
+from kubeinfer.server.api.protocol import CompletionRequest
+from kubeinfer.server.api.responses import CompletionChoice, CompletionResponse, Usage
+from kubeinfer.server.api.sampling import check_context, check_token_ids, sampling_params
+from kubeinfer.server.api.sse import sse_response
+from kubeinfer.server.api.state import ServerState, new_request_id
+from kubeinfer.server.api.streams import chain, submit
+from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
+
+
+def _prompt_ids(body: CompletionRequest, state: ServerState) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    tokenizer = state.engine.tokenizer
+    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    for token_ids in ids:
+        if not token_ids:
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        check_token_ids(token_ids, tokenizer.vocab_size, "prompt")
+        check_context(len(token_ids), body.max_tokens, state.engine.max_model_len, "prompt")
+    return ids
+
+
+def _choice(body: CompletionRequest, prompt_index: int, choice: CompletionOutput, text: str, token_ids: list[int], offset: int) -> CompletionChoice:
+    """`text` and `token_ids` are the part being sent (all of it, or a stream delta)."""
+    logprobs = None
+    if body.logprobs is not None and choice.logprobs is not None:
+        logprobs = completion_logprobs(token_ids, choice.logprobs[len(choice.logprobs) - len(token_ids):], offset)
+    return CompletionChoice(index=prompt_index * body.n + choice.index, text=text, logprobs=logprobs,
+                            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+
+
+async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
+    state.check_model(body.model)
+    prompts = _prompt_ids(body, state)
+    params = sampling_params(body, body.max_tokens, body.logprobs)
+    request_id, created = new_request_id("cmpl"), int(time.time())
+    first, outputs = await submit(state, request, request_id, prompts, params)
+    if body.stream:
+        return sse_response(_stream(body, state, request_id, created, first, outputs))
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in chain(first, outputs):
+        finals[index] = output
+    usage, choices = Usage(), []
+    for index, output in sorted(finals.items()):
+        usage.add_request(output)
+        choices += [_choice(body, index, c, c.text, c.token_ids, 0) for c in output.outputs]
+    response = CompletionResponse(id=request_id, created=created, model=state.model_name,
+                                  choices=sorted(choices, key=lambda c: c.index), usage=usage)
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _stream(body: CompletionRequest, state: ServerState, request_id: str, created: int,
+                  first: tuple[int, RequestOutput],
+                  outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[CompletionResponse]:
+    usage = Usage()
+    async for index, output in chain(first, outputs):
+        for choice in output.outputs:
+            if not choice.delta_token_ids and not choice.delta_text and choice.finish_reason is None:
+                continue
+            offset = len(choice.text) - len(choice.delta_text)
+            yield CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[
+                _choice(body, index, choice, choice.delta_text, choice.delta_token_ids, offset)])
+        if output.finished:
+            usage.add_request(output)
+    if body.stream_options and body.stream_options.include_usage:
+        yield CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[],
+                                 usage=usage)

@@ -1,0 +1,80 @@
+"""Every failure leaves the server as OpenAI's error JSON with the matching HTTP status.
+
+Clients (the official SDKs, LangChain, vLLM's benchmark) branch on the status and on
+`error.code`, so FastAPI's default 422 shape and bare 500 pages must never reach them.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
+                   404: "not_found_error", 405: "invalid_request_error",
+                   413: "invalid_request_error", 503: "service_unavailable_error"}
+
+
+class OpenAIError(Exception):
+    """An error the client should see as-is, e.g. `OpenAIError(404, "...", code="model_not_found")`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    error_type = _TYPE_BY_STATUS.get(status, "server_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    body = error_body(error.status, error.message, error.param, error.code)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """First pydantic error as 'field: reason', without echoing the client's input back."""
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    field = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+    reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return (f"{field}: {reason}" if field else reason), field
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    from kubeinfer.server.engine.sampling_params import InvalidRequestError
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(OpenAIError(400, message, param=param))
+
+    @app.exception_handler(InvalidRequestError)
+    async def _engine_rejected(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(OpenAIError(400, str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return error_response(OpenAIError(exc.status_code, message, headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(OpenAIError(500, "internal server error"))

@@ -1,0 +1,119 @@
+"""Prometheus metrics under vLLM's names, so vLLM dashboards and autoscalers work unchanged.
+
+Gauges and engine counters are read from `engine.stats()` at scrape time by a collector:
+the queue-depth gauges the autoscaler reads are then exact at every scrape instead of
+lagging by an update interval. Per-request histograms are observed as requests finish.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kubeinfer.server.engine.outputs import RequestOutput
+from kubeinfer.server.engine.stats import EngineStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+_GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
+# (family, name, help, value read from an EngineStats snapshot)
+_ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[EngineStats], float]], ...] = (
+    (_GAUGE, "vllm:num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+    (_GAUGE, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    (_GAUGE, "vllm:kv_cache_usage_perc", "KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage),
+    (_COUNTER, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.prefix_cache_queries),
+    (_COUNTER, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda s: s.prefix_cache_hits),
+    (_COUNTER, "vllm:num_preemptions", "Requests preempted by the scheduler.", lambda s: s.num_preemptions),
+    (_COUNTER, "vllm:prompt_tokens", "Prefill tokens processed.", lambda s: s.prompt_tokens),
+    (_COUNTER, "vllm:generation_tokens", "Tokens generated.", lambda s: s.generation_tokens),
+    (_COUNTER, "kubeinfer:engine_steps", "Engine steps (forward passes) run.", lambda s: s.num_steps),
+    (_GAUGE, "kubeinfer:engine_step_seconds", "Duration of the last engine step.",
+     lambda s: s.last_step_seconds),
+    (_GAUGE, "kubeinfer:batch_tokens", "Tokens computed in the last engine step.", lambda s: s.last_step_tokens),
+    (_GAUGE, "kubeinfer:batch_size", "Sequences in the last engine step.", lambda s: s.last_step_seqs),
+    (_GAUGE, "kubeinfer:kv_cache_blocks_total", "KV-cache blocks in the pool.", lambda s: s.num_blocks_total),
+    (_GAUGE, "kubeinfer:kv_cache_blocks_free", "KV-cache blocks free.", lambda s: s.num_blocks_free),
+)
+
+
+class EngineStatsCollector(Collector):
+    """Turns one exact `EngineStats` snapshot into gauges and counters per scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 in_flight: Callable[[], int]) -> None:
+        self.stats, self.model_name, self.in_flight = stats, model_name, in_flight
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.stats()
+        for family, name, doc, read in _ENGINE_METRICS:
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self.model_name], float(read(snapshot)))
+            yield metric
+        in_flight = _GAUGE("kubeinfer:num_requests_in_flight", "HTTP requests being served.",
+                           labels=["model_name"])
+        in_flight.add_metric([self.model_name], float(self.in_flight()))
+        yield in_flight
+
+
+class ServerMetrics:
+    """The server's own registry (never the global one: tests build many apps per process)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineStatsCollector(stats, model_name, in_flight))
+        self.model_name = model_name
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Mean time per output token of each request.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time spent waiting.", LATENCY_BUCKETS)
+        self.success = Counter("vllm:request_success", "Finished requests by reason.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self.rejected = Counter("kubeinfer:requests_rejected", "Requests refused with 503.",
+                                ["model_name", "reason"], registry=self.registry)
+
+    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
+        """Tokens that arrived together share the gap since the previous delivery."""
+        for _ in range(num_tokens):
+            self.itl.observe(seconds / num_tokens)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        end = m.finished_time or time.monotonic()
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        self.e2e.observe(end - m.arrival_time)
+        for choice in output.outputs:
+            self.success.labels(self.model_name, choice.finish_reason or "abort").inc()
+            if len(choice.token_ids) > 1 and m.first_token_time and m.last_token_time:
+                self.tpot.observe((m.last_token_time - m.first_token_time) / (len(choice.token_ids) - 1))
+
+    def observe_aborted(self, num_choices: int) -> None:
+        self.success.labels(self.model_name, "abort").inc(num_choices)
+
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

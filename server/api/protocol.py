@@ -1,0 +1,149 @@
+"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields), validated by pydantic.
+
+Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working; fields
+that would silently change the meaning of a request (tools, JSON mode, suffix) are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_LOGPROBS = 20
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters (the openai client sends them via `extra_body`).
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("'suffix' is not supported")
+        if self.echo:
+            raise ValueError("'echo' is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("'best_of' must equal 'n' (beam/best-of search is not supported)")
+        if self.prompt == "" or self.prompt == []:
+            raise ValueError("'prompt' must not be empty")
+        return self
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The dict chat templates expect: text parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' requires 'logprobs': true")
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tool calling is not supported by this server")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("'continue_final_message' needs 'add_generation_prompt': false")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: either a prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,47 @@
+"""Server-sent events as OpenAI streams them: `data: {json}` frames ending with `data: [DONE]`.
+
+Once headers are out the status cannot change, so an error mid-stream becomes an error
+frame (vLLM's behaviour) and the stream still ends with [DONE] for clients that wait on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from kubeinfer.server.api.errors import error_body
+from kubeinfer.server.api.streams import ClientDisconnected
+from kubeinfer.server.engine.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+def frame(event: BaseModel) -> str:
+    """One `data:` frame; a chunk's `usage` is left out until the final usage chunk."""
+    exclude = {"usage"} if getattr(event, "usage", True) is None else None
+    return f"data: {event.model_dump_json(exclude=exclude)}\n\n"
+
+
+async def _frames(events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield frame(event)
+    except ClientDisconnected:
+        return
+    except InvalidRequestError as exc:
+        yield f"data: {json.dumps(error_body(400, str(exc)))}\n\n"
+    except Exception:
+        logger.exception("stream failed")
+        yield f"data: {json.dumps(error_body(500, 'internal server error'))}\n\n"
+    yield DONE
+
+
+def sse_response(events: AsyncIterator[BaseModel]) -> StreamingResponse:
+    return StreamingResponse(_frames(events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,42 @@
+"""What every route needs, built once per app: the engine, admission control and metrics."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kubeinfer.server.api.admission import Admission
+from kubeinfer.server.api.errors import OpenAIError
+from kubeinfer.server.api.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from kubeinfer.server.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_source: str
+    admission: Admission
+    metrics: ServerMetrics
+
+    @classmethod
+    def create(cls, engine: AsyncEngine, model_source: str, max_queued_requests: int) -> ServerState:
+        metrics = ServerMetrics(engine.stats, engine.served_model_name, lambda: admission.in_flight)
+        admission = Admission(engine.stats, max_queued_requests, metrics.observe_rejected)
+        return cls(engine, model_source, admission, metrics)
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.served_model_name
+
+    def check_model(self, requested: str | None) -> None:
+        """An absent model means the served one; any other name is a 404, as in vLLM."""
+        if requested is not None and requested != self.model_name:
+            raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model",
+                              code="model_not_found")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
