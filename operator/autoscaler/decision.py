@@ -7,11 +7,11 @@ from status, so unit tests replay any history and a restarted operator decides i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
 
 from kubeinfer.operator.autoscaler.policy import ScalingPolicy
-from kubeinfer.operator.autoscaler.state import Point, ScalerState
+from kubeinfer.operator.autoscaler.state import Reading, ScalerState
 
 RUNNING = "vllm:num_requests_running"  # requests being decoded: their pod must not be cut
 
@@ -34,6 +34,12 @@ class Decision:
     proposal: int
     scrape_failures: int
 
+    def to_status(self) -> dict[str, Any]:
+        """`status.autoscaler`; on a hold the last average stays as it was."""
+        extra = {} if self.average is None else {"averageValue": round(self.average, 6)}
+        return {**self.state.to_status(), **extra, "proposedReplicas": self.proposal,
+                "scrapeErrors": self.scrape_failures}
+
 
 def decide(policy: ScalingPolicy, samples: Sequence[PodSample], state: ScalerState,
            current: int, now: float, held_requests: int = 0, draining: int = 0) -> Decision:
@@ -45,33 +51,29 @@ def decide(policy: ScalingPolicy, samples: Sequence[PodSample], state: ScalerSta
     ready = [s for s in samples if s.ready]
     scraped = [s for s in ready if s.gauges is not None]
     failures = len(ready) - len(scraped)
-    proposals = list(state.proposals)
     if state.replicas != current:  # first tick, or scaled by someone else (gateway, kubectl):
-        proposals.append((now, float(current)))  # that size stands for a full scale-down delay
+        state = replace(state, below_since=None, below_peak=None)  # restart the scale-down clock
     if (ready and not scraped) or (current > 0 and not ready):
         why = "no Ready pod could be scraped" if ready else "no pod is Ready yet"
-        proposals.append((now, float(current)))
-        held_state = ScalerState(state.loads, _recent(proposals, now,
-                                 policy.scale_down_delay_seconds), current)
-        return Decision(current, held_state, f"hold at {current}: {why} "
-                        f"({failures} scrape failures)", None, current, failures)
+        held = ScalerState(state.readings, None, None, current)
+        return Decision(current, held, f"hold at {current}: {why} ({failures} scrape failures)",
+                        None, current, failures)
 
     load = _tick_load(policy, scraped, failures, held_requests)
-    loads = _recent([*state.loads, (now, load)], now, policy.window_seconds)
-    average = sum(value for _, value in loads) / len(loads)
+    readings = tuple(r for r in state.readings if r.time > now - policy.window_seconds)
+    readings += (Reading(now, load, len(scraped)),)
+    average = sum(r.value for r in readings) / len(readings)
     needed = math.ceil(round(average / policy.target, 9))
     if held_requests > 0:
         needed = max(needed, 1)  # a held request needs one pod whatever the metric says
     proposal = min(max(needed, policy.min_replicas), policy.max_replicas)
-    proposals = _recent([*proposals, (now, float(proposal))], now,
-                        policy.scale_down_delay_seconds)
-    busy = sum(1 for s in scraped if _busy(s)) + failures
-    desired, verdict = _pace(policy, current, proposal, proposals, busy, draining)
-    reason = (f"{policy.metric} {average:.2f} averaged over {len(loads)} samples "
+    busy = sum(1 for s in scraped if s.gauges.get(RUNNING, 0.0) > 0) + failures  # type: ignore[union-attr]
+    desired, verdict, state = _pace(policy, state, current, proposal, now, busy, draining)
+    reason = (f"{policy.metric} {average:.2f} averaged over {len(readings)} samples "
               f"(now {load:.2f} from {len(scraped)}/{len(ready)} Ready pods, {failures} scrape "
               f"failures, {held_requests} held) / target {policy.target:g} -> proposal "
               f"{proposal} [{policy.min_replicas}..{policy.max_replicas}]; {verdict}")
-    return Decision(desired, ScalerState(tuple(loads), tuple(proposals), desired), reason,
+    return Decision(desired, replace(state, readings=readings, replicas=desired), reason,
                     average, proposal, failures)
 
 
@@ -84,34 +86,33 @@ def _tick_load(policy: ScalingPolicy, scraped: list[PodSample], failures: int,
     return sum(values) + failures * imputed + queued
 
 
-def _pace(policy: ScalingPolicy, current: int, proposal: int, proposals: list[Point],
-          busy: int, draining: int) -> tuple[int, str]:
-    """Up at once within the step bound; down only to the highest proposal of the delay period."""
+def _pace(policy: ScalingPolicy, state: ScalerState, current: int, proposal: int, now: float,
+          busy: int, draining: int) -> tuple[int, str, ScalerState]:
+    """Up at once within the step bound; down only after the delay, to the period's peak."""
     if current > policy.max_replicas or current < policy.min_replicas:
         clamped = min(max(current, policy.min_replicas), policy.max_replicas)
-        return clamped, f"clamp {current} -> {clamped} into [min, max]"
-    if proposal > current:
+        return clamped, f"clamp {current} -> {clamped} into [min, max]", replace(
+            state, below_since=None, below_peak=None)
+    if proposal >= current:
+        state = replace(state, below_since=None, below_peak=None)
+        if proposal == current:
+            return current, f"keep {current}", state
         step = max(math.ceil(current * policy.max_scale_up_factor), current + 1)
         desired = min(proposal, step)
         bound = f" (step bound {step})" if desired < proposal else ""
-        return desired, f"scale up {current} -> {desired}{bound}"
-    highest = int(max(value for _, value in proposals))
-    if highest < current and draining:
-        return current, f"keep {current}: {draining} pods still draining an earlier scale-down"
-    desired = max(highest, busy, policy.min_replicas)
+        return desired, f"scale up {current} -> {desired}{bound}", state
+    since = now if state.below_since is None else state.below_since
+    peak = proposal if state.below_peak is None else max(state.below_peak, proposal)
+    state = replace(state, below_since=since, below_peak=peak)
+    lower_for = now - since
+    if lower_for < policy.scale_down_delay_seconds:
+        return current, (f"keep {current}: proposals lower for {lower_for:g}s of "
+                         f"{policy.scale_down_delay_seconds:g}s (peak {peak})"), state
+    if draining:
+        return current, f"keep {current}: {draining} pods still draining", state
+    desired = max(peak, busy, policy.min_replicas)
     if desired >= current:
-        if highest >= current:
-            return current, f"keep {current} (highest proposal in the last " \
-                            f"{policy.scale_down_delay_seconds:g}s is {highest})"
-        return current, f"keep {current}: {busy} replicas are decoding requests"
-    return desired, (f"scale down {current} -> {desired} (every proposal for "
-                     f"{policy.scale_down_delay_seconds:g}s was <= {highest}, {busy} busy)")
-
-
-def _recent(points: list[Point], now: float, period: float) -> list[Point]:
-    """Points younger than `period`; the newest is always kept (period 0 = this tick only)."""
-    return [(t, v) for t, v in points if t > now - period or t == now]
-
-
-def _busy(sample: PodSample) -> bool:
-    return sample.gauges.get(RUNNING, 0.0) > 0  # type: ignore[union-attr]
+        return current, f"keep {current}: {busy} replicas are decoding requests", state
+    return desired, (f"scale down {current} -> {desired} (every proposal for {lower_for:g}s "
+                     f"was <= {peak}, {busy} decoding)"), replace(state, below_since=None,
+                                                                  below_peak=None)

@@ -2,45 +2,74 @@
 
 Kept in the InferenceService's status rather than in memory so an operator restart (or a new
 leader) continues the same averaging window and scale-down clock instead of starting blind.
+The scale-down period is two numbers (since when, highest proposal since) rather than a list
+of proposals, so a long delay with a short interval still fits in a status object.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Mapping
 
-Point = tuple[float, float]  # (unix time in seconds, value)
+
+@dataclass(frozen=True)
+class Reading:
+    """The metric summed over the pods of one tick."""
+
+    time: float  # unix seconds
+    value: float
+    pods: int  # pods scraped successfully
 
 
 @dataclass(frozen=True)
 class ScalerState:
-    """Recent load sums (the averaging window) and recent proposals (the scale-down period)."""
+    """The averaging window and the scale-down clock."""
 
-    loads: tuple[Point, ...] = ()
-    proposals: tuple[Point, ...] = ()
-    replicas: int | None = None  # spec.replicas seen at the last tick; a change means someone scaled
+    readings: tuple[Reading, ...] = ()
+    below_since: float | None = None  # proposals have stayed below the replicas since then...
+    below_peak: int | None = None  # ...and this was the highest of them: where scale-down goes
+    replicas: int | None = None  # spec.replicas at the last tick; a change means someone scaled
 
     def to_status(self) -> dict[str, Any]:
-        return {"window": [list(point) for point in self.loads],
-                "proposals": [list(point) for point in self.proposals],
-                "observedReplicas": self.replicas}
+        """camelCase fields of `status.autoscaler`; None clears a field in a merge patch."""
+        return {"samples": [{"time": _rfc3339(r.time), "value": r.value, "pods": r.pods}
+                            for r in self.readings],
+                "belowSince": None if self.below_since is None else _rfc3339(self.below_since),
+                "belowPeak": self.below_peak, "observedReplicas": self.replicas}
 
     @classmethod
     def from_status(cls, saved: Mapping[str, Any] | None) -> ScalerState:
-        """Restore from status; anything missing or malformed restarts that part empty."""
-        if not saved:
+        """Restore; a missing or malformed part restarts empty, which only delays a scale-down."""
+        if not isinstance(saved, Mapping):
             return cls()
-        return cls(loads=_points(saved.get("window")), proposals=_points(saved.get("proposals")),
-                   replicas=_int_or_none(saved.get("observedReplicas")))
+        readings = tuple(r for r in map(_reading, saved.get("samples") or []) if r is not None)
+        below_since, below_peak = _time(saved.get("belowSince")), _count(saved.get("belowPeak"))
+        if below_since is None or below_peak is None:
+            below_since = below_peak = None
+        return cls(readings, below_since, below_peak, _count(saved.get("observedReplicas")))
 
 
-def _points(raw: Any) -> tuple[Point, ...]:
-    if not isinstance(raw, list):
-        return ()
-    return tuple((float(item[0]), float(item[1])) for item in raw
-                 if isinstance(item, (list, tuple)) and len(item) == 2
-                 and all(isinstance(x, (int, float)) for x in item))
+def _rfc3339(unix: float) -> str:
+    moment = datetime.fromtimestamp(unix, timezone.utc)
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-def _int_or_none(raw: Any) -> int | None:
-    return raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+def _time(raw: Any) -> float | None:
+    try:
+        return datetime.fromisoformat(str(raw).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _count(raw: Any) -> int | None:
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
+
+
+def _reading(raw: Any) -> Reading | None:
+    if not isinstance(raw, Mapping):
+        return None
+    moment, value, pods = _time(raw.get("time")), raw.get("value"), _count(raw.get("pods"))
+    if moment is None or pods is None or not isinstance(value, (int, float)):
+        return None
+    return Reading(moment, float(value), pods)
