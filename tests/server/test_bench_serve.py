@@ -1,0 +1,108 @@
+"""`kubeinfer bench serve` against a scripted OpenAI endpoint on 127.0.0.1 (a test double
+for the load generator only: the real server is tested against the real engine)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kubeinfer.server.bench import serve as bench_serve
+from kubeinfer.server.bench.serve_datasets import DatasetConfig, build_dataset
+
+
+class ScriptedEndpoint:
+    """Streams `max_tokens` one-word chunks; every `fail_every`-th request gets a 503."""
+
+    def __init__(self, fail_every: int = 0) -> None:
+        self.in_flight = self.max_in_flight = self.requests = 0
+        self.fail_every = fail_every
+        self.bodies: list[dict] = []
+        self.app = FastAPI()
+        self.app.get("/v1/models")(self.models)
+        self.app.post("/v1/completions")(self.completions)
+        self.app.post("/v1/chat/completions")(self.completions)
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
+
+    async def completions(self, request: Request):
+        body = await request.json()
+        self.requests += 1
+        self.bodies.append(body)
+        if self.fail_every and self.requests % self.fail_every == 0:
+            return JSONResponse({"error": {"message": "queue full"}}, status_code=503)
+        return StreamingResponse(self._stream(body), media_type="text/event-stream")
+
+    async def _stream(self, body: dict):
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            chat = "messages" in body
+            for _ in range(body["max_tokens"]):
+                await asyncio.sleep(0.002)
+                choice = {"index": 0, "delta": {"content": " w"}} if chat else {"index": 0, "text": " w"}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"], "total_tokens": 0}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+
+
+def _bench(url: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "bench.json"
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    code = bench_serve.run(parser.parse_args(["--base-url", url, "--num-prompts", "12", "--output-len", "5",
+                 "--input-len", "8", "--warmup", "1", "--no-progress", "--json", str(out), *extra]))
+    result = json.loads(out.read_text())
+    result["exit_code"] = code
+    return result
+
+
+def test_sweep_reports_every_level_and_respects_concurrency(live_server, tmp_path: Path) -> None:
+    endpoint = ScriptedEndpoint()
+    with live_server(endpoint.app) as url:
+        result = _bench(url, tmp_path, "--concurrency", "1,3")
+    assert result["exit_code"] == 0
+    assert [level["concurrency"] for level in result["levels"]] == [1, 3]
+    for level in result["levels"]:
+        assert level["completed"] == 12 and level["errors"] == 0
+        assert level["output_tokens"] == 12 * 5 and level["prompt_tokens"] == 12 * 7
+        assert level["output_throughput"] > 0 and level["ttft_ms"]["p50"] <= level["e2e_ms"]["p99"]
+        assert level["itl_ms"]["p50"] > 0 and level["tpot_ms"]["p99"] > 0
+    assert endpoint.max_in_flight == 3
+    body = endpoint.bodies[-1]
+    assert body["model"] == "scripted" and body["ignore_eos"] is True and body["stream"] is True
+    assert len(body["prompt"]) == 8 and all(isinstance(t, int) for t in body["prompt"])
+
+
+def test_errors_are_counted_not_fatal(live_server, tmp_path: Path) -> None:
+    endpoint = ScriptedEndpoint(fail_every=4)
+    with live_server(endpoint.app) as url:
+        result = _bench(url, tmp_path, "--concurrency", "2", "--warmup", "0")
+    level = result["levels"][0]
+    assert level["completed"] == 9 and level["errors"] == 3
+    assert any("HTTP 503" in sample for sample in level["error_samples"])
+
+
+def test_poisson_rate_and_chat_dataset(live_server, tmp_path: Path) -> None:
+    endpoint = ScriptedEndpoint()
+    with live_server(endpoint.app) as url:
+        result = _bench(url, tmp_path, "--dataset", "chat", "--concurrency", "4", "--request-rate", "200")
+    assert result["levels"][0]["completed"] == 12
+    assert "messages" in endpoint.bodies[-1]
+
+
+def test_shared_prefix_groups_share_their_prefix() -> None:
+    requests = build_dataset(DatasetConfig(name="shared-prefix", num_prompts=6, num_groups=2,
+                                           prefix_len=16, input_len=4))
+    prefixes = {tuple(r.prompt[:16]) for r in requests}
+    assert len(requests) == 6 and len(prefixes) == 2
+    assert all(len(r.prompt) == 20 for r in requests)
+    assert len({tuple(r.prompt) for r in requests}) == 6
