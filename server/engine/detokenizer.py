@@ -30,8 +30,9 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text (cut at a stop string)
         self.num_sent_chars = 0
 
-    def add_token(self, token_id: int) -> str | None:
-        """Decode one more token; returns the stop string it completed, if any."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Decode one more token; returns the stop string it completed, if any (stop strings
+        are not looked for while `check_stop` is False, e.g. before min_tokens)."""
         self.ids.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
@@ -41,7 +42,7 @@ class IncrementalDetokenizer:
         searched_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
         self.text += full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._cut_at_stop(searched_from)
+        return self._cut_at_stop(searched_from) if check_stop else None
 
     def _cut_at_stop(self, start: int) -> str | None:
         found: tuple[int, str] | None = None

@@ -1,0 +1,175 @@
+"""The engine behind the HTTP server: an engine loop in its own thread, asyncio in front.
+
+Requests and aborts cross into the loop thread through a thread-safe queue and are applied
+between steps; outputs cross back with `loop.call_soon_threadsafe`. Torch releases the GIL
+in its kernels, so the event loop keeps serving while a step runs, and vice versa.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import InvalidRequestError, SamplingParams
+from .sequence import Request
+from .stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+STALL_SECONDS = 300.0  # a loop with work that has not finished a step for this long is stuck
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every in-flight request gets this error."""
+
+
+@dataclasses.dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[RequestOutput | BaseException]"
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.max_model_len = engine.max_model_len
+        self.served_model_name = engine.served_model_name
+        self.generation_defaults = engine.generation_defaults
+        self._inbox: "queue.SimpleQueue[tuple[str, Request | str]]" = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _snapshot and _num_pending_adds
+        self._num_pending_adds = 0
+        self._snapshot = engine.stats()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._busy_since: float | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="kubeinfer-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    # -- the asyncio side ---------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request; leaving the iteration early aborts it."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._error!r}")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use.")
+        request = self.engine.make_request(request_id, prompt, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        with self._lock:
+            self._num_pending_adds += 1
+        self._inbox.put(("add", request))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return dataclasses.replace(
+                self._snapshot, num_waiting=self._snapshot.num_waiting + self._num_pending_adds)
+
+    def is_alive(self) -> bool:
+        if self._error is not None or not self._thread.is_alive():
+            return False
+        busy_since = self._busy_since
+        if busy_since is None:
+            return True
+        last_progress = max(busy_since, self._snapshot.last_step_time)
+        return time.monotonic() - last_progress < STALL_SECONDS
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._busy_since = None
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                if self._busy_since is None:
+                    self._busy_since = time.monotonic()
+                outputs = self.engine.step()
+                self._publish_stats()
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+        except BaseException as error:  # noqa: BLE001 - every waiter must hear about it
+            log.exception("engine loop failed")
+            self._error = error
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"the engine loop failed: {error!r}"))
+        finally:
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+            self._publish_stats()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                assert isinstance(payload, Request)
+                with self._lock:
+                    self._num_pending_adds -= 1
+                if payload.request_id in self._streams:  # not already abandoned
+                    self.engine.add_request(payload.request_id, payload)
+            else:
+                assert isinstance(payload, str)
+                final = self.engine.abort_request(payload)
+                if final is not None:
+                    self._deliver(payload, final)
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        snapshot = self.engine.stats()
+        with self._lock:
+            self._snapshot = snapshot
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

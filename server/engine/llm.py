@@ -1,0 +1,55 @@
+"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "embedded", **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Sequence[str] | Sequence[list[int]] | str,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        All prompts are validated before any is queued, so a bad one leaves nothing behind.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        requests = [self.engine.make_request(str(next(self._ids)), prompt, p)
+                    for prompt, p in zip(prompts, params)]
+        order = {request.request_id: i for i, request in enumerate(requests)}
+        for request in requests:
+            self.engine.add_request(request.request_id, request)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        progress = _progress(len(requests)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    results[order[output.request_id]] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

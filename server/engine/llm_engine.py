@@ -1,0 +1,222 @@
+"""The synchronous engine: validate requests, then step = schedule -> run -> sample -> update.
+
+Single-threaded by design; `AsyncEngine` drives it from its own thread and `LLM` from a loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .outputs import CompletionOutput, RequestOutput
+from .sampler import Sampler, to_logprob_dict
+from .sampling_params import InvalidRequestError, SamplingParams
+from .scheduler import Scheduler
+from .sequence import Request, Sequence, SequenceStatus
+from .stats import EngineStats
+
+if TYPE_CHECKING:
+    from ..model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: "LoadedModel | None" = None) -> None:
+        from ..model.loader import load_model
+        from .model_runner import ModelRunner
+
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_config = self.loaded.config
+        self.generation_defaults = dict(self.loaded.generation_defaults)
+        self.served_model_name = config.served_model_name or self.loaded.name
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.model_config.eos_token_ids
+        self.runner = ModelRunner(self.loaded, config)
+        self.max_model_len = self._max_model_len(config, self.runner.num_blocks)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed, self.loaded.device)
+        self.requests: dict[str, Request] = {}
+        self.counters = EngineStats(num_blocks_total=self.runner.num_blocks)
+
+    def _max_model_len(self, config: EngineConfig, num_blocks: int) -> int:
+        model_max = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({model_max})")
+        wanted = config.max_model_len or model_max
+        capacity = num_blocks * config.block_size
+        if wanted > capacity:  # a longer request could never fit, even alone
+            log.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more",
+                        wanted, capacity)
+        return min(wanted, capacity)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams
+                     ) -> Request:
+        """Validate and tokenize; raises InvalidRequestError with a client-facing message."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use.")
+        params = params.with_defaults(self.generation_defaults)
+        params.validate()
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token id {bad[0]} is out of vocabulary "
+                                          f"(size {self.model_config.vocab_size}).")
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty.")
+        limit, length = self.max_model_len, len(prompt_ids)
+        if length >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {length} input tokens, leaving no room for output. Please shorten it.")
+        if params.max_tokens is not None and length + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context "
+                f"length is {limit} tokens and your request has {length} input tokens "
+                f"({params.max_tokens} > {limit} - {length}).")
+        for token in params.stop_token_ids:
+            if not 0 <= token < self.model_config.vocab_size:
+                raise InvalidRequestError(f"stop_token_ids contains {token}, which is not a token "
+                                          f"of this model (vocabulary size "
+                                          f"{self.model_config.vocab_size}).")
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids, limit)
+        for seq in request.seqs:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                params.include_stop_str_in_output)
+        return request
+
+    def add_request(self, request_id: str, prompt: str | list[int] | Request,
+                    params: SamplingParams | None = None) -> Request:
+        request = prompt if isinstance(prompt, Request) else self.make_request(
+            request_id, prompt, params or SamplingParams())
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None if unknown)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.aborted = True
+        for seq in request.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.finish_reason = "abort"
+                self._retire(seq)
+        request.metrics.finished_time = time.monotonic()
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits, seqs = self.runner.run(out)
+        sampled = self.sampler(logits, seqs) if logits is not None else None
+        self.scheduler.update(out)
+        touched: dict[str, Request] = {}
+        if sampled is not None:
+            now = time.monotonic()
+            for seq, token, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
+                self._append_token(seq, token, logprobs, now)
+                touched[seq.request.request_id] = seq.request
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = time.monotonic()
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._output(request))
+        end = time.monotonic()
+        c = self.counters
+        c.num_steps += 1
+        c.last_step_seconds, c.last_step_time = end - start, end
+        c.last_step_tokens, c.last_step_seqs = out.num_tokens, len(out.scheduled)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: tuple | None, now: float
+                      ) -> None:
+        request, params = seq.request, seq.params
+        seq.token_ids.append(token)
+        self.counters.generation_tokens += 1
+        if seq.num_output_tokens == 1 and seq.index == 0:
+            self.counters.prompt_tokens += seq.num_prompt_tokens
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(to_logprob_dict(logprobs, token, self._decode_one))
+        detok = seq.detokenizer
+        assert detok is not None
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            seq.finish_reason = "stop"
+            seq.stop_reason = token if token in params.stop_token_ids else None
+            if params.include_stop_str_in_output:
+                detok.add_token(token, check_stop=False)
+        else:
+            stop = detok.add_token(token, check_stop=seq.num_output_tokens >= params.min_tokens)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        if seq.finish_reason is None and (
+                seq.num_tokens >= request.max_total_tokens):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.sampler.forget(seq)
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            finished = seq.status is SequenceStatus.FINISHED
+            assert seq.detokenizer is not None
+            delta_text = seq.detokenizer.take_delta(finished)
+            output_ids = seq.output_token_ids
+            completions.append(CompletionOutput(
+                index=seq.index, text=seq.detokenizer.sent_text, token_ids=output_ids,
+                delta_text=delta_text, delta_token_ids=output_ids[seq.num_sent_tokens:],
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            seq.num_sent_tokens = len(output_ids)
+        return RequestOutput(request.request_id, request.prompt_token_ids,
+                             request.num_cached_tokens, completions, request.finished,
+                             request.metrics)
+
+    def stats(self) -> EngineStats:
+        c, kv = self.counters, self.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + sum(
+                1 for r in self.requests.values()
+                for s in r.seqs if s.status is SequenceStatus.FORK_PENDING),
+            kv_cache_usage=kv.num_used_blocks / kv.pool.num_blocks,
+            num_blocks_total=kv.pool.num_blocks, num_blocks_free=kv.pool.num_free,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens,
+            num_steps=c.num_steps, last_step_seconds=c.last_step_seconds,
+            last_step_tokens=c.last_step_tokens, last_step_seqs=c.last_step_seqs,
+            last_step_time=c.last_step_time)

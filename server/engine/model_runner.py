@@ -1,0 +1,105 @@
+"""Owns the model and its paged KV cache; turns a scheduler step into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..model.forward_batch import ForwardBatch
+from .config import EngineConfig
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from ..model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, loaded: "LoadedModel", config: EngineConfig) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        mc = loaded.config
+        shape = (config.block_size, mc.num_key_value_heads, mc.head_dim)
+        bytes_per_block = 2 * mc.num_hidden_layers * int(np.prod(shape)) * self.dtype.itemsize
+        budget = self._kv_cache_budget(config)
+        self.num_blocks = budget // bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(f"KV-cache budget of {budget} bytes holds no block of "
+                             f"{bytes_per_block} bytes; raise --kv-cache-memory")
+        self.kv_caches = [
+            (torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device),
+             torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_hidden_layers)]
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", self.num_blocks,
+                 config.block_size, self.num_blocks * bytes_per_block / 2**30,
+                 self.num_blocks * config.block_size)
+
+    def _kv_cache_budget(self, config: EngineConfig) -> int:
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * config.gpu_memory_utilization)
+        return CPU_DEFAULT_KV_CACHE_BYTES
+
+    def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Sequence], list[int]]:
+        """Flatten the step into tensors (numpy, once per step); also return the sequences that
+        sample and, for each, its row among the computed logits (n>1 siblings share a row)."""
+        items = out.scheduled
+        query_lens = [item.num_new_tokens for item in items]
+        starts = [item.seq.num_computed_tokens for item in items]
+        input_ids: list[int] = []
+        for item, start, count in zip(items, starts, query_lens):
+            input_ids += item.seq.token_ids[start:start + count]
+        tables = [item.seq.block_table for item in items]
+        width = max(len(table) for table in tables)
+        block_tables = np.array([table + [0] * (width - len(table)) for table in tables],
+                                dtype=np.int32)
+        query_start = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        seq_lens = np.add(starts, query_lens)
+        seq_index = np.repeat(np.arange(len(items)), query_lens)
+        positions = np.arange(query_start[-1]) - query_start[seq_index] + np.asarray(starts)[seq_index]
+        slots = (block_tables[seq_index, positions // self.block_size].astype(np.int64)
+                 * self.block_size + positions % self.block_size)
+        sampling = [i for i, item in enumerate(items) if item.samples]
+        row_of = {i: row for row, i in enumerate(sampling)}
+        seqs = [items[i].seq for i in sampling] + [sibling for sibling, _ in out.forks]
+        rows = list(range(len(sampling))) + [row_of[parent] for _, parent in out.forks]
+        batch = ForwardBatch(
+            input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64)),
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(block_tables),
+            query_start_loc=self._tensor(query_start.astype(np.int32)),
+            seq_lens=self._tensor(seq_lens.astype(np.int32)),
+            logits_indices=self._tensor(query_start[1:][sampling] - 1),
+            max_query_len=max(query_lens),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return batch, seqs, rows
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """One forward pass; float32 logits, one row per sampling sequence (None if none sample)."""
+        batch, seqs, rows = self.prepare(out)
+        logits = self.model(batch, self.kv_caches)
+        if not seqs:
+            return None, seqs
+        if rows != list(range(len(rows))):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        return logits, seqs

@@ -1,0 +1,99 @@
+"""Sampler: batch-wide greedy/random sampling, penalties, masks, seeds and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kubeinfer.server.engine.sampler import Sampler
+from kubeinfer.server.engine.sampling_params import SamplingParams
+from kubeinfer.server.engine.sequence import Request, Sequence
+
+EOS = 3
+
+
+def _seqs(*params: SamplingParams, prompt: list[int] | None = None) -> list[Sequence]:
+    return [Request(str(i), prompt or [0, 1], p, frozenset({EOS}), 1024).seqs[0]
+            for i, p in enumerate(params)]
+
+
+def test_greedy_is_argmax_per_row():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    out = Sampler(0, torch.device("cpu"))(logits, _seqs(*[SamplingParams(temperature=0)] * 5))
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_mixed_batch_samples_from_the_softmax():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]]))
+    rows = 4000
+    params = [SamplingParams(temperature=1.0)] * rows + [SamplingParams(temperature=0)]
+    out = Sampler(1, torch.device("cpu"))(logits.expand(rows + 1, 4), _seqs(*params))
+    counts = torch.bincount(torch.tensor(out.token_ids[:rows]), minlength=4).float() / rows
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.03)
+    assert out.token_ids[-1] == 0
+
+
+def test_top_k_top_p_min_p_restrict_the_choice():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).expand(3000, 4)
+    sampler = Sampler(2, torch.device("cpu"))
+    for params, allowed in [(SamplingParams(top_k=2), {0, 1}),
+                            (SamplingParams(top_p=0.6), {0, 1}),
+                            (SamplingParams(top_p=0.3), {0}),
+                            (SamplingParams(min_p=0.6), {0, 1})]:
+        out = sampler(logits, _seqs(*[params] * 3000))
+        assert set(out.token_ids) == allowed, params
+
+
+def test_seeded_requests_replay_whatever_the_batch():
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(3))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+
+    def draws(batch_noise: int) -> list[int]:
+        sampler = Sampler(batch_noise, torch.device("cpu"))
+        seq = _seqs(seeded)[0]
+        others = _seqs(*[SamplingParams(temperature=1.0)] * batch_noise)
+        tokens = []
+        for _ in range(20):
+            batch = others + [seq]
+            out = sampler(logits.expand(len(batch), 100), batch)
+            tokens.append(out.token_ids[-1])
+        return tokens
+
+    assert draws(0) == draws(7) and len(set(draws(0))) > 1
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.zeros(2, 8)
+    logits[:, EOS] = 10.0
+    logits[:, 5] = 9.0
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5])
+    out = Sampler(0, torch.device("cpu"))(logits, _seqs(params, SamplingParams(temperature=0)))
+    assert out.token_ids[0] not in (EOS, 5) and out.token_ids[1] == EOS
+
+
+def test_penalties_push_repeated_tokens_down():
+    logits = torch.tensor([[2.0, 1.9, 1.8, 0.0]])
+    sampler = Sampler(0, torch.device("cpu"))
+    rep = _seqs(SamplingParams(temperature=0, repetition_penalty=1.2), prompt=[0, 2])
+    assert sampler(logits, rep).token_ids == [1]  # 2.0/1.2 < 1.9; 1.8/1.2 too
+    freq = _seqs(SamplingParams(temperature=0, frequency_penalty=0.1), prompt=[0])
+    freq[0].token_ids += [0, 0]  # generated token 0 twice: 2.0 - 0.2 < 1.9
+    assert sampler(logits, freq).token_ids == [1]
+    pres = _seqs(SamplingParams(temperature=0, presence_penalty=0.05), prompt=[5, 1, 1])
+    pres[0].token_ids += [0]  # only output tokens count: 2.0 - 0.05 > 1.9
+    assert sampler(logits, pres).token_ids == [0]
+
+
+def test_logprobs_are_raw_log_softmax_with_the_sampled_token():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.5, logprobs=3, seed=1), SamplingParams(temperature=0)]
+    out = Sampler(0, torch.device("cpu"))(logits, _seqs(*params))
+    ids, values, sampled_lp, rank = out.logprobs[0]
+    reference = logits[0].log_softmax(-1)
+    assert ids == reference.topk(3).indices.tolist()
+    assert all(math.isclose(v, r, abs_tol=1e-5) for v, r in zip(values, reference.topk(3).values))
+    token = out.token_ids[0]
+    assert math.isclose(sampled_lp, float(reference[token]), abs_tol=1e-5)
+    assert rank == int((reference > reference[token]).sum()) + 1
+    assert out.logprobs[1] is None
