@@ -1,0 +1,29 @@
+"""Names of the InferenceService API and of what the operator stamps on its children.
+
+One home for the strings the CRD generator, the builders, the handlers and the Helm chart
+tests share, so a rename cannot leave one of them behind.
+"""
+
+from __future__ import annotations
+
+GROUP = "kubeinfer.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+# `isvc` belongs to KServe; ours must not collide with it on clusters that run both.
+SHORT_NAMES = ("kis", "infsvc")
+CATEGORIES = ("kubeinfer", "all")
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+FIELD_MANAGER = "kubeinfer-operator"
+MANAGED_BY = "kubeinfer-operator"
+INSTANCE_LABEL = "kubeinfer.io/inferenceservice"
+# Room left under the 63-character DNS-1035 label limit for suffixed children (`-gateway`).
+MAX_NAME_LENGTH = 50
+
+HTTP_PORT = 8000
+SERVICE_PORT = 80
+ENGINE_CONTAINER = "engine"
+MODEL_MOUNT = "/models"

@@ -1,0 +1,121 @@
+"""InferenceService → engine Deployment, as a plain dict ready for server-side apply.
+
+Pure: the same input always yields the same object, so re-applying it is a no-op and any
+drift (an edited arg, a deleted Deployment) is undone by applying it again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubeinfer.operator import api
+from kubeinfer.operator.model_source import model_mounts
+from kubeinfer.operator.resource import InferenceService, OperatorConfig
+from kubeinfer.operator.security import restricted_container, restricted_pod
+from kubeinfer.operator.spec import flag
+from kubeinfer.server.flags import ENGINE_FLAGS, to_args
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+PRE_STOP_SECONDS = 5  # lets Service endpoints drop the pod before the server stops accepting
+GRACE_MARGIN_SECONDS = 10
+PROGRESS_DEADLINE_SECONDS = 900
+
+
+def engine_args(isvc: InferenceService, model_path: str, served_name: str | None) -> list[str]:
+    """`kubeinfer serve` arguments, rendered by the shared flag table (defaults are omitted)."""
+    model, engine = isvc.spec.model, isvc.spec.engine
+    values = {"model": model_path, "served_model_name": model.served_name or served_name,
+              "dtype": model.dtype, "device": engine.device, "block_size": engine.block_size,
+              "kv_cache_memory": engine.kv_cache_memory,
+              "gpu_memory_utilization": engine.kv_cache_memory_fraction,
+              "max_num_seqs": engine.max_num_seqs,
+              "max_num_batched_tokens": engine.max_num_batched_tokens,
+              "max_model_len": model.max_model_len,
+              "enable_prefix_caching": engine.prefix_cache.enabled,
+              "tensor_parallel_size": engine.tensor_parallel_size}
+    return ["serve", *to_args(values, ENGINE_FLAGS), *engine.extra_args]
+
+
+def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
+    """Server flags as env vars (named by the flag table); the user's `engine.env` wins."""
+    ours = [("HOME", "/tmp"), (flag("host").env, "0.0.0.0"), (flag("port").env, str(api.HTTP_PORT)),
+            (flag("shutdown_timeout").env, str(isvc.spec.rollout.drain_seconds))]
+    merged: dict[str, dict[str, Any]] = {name: {"name": name, "value": value} for name, value in ours}
+    merged.update({env["name"]: env for env in isvc.spec.engine.env})
+    return list(merged.values())
+
+
+def engine_resources(isvc: InferenceService) -> dict[str, Any]:
+    res = isvc.spec.resources
+    limits: dict[str, Any] = {"memory": str(res.memory)}
+    if isvc.spec.engine.device == "cuda":
+        limits[GPU_RESOURCE] = isvc.spec.engine.tensor_parallel_size
+    return {"requests": {"cpu": str(res.cpu), "memory": str(res.memory)}, "limits": limits}
+
+
+def probes() -> dict[str, Any]:
+    """Startup waits out model loading; readiness gates traffic; liveness catches a hung loop."""
+    def get(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+                "timeoutSeconds": 5, "failureThreshold": failures}
+    return {"startupProbe": get("/health", 5, 360), "readinessProbe": get("/ready", 5, 3),
+            "livenessProbe": get("/health", 10, 6)}
+
+
+def pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    spec = isvc.spec
+    mounts = model_mounts(isvc, spec.engine.image or config.engine_image)
+    volumes = [{"name": "tmp", "emptyDir": {}}, *mounts.volumes]
+    volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts.volume_mounts]
+    if spec.engine.tensor_parallel_size > 1:  # NCCL/ranks exchange tensors through /dev/shm
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        volume_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": api.ENGINE_CONTAINER, "image": spec.engine.image or config.engine_image,
+        "command": ["kubeinfer"], "args": engine_args(isvc, mounts.model_path, mounts.served_name),
+        "env": engine_env(isvc),
+        "ports": [{"name": "http", "containerPort": api.HTTP_PORT, "protocol": "TCP"}],
+        "resources": engine_resources(isvc), **probes(),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
+        "securityContext": restricted_container(), "volumeMounts": volume_mounts,
+    }
+    node_selector = dict(spec.node_selector)
+    tolerations = list(spec.tolerations)
+    if spec.resources.gpu_product:
+        node_selector[GPU_PRODUCT_LABEL] = spec.resources.gpu_product
+    if spec.engine.device == "cuda":  # GPU nodes are commonly tainted for GPU workloads only
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    pod: dict[str, Any] = {
+        # Service links would inject <SERVICE>_PORT variables, e.g. KUBEINFER_PORT for a
+        # Service named "kubeinfer", clashing with the engine's own env-var flags.
+        "enableServiceLinks": False, "automountServiceAccountToken": False,
+        "securityContext": restricted_pod(), "initContainers": mounts.init_containers,
+        "containers": [container], "volumes": volumes,
+        "terminationGracePeriodSeconds":
+            PRE_STOP_SECONDS + spec.rollout.drain_seconds + GRACE_MARGIN_SECONDS,
+        "nodeSelector": node_selector, "tolerations": tolerations,
+    }
+    if spec.affinity:
+        pod["affinity"] = spec.affinity
+    if spec.priority_class_name:
+        pod["priorityClassName"] = spec.priority_class_name
+    return {k: v for k, v in pod.items() if v != [] and v != {}}
+
+
+def deployment(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    """The engine Deployment; replicas come from spec.replicas (the scale subresource)."""
+    rollout = isvc.spec.rollout
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(api.HTTP_PORT),
+                   "prometheus.io/path": "/metrics"}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": isvc.metadata(),
+        "spec": {
+            "replicas": isvc.spec.replicas, "selector": {"matchLabels": isvc.selector_labels},
+            "revisionHistoryLimit": 3, "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}},
+            "template": {"metadata": {"labels": isvc.labels, "annotations": annotations},
+                         "spec": pod_spec(isvc, config)},
+        },
+    }

@@ -1,0 +1,43 @@
+"""Everything an InferenceService owns: Deployment, ClusterIP Service, PodDisruptionBudget.
+
+`desired_children` is the whole answer to "what should exist"; `stale_children` names what
+must go (the PDB once replicas drop to 1 or less, where it would block node drains).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubeinfer.operator import api
+from kubeinfer.operator.build import deployment
+from kubeinfer.operator.resource import InferenceService, OperatorConfig
+
+
+def service(isvc: InferenceService) -> dict[str, Any]:
+    """ClusterIP Service on port 80 in front of the engines' http port."""
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": isvc.metadata(),
+        "spec": {"type": "ClusterIP", "selector": isvc.selector_labels,
+                 "ports": [{"name": "http", "port": api.SERVICE_PORT, "targetPort": "http",
+                            "protocol": "TCP", "appProtocol": "http"}]},
+    }
+
+
+def pod_disruption_budget(isvc: InferenceService) -> dict[str, Any]:
+    """At most one engine evicted at a time, so a drain never takes the whole model down."""
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": isvc.metadata(),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": isvc.selector_labels}},
+    }
+
+
+def desired_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[str, Any]]:
+    children = [deployment(isvc, config), service(isvc)]
+    if isvc.spec.replicas > 1:
+        children.append(pod_disruption_budget(isvc))
+    return children
+
+
+def stale_children(isvc: InferenceService) -> list[tuple[str, str]]:
+    """(kind, name) of children that must not exist for this spec."""
+    return [] if isvc.spec.replicas > 1 else [("PodDisruptionBudget", isvc.name)]

@@ -1,0 +1,91 @@
+"""A small dict-in, dict-out Kubernetes REST client on top of the `kubernetes` package's auth.
+
+Why not the typed APIs: the builders produce plain dicts in the API's own camelCase, and
+server-side apply wants exactly that body; round-tripping through generated model classes
+would only add a translation that can lose fields.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+from kubernetes import client, config
+
+from kubeinfer.operator import api
+
+COLLECTIONS = {
+    "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
+    "Service": "/api/v1/namespaces/{ns}/services",
+    "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+    "Pod": "/api/v1/namespaces/{ns}/pods",
+    api.KIND: f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{{ns}}/{api.PLURAL}",
+}
+TIMEOUT_SECONDS = 30
+
+
+class KubeError(Exception):
+    """A non-2xx answer, carrying the API server's own Status message."""
+
+    def __init__(self, status: int, message: str, reason: str = "") -> None:
+        super().__init__(f"{status} {reason}: {message}".strip())
+        self.status, self.message, self.reason = status, message, reason
+
+
+def load_api_client() -> client.ApiClient:
+    """In-cluster service account first, then $KUBECONFIG / ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class Kube:
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api_client = api_client
+
+    def request(self, method: str, path: str, body: Any = None,
+                query: Iterable[tuple[str, str]] = (),
+                content_type: str = "application/json") -> dict[str, Any] | None:
+        """One call; returns the decoded body, None on 404 for GET/DELETE, else raises KubeError."""
+        method, url, headers, payload, _ = self.api_client.param_serialize(
+            method=method, resource_path=path, query_params=list(query),
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            body=body, auth_settings=["BearerToken"])
+        response = self.api_client.call_api(method, url, headers, payload,
+                                            _request_timeout=TIMEOUT_SECONDS)
+        raw = response.read() or b"{}"
+        data = json.loads(raw) if raw.strip() else {}
+        if response.status == 404 and method in ("GET", "DELETE"):
+            return None
+        if response.status >= 300:
+            raise KubeError(response.status, data.get("message", str(raw[:500])),
+                            data.get("reason", ""))
+        return data
+
+    def path(self, kind: str, namespace: str, name: str | None = None) -> str:
+        base = COLLECTIONS[kind].format(ns=namespace)
+        return f"{base}/{name}" if name else base
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Server-side apply as the operator's field manager; force takes fields back on drift."""
+        meta = obj["metadata"]
+        return self.request("PATCH", self.path(obj["kind"], meta["namespace"], meta["name"]), obj,
+                            query=[("fieldManager", api.FIELD_MANAGER), ("force", "true")],
+                            content_type="application/apply-patch+yaml")
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.request("GET", self.path(kind, namespace, name))
+
+    def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        found = self.request("GET", self.path(kind, namespace), query=[("labelSelector", selector)])
+        return (found or {}).get("items", [])
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.request("DELETE", self.path(kind, namespace, name))
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge-patch the status subresource: fields we do not send stay as they are."""
+        self.request("PATCH", self.path(api.KIND, namespace, name) + "/status",
+                     {"status": status}, content_type="application/merge-patch+json")

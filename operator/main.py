@@ -1,0 +1,93 @@
+"""`kubeinfer operator`: run the InferenceService controller (kopf).
+
+Peering: every replica gets a distinct priority (random unless --priority is given), so kopf
+lets exactly one act and pauses the others until it goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import os
+import random
+
+import kopf
+from prometheus_client import start_http_server
+
+from kubeinfer.operator import api
+from kubeinfer.operator.handlers import register
+from kubeinfer.operator.kube import Kube, KubeError, load_api_client
+from kubeinfer.operator.reconcile import Reconciler
+from kubeinfer.operator.resource import OperatorConfig
+
+PEERING_PATHS = {"cluster": "/apis/kopf.dev/v1/clusterkopfpeerings",
+                 "namespaced": "/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings"}
+
+
+def default_engine_image() -> str:
+    return f"kubeinfer/kubeinfer:{importlib.metadata.version('kubeinfer')}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[],
+                       help="Watch only this namespace (repeatable).")
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="Watch the whole cluster (the default when no --namespace is given).")
+    parser.add_argument("--engine-image", default=os.environ.get("KUBEINFER_ENGINE_IMAGE",
+                                                                 default_engine_image()),
+                        help="Image of engine pods whose spec.engine.image is unset "
+                             "[env KUBEINFER_ENGINE_IMAGE].")
+    parser.add_argument("--cluster-domain", default="cluster.local",
+                        help="DNS suffix used in status.url.")
+    parser.add_argument("--drift-interval", type=float, default=60.0,
+                        help="Seconds between full re-applies of each InferenceService.")
+    parser.add_argument("--health-port", type=int, default=8080,
+                        help="Liveness endpoint port (GET /healthz).")
+    parser.add_argument("--metrics-port", type=int, default=8081,
+                        help="Prometheus metrics port (0 disables).")
+    parser.add_argument("--peering-name", default="kubeinfer",
+                        help="kopf peering object shared by the operator's replicas.")
+    parser.add_argument("--standalone", action="store_true",
+                        help="No peering (a single replica; no kopf.dev CRDs needed).")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="Peering priority (default: random, so replicas never tie).")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def ensure_peering(kube: Kube, name: str, namespaces: list[str]) -> None:
+    """Create the peering object(s) kopf heartbeats into; an existing one is fine."""
+    targets = [(PEERING_PATHS["namespaced"].format(ns=ns), "KopfPeering", ns) for ns in namespaces] \
+        or [(PEERING_PATHS["cluster"], "ClusterKopfPeering", None)]
+    for path, kind, ns in targets:
+        meta = {"name": name, **({"namespace": ns} if ns else {})}
+        try:
+            kube.request("POST", path, {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": meta})
+        except KubeError as exc:
+            if exc.status == 404:
+                raise SystemExit(f"kopf peering CRDs are missing ({kind}): install the chart with "
+                                 "crds.install=true, or run with --standalone") from exc
+            if exc.status != 409:
+                raise
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kube = Kube(load_api_client())
+    config = OperatorConfig(engine_image=args.engine_image, cluster_domain=args.cluster_domain)
+    registry = kopf.OperatorRegistry()
+    register(registry, Reconciler(kube, config), drift_seconds=args.drift_interval)
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    if not args.standalone:
+        ensure_peering(kube, args.peering_name, args.namespace)
+    priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
+    logging.getLogger(__name__).info("watching %s for %s.%s (engine image %s, priority %d)",
+                                     ",".join(args.namespace) or "all namespaces", api.PLURAL,
+                                     api.GROUP, args.engine_image, priority)
+    kopf.run(registry=registry, clusterwide=not args.namespace, namespaces=args.namespace,
+             standalone=args.standalone, priority=priority, peering_name=args.peering_name,
+             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz")
+    return 0

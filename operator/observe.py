@@ -1,0 +1,121 @@
+"""Observed Deployment + pods → InferenceService status and conditions (pure).
+
+Ready means "at least one engine answers"; Progressing means "a rollout is in flight";
+Degraded means "something needs a human" — a scheduler refusal, a crash loop, an image pull
+failure, a rejected apply — and its message says why in the cluster's own words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kubeinfer.operator.resource import InferenceService, OperatorConfig
+from kubeinfer.operator.status import Condition, InferenceServiceStatus
+
+STUCK_WAITING_REASONS = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull",
+                         "CreateContainerConfigError", "CreateContainerError", "InvalidImageName"}
+MAX_MESSAGE = 1000
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the handlers read from the API for one InferenceService."""
+
+    deployment: dict[str, Any] | None
+    pods: list[dict[str, Any]]
+    applied_generation: int | None  # the spec generation whose children were applied
+    error: str | None = None  # why applying failed, if it did
+
+
+def pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(reason, message) for pods stuck in a way that waiting will not fix."""
+    problems: list[tuple[str, str]] = []
+    for pod in pods:
+        name, status = pod["metadata"]["name"], pod.get("status") or {}
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                    and cond.get("reason") == "Unschedulable":
+                problems.append(("Unschedulable", f"pod {name} cannot be scheduled: "
+                                                  f"{cond.get('message', '')}".strip()))
+        for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_WAITING_REASONS:
+                last = ((cs.get("lastState") or {}).get("terminated") or {})
+                detail = waiting.get("message") or last.get("message") or \
+                    (f"exit code {last['exitCode']}" if "exitCode" in last else "")
+                problems.append((waiting["reason"], f"pod {name} container {cs['name']}: "
+                                                    f"{waiting['reason']} {detail}".strip()))
+    return problems
+
+
+def deployment_problems(deployment: dict[str, Any]) -> list[tuple[str, str]]:
+    problems = []
+    for cond in (deployment.get("status") or {}).get("conditions") or []:
+        failed = (cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded") \
+            or (cond.get("type") == "ReplicaFailure" and cond.get("status") == "True")
+        if failed:
+            problems.append((cond.get("reason") or cond["type"], cond.get("message", "")))
+    return problems
+
+
+def rollout_in_flight(deployment: dict[str, Any], desired: int) -> bool:
+    status = deployment.get("status") or {}
+    caught_up = status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+    updated = status.get("updatedReplicas", 0)
+    return not caught_up or updated < desired or status.get("replicas", 0) > updated \
+        or status.get("availableReplicas", 0) < desired
+
+
+def conditions(isvc: InferenceService, seen: Observed, ready: int) -> list[tuple[str, bool, str, str]]:
+    """(type, status, reason, message) for Ready, Progressing and Degraded."""
+    desired, scaling = isvc.spec.replicas, isvc.spec.autoscaling
+    problems = ([("ReconcileError", seen.error)] if seen.error else []) + pod_problems(seen.pods)
+    if seen.deployment is not None:
+        problems += deployment_problems(seen.deployment)
+    problem_text = "; ".join(dict.fromkeys(m for _, m in problems))[:MAX_MESSAGE]
+    if desired == 0:
+        idle_ok = scaling.enabled and scaling.min_replicas == 0
+        ready_c = (idle_ok, "ScaledToZero", "no replicas while idle; a request scales it up"
+                   if idle_ok else "spec.replicas is 0")
+    elif ready > 0:
+        ready_c = (True, "Available", f"{ready}/{desired} replicas ready")
+    else:
+        reason = problems[0][0] if problems else "ReplicasNotReady"
+        ready_c = (False, reason, f"0/{desired} replicas ready" +
+                   (f": {problem_text}" if problem_text else ""))
+    if seen.deployment is None:
+        progressing = (True, "Creating", "creating the engine Deployment")
+    elif any(r == "ProgressDeadlineExceeded" for r, _ in problems):
+        progressing = (False, "ProgressDeadlineExceeded", problem_text)
+    elif seen.applied_generation != isvc.generation or rollout_in_flight(seen.deployment, desired):
+        updated = (seen.deployment.get("status") or {}).get("updatedReplicas", 0)
+        progressing = (True, "RollingOut", f"{updated}/{desired} replicas updated, {ready} ready")
+    else:
+        progressing = (False, "RolloutComplete", f"{desired} replicas on the current spec")
+    degraded = (True, problems[0][0], problem_text) if problems else \
+        (False, "AsExpected", "no problems observed")
+    return [("Ready", *ready_c), ("Progressing", *progressing), ("Degraded", *degraded)]
+
+
+def observe(isvc: InferenceService, seen: Observed, config: OperatorConfig,
+            previous: InferenceServiceStatus, now: datetime) -> InferenceServiceStatus:
+    """The status to write; a condition keeps its lastTransitionTime while its status holds."""
+    dep_status = (seen.deployment or {}).get("status") or {}
+    ready = dep_status.get("readyReplicas", 0)
+    before = {c.type: c for c in previous.conditions}
+    new_conditions = []
+    for type_, ok, reason, message in conditions(isvc, seen, ready):
+        status = "True" if ok else "False"
+        old = before.get(type_)
+        since = old.last_transition_time if old and old.status == status else now
+        new_conditions.append(Condition(type=type_, status=status, reason=reason, message=message,
+                                        observed_generation=seen.applied_generation,
+                                        last_transition_time=since))
+    return previous.model_copy(update={
+        "observed_generation": seen.applied_generation, "conditions": new_conditions,
+        "replicas": dep_status.get("replicas", 0), "ready_replicas": ready,
+        "updated_replicas": dep_status.get("updatedReplicas", 0),
+        "desired_replicas": isvc.spec.replicas, "replica_summary": f"{ready}/{isvc.spec.replicas}",
+        "selector": isvc.selector, "url": isvc.url(config)})

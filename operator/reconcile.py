@@ -1,0 +1,103 @@
+"""One idempotent reconcile: apply the desired children, observe them, write status.
+
+Every kopf handler (create, update, resume, the drift timer, child events) ends up here, so
+there is one code path to test. Calls for the same InferenceService are serialized; calls for
+different ones run in parallel in kopf's thread pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from pydantic import ValidationError
+
+from kubeinfer.operator import api
+from kubeinfer.operator.children import desired_children, stale_children
+from kubeinfer.operator.events import Event, transition_events
+from kubeinfer.operator.kube import Kube, KubeError
+from kubeinfer.operator.metrics import RECONCILE_SECONDS, RECONCILES
+from kubeinfer.operator.observe import Observed, observe
+from kubeinfer.operator.resource import InferenceService, OperatorConfig
+from kubeinfer.operator.status import Condition, InferenceServiceStatus
+
+
+def spec_error(error: ValidationError) -> str:
+    """A schema-valid but model-invalid spec, phrased with the API's camelCase paths."""
+    return "; ".join(f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                     for e in error.errors())
+
+
+def previous_status(body: Mapping[str, Any]) -> InferenceServiceStatus:
+    """The status as last written; an unreadable one restarts empty rather than wedging us."""
+    try:
+        return InferenceServiceStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        return InferenceServiceStatus()
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+        self.kube, self.config = kube, config
+        self._locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+
+    def reconcile(self, body: Mapping[str, Any], trigger: str, apply: bool = True) -> list[Event]:
+        """Bring one InferenceService's children and status in line; returns Events to post."""
+        meta = body["metadata"]
+        started = time.monotonic()
+        with self._locks[(meta["namespace"], meta["name"])]:
+            try:
+                events = self._reconcile(body, apply)
+            except Exception:
+                RECONCILES.labels(trigger, "error").inc()
+                raise
+            finally:
+                RECONCILE_SECONDS.observe(time.monotonic() - started)
+        RECONCILES.labels(trigger, "ok").inc()
+        return events
+
+    def _reconcile(self, body: Mapping[str, Any], apply: bool) -> list[Event]:
+        previous = previous_status(body)
+        applied, error = previous.observed_generation, None
+        try:
+            isvc = InferenceService.from_body(body)
+        except ValidationError as exc:  # the CRD schema let it by, the models did not
+            return self._write_invalid(body, previous, spec_error(exc))
+        if apply:
+            try:
+                for child in desired_children(isvc, self.config):
+                    self.kube.apply(child)
+                for kind, name in stale_children(isvc):
+                    self.kube.delete(kind, isvc.namespace, name)
+                applied = isvc.generation
+            except KubeError as exc:
+                error = f"applying children failed: {exc.message}"
+        seen = Observed(deployment=self.kube.get("Deployment", isvc.namespace, isvc.name),
+                        pods=self.kube.list("Pod", isvc.namespace, isvc.selector),
+                        applied_generation=applied, error=error)
+        status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
+        self._write(isvc.namespace, isvc.name, status)
+        return transition_events(previous.conditions, status.conditions)
+
+    def _write_invalid(self, body: Mapping[str, Any], previous: InferenceServiceStatus,
+                       message: str) -> list[Event]:
+        meta, now = body["metadata"], datetime.now(timezone.utc)
+        degraded = Condition(type="Degraded", status="True", reason="InvalidSpec", message=message,
+                             observed_generation=meta.get("generation"), last_transition_time=now)
+        others = [c for c in previous.conditions if c.type != "Degraded"]
+        status = previous.model_copy(update={"conditions": [*others, degraded]})
+        self._write(meta["namespace"], meta["name"], status)
+        return transition_events(previous.conditions, status.conditions)
+
+    def _write(self, namespace: str, name: str, status: InferenceServiceStatus) -> None:
+        """Only the fields this reconciler owns; the autoscaler's stay as they are."""
+        body = status.model_dump(by_alias=True, mode="json", exclude_none=True,
+                                 exclude={"autoscaler", "last_scale_time"})
+        try:
+            self.kube.patch_status(namespace, name, body)
+        except KubeError as exc:
+            if exc.status != 404:  # 404: deleted meanwhile; its children go with it
+                raise

@@ -1,0 +1,59 @@
+"""The InferenceService as the builders see it: identity plus a validated spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kubeinfer.operator import api
+from kubeinfer.operator.spec import InferenceServiceSpec
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Operator-wide settings the builders need (from `kubeinfer operator` flags)."""
+
+    engine_image: str = "kubeinfer/kubeinfer:latest"
+    cluster_domain: str = "cluster.local"
+
+
+@dataclass(frozen=True)
+class InferenceService:
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: InferenceServiceSpec = field(default_factory=InferenceServiceSpec)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> InferenceService:
+        """Parse a watched object; raises pydantic.ValidationError on a spec the schema let by."""
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
+                   generation=int(meta.get("generation", 1)),
+                   spec=InferenceServiceSpec.model_validate(body.get("spec") or {}))
+
+    @property
+    def selector_labels(self) -> dict[str, str]:
+        """Immutable Deployment selector: never add labels here once released."""
+        return {api.INSTANCE_LABEL: self.name, "app.kubernetes.io/component": "engine"}
+
+    @property
+    def selector(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted(self.selector_labels.items()))
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {**self.selector_labels, "app.kubernetes.io/name": "kubeinfer",
+                "app.kubernetes.io/instance": self.name, "app.kubernetes.io/part-of": "kubeinfer",
+                "app.kubernetes.io/managed-by": api.MANAGED_BY}
+
+    def url(self, config: OperatorConfig) -> str:
+        return f"http://{self.name}.{self.namespace}.svc.{config.cluster_domain}"
+
+    def metadata(self, name: str | None = None) -> dict[str, Any]:
+        """Child metadata: our labels and a controller owner reference for garbage collection."""
+        return {"name": name or self.name, "namespace": self.namespace, "labels": self.labels,
+                "ownerReferences": [{"apiVersion": api.API_VERSION, "kind": api.KIND,
+                                     "name": self.name, "uid": self.uid, "controller": True,
+                                     "blockOwnerDeletion": True}]}

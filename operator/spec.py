@@ -1,0 +1,204 @@
+"""`InferenceService.spec`: pydantic models that are the single source of the API.
+
+`crd.py` turns these models into the CRD's OpenAPI schema (descriptions, defaults, enums,
+bounds and CEL rules all come from here), and the builders read validated instances of them.
+Engine defaults are read from `kubeinfer.server.flags`, so the CRD and `kubeinfer serve` agree.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, Flag
+
+MODEL_SOURCE_PATTERN = (r"^(embedded|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
+                        r"|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+)$")
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
+
+
+def flag(dest: str) -> Flag:
+    """The engine/server flag behind a spec field (KeyError if the flag table lost it)."""
+    return {f.dest: f for f in ENGINE_FLAGS + SERVER_FLAGS}[dest]
+
+
+def rules(*pairs: tuple[str, str]) -> dict[str, Any]:
+    """CEL rules (rule, message) in the CRD's `x-kubernetes-validations` form."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in pairs]}
+
+
+def _match(pattern: str, what: str) -> AfterValidator:
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and not re.match(pattern, value):
+            raise ValueError(f"{value!r} is not {what}")
+        return value
+    return AfterValidator(check)
+
+
+# Quantities and rollout budgets accept `2` as well as `"500m"`, like core Kubernetes fields.
+IntOrString = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
+Quantity = Annotated[int | str, _match(QUANTITY_PATTERN, "a quantity such as 2, 500m or 8Gi"),
+                     WithJsonSchema({"x-kubernetes-int-or-string": True,
+                                     "pattern": QUANTITY_PATTERN})]
+# Core Kubernetes objects we pass through untouched (EnvVar, Toleration, Affinity).
+KubeObject = Annotated[dict[str, Any], WithJsonSchema(
+    {"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+def section(model: type[Section], description: str) -> Any:
+    """A nested object that defaults to `{}`, so the API server fills its own defaults in."""
+    return Field(default_factory=model, description=description,
+                 json_schema_extra={"default": {}})
+
+
+class SecretKeyRef(Section):
+    """A key of a Secret in the InferenceService's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+    key: str = Field("token", min_length=1, max_length=253, description="Key in the Secret.")
+
+
+class ModelSpec(Section):
+    """Which weights to serve and how."""
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("!has(self.tokenSecretRef) || self.source.startsWith('hf://')",
+         "model.tokenSecretRef only applies to hf:// sources")))
+    source: Annotated[str, _match(MODEL_SOURCE_PATTERN, "a model source")] = Field(
+        "embedded", max_length=512,
+        description="'embedded' (SmolLM2-135M-Instruct shipped in the image), "
+                    "'pvc://<claim>/<path>' (a Hugging Face directory or a .gguf file on a "
+                    "PersistentVolumeClaim, mounted read-only) or 'hf://<org>/<name>' "
+                    "(downloaded at pod start; needs internet).",
+        json_schema_extra=rules((f"self.matches(r'{MODEL_SOURCE_PATTERN}')",
+                                 "model.source must be 'embedded', 'pvc://<claim>/<path>' "
+                                 "or 'hf://<org>/<name>'")))
+    token_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret holding a Hugging Face token, for gated hf:// models.")
+    served_name: str | None = Field(None, min_length=1, max_length=128,
+                                    description=flag("served_model_name").help)
+    dtype: Literal[flag("dtype").choices] = Field(  # type: ignore[valid-type]
+        flag("dtype").default, description=flag("dtype").help)
+    max_model_len: int | None = Field(None, ge=16, le=1 << 20,
+                                      description=flag("max_model_len").help)
+
+
+class PrefixCacheSpec(Section):
+    """Radix-tree prefix cache: requests sharing a prompt prefix reuse its KV blocks."""
+
+    enabled: bool = Field(flag("enable_prefix_caching").default,
+                          description=flag("enable_prefix_caching").help)
+
+
+class EngineSpec(Section):
+    """The serving engine each pod runs (`kubeinfer serve`)."""
+
+    image: str | None = Field(None, max_length=512,
+                              description="Engine image (default: the operator's --engine-image).")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="cuda requests tensorParallelSize GPUs per pod; cpu requests none.")
+    tensor_parallel_size: int = Field(
+        flag("tensor_parallel_size").default, ge=1, le=8,
+        description="GPUs per replica, one rank each; must divide the model's attention heads.")
+    block_size: Literal[8, 16, 32, 64, 128] = Field(flag("block_size").default,
+                                                    description=flag("block_size").help)
+    kv_cache_memory_fraction: float = Field(flag("gpu_memory_utilization").default,
+                                            ge=0.05, le=0.99,
+                                            description=flag("gpu_memory_utilization").help)
+    kv_cache_memory: Quantity | None = Field(None, description=flag("kv_cache_memory").help)
+    max_num_seqs: int = Field(flag("max_num_seqs").default, ge=1, le=4096,
+                              description=flag("max_num_seqs").help)
+    max_num_batched_tokens: int = Field(flag("max_num_batched_tokens").default, ge=16,
+                                        le=1 << 20, description=flag("max_num_batched_tokens").help)
+    prefix_cache: PrefixCacheSpec = section(PrefixCacheSpec, PrefixCacheSpec.__doc__ or "")
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=64,
+        description="Extra `kubeinfer serve` arguments, appended after the generated ones.")
+    env: list[KubeObject] = Field(default_factory=list, max_length=64,
+                                  description="Extra environment variables (core EnvVar objects).")
+
+
+class ResourcesSpec(Section):
+    """Compute per replica. The GPU count is not set here: it is engine.tensorParallelSize."""
+
+    gpu_product: str | None = Field(
+        None, max_length=128,
+        description="GPU model to run on, matched against the node label nvidia.com/gpu.product "
+                    "(e.g. NVIDIA-A100-SXM4-80GB).")
+    cpu: Quantity = Field("1", description="CPU request per replica.")
+    memory: Quantity = Field("4Gi", description="Memory request and limit per replica.")
+
+
+class AutoscalingSpec(Section):
+    """Built-in autoscaler sizing spec.replicas from the engines' own load signals."""
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("self.minReplicas <= self.maxReplicas",
+         "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"),
+        ("self.metric != 'kvCacheUsage' || self.target <= 1.0",
+         "autoscaling.target is a fraction (0-1] when the metric is kvCacheUsage"),
+        ("self.windowSeconds >= self.intervalSeconds",
+         "autoscaling.windowSeconds must be at least autoscaling.intervalSeconds")))
+    enabled: bool = Field(False, description="Off: replicas are left to the user, HPA or KEDA.")
+    min_replicas: int = Field(1, ge=0, le=1000,
+                              description="Lower bound; 0 scales to zero when idle.")
+    max_replicas: int = Field(3, ge=1, le=1000, description="Upper bound.")
+    metric: Literal["queueDepth", "inFlight", "kvCacheUsage"] = Field(
+        "queueDepth", description="queueDepth: vllm:num_requests_waiting; inFlight: waiting + "
+                                  "running; kvCacheUsage: vllm:kv_cache_usage_perc.")
+    target: float = Field(4.0, gt=0, le=1e6,
+                          description="Per-replica value of the metric to aim for; desired "
+                                      "replicas = ceil(sum over pods / target).")
+    interval_seconds: int = Field(10, ge=1, le=3600, description="How often pods are scraped.")
+    window_seconds: int = Field(60, ge=1, le=3600,
+                                description="The metric is averaged over this window.")
+    scale_down_delay_seconds: int = Field(
+        300, ge=0, le=86400,
+        description="Scale down only after proposals stayed lower for this long.")
+    max_scale_up_factor: float = Field(2.0, gt=1.0, le=100.0,
+                                       description="One step grows replicas at most this much.")
+    activation_timeout_seconds: int = Field(
+        120, ge=1, le=3600,
+        description="At zero replicas, how long a request is held while a pod starts before "
+                    "it gets 503 with Retry-After.")
+
+
+class RolloutSpec(Section):
+    """How spec changes roll out to running replicas."""
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
+         "rollout.maxSurge and rollout.maxUnavailable cannot both be 0")))
+    max_surge: IntOrString = Field(1, description="Extra pods allowed during a rollout "
+                                                  "(count or percentage).")
+    max_unavailable: IntOrString = Field(0, description="Pods allowed to be unavailable during "
+                                                        "a rollout (count or percentage).")
+    drain_seconds: int = Field(int(flag("shutdown_timeout").default), ge=0, le=3600,
+                               description=flag("shutdown_timeout").help)
+
+
+class InferenceServiceSpec(Section):
+    """A model served by a set of identical kubeinfer engine pods behind one Service."""
+
+    model: ModelSpec = section(ModelSpec, ModelSpec.__doc__ or "")
+    engine: EngineSpec = section(EngineSpec, EngineSpec.__doc__ or "")
+    resources: ResourcesSpec = section(ResourcesSpec, ResourcesSpec.__doc__ or "")
+    replicas: int = Field(1, ge=0, le=1000,
+                          description="Engine pods; the scale subresource (kubectl scale, HPA, "
+                                      "KEDA, the built-in autoscaler) writes here.")
+    autoscaling: AutoscalingSpec = section(AutoscalingSpec, AutoscalingSpec.__doc__ or "")
+    rollout: RolloutSpec = section(RolloutSpec, RolloutSpec.__doc__ or "")
+    node_selector: dict[str, str] = Field(default_factory=dict,
+                                          description="Extra node labels pods must match.")
+    tolerations: list[KubeObject] = Field(default_factory=list, max_length=32,
+                                          description="Pod tolerations (core Toleration objects).")
+    affinity: KubeObject | None = Field(None, description="Pod affinity (core Affinity object).")
+    priority_class_name: str | None = Field(None, max_length=253,
+                                            description="PriorityClass of the pods.")

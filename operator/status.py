@@ -1,0 +1,79 @@
+"""`InferenceService.status`: what the operator observed, as pydantic models.
+
+The CRD's status schema is generated from these, and `observe.py` produces them from the
+Deployment and its pods. The autoscaler's averaging window lives here so that an operator
+restart continues from it instead of starting blind.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import Field
+
+from kubeinfer.operator.spec import Section
+
+ConditionType = Literal["Ready", "Progressing", "Degraded"]
+
+
+class Condition(Section):
+    """One aspect of the service's state, in the standard Kubernetes condition shape."""
+
+    type: ConditionType = Field(description="Ready, Progressing or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+                        description="CamelCase cause, for machines.")
+    message: str = Field("", max_length=32768, description="What happened, for humans.")
+    observed_generation: int | None = Field(None, ge=0,
+                                            description="metadata.generation this was computed for.")
+    last_transition_time: datetime = Field(description="When status last changed.")
+
+
+class MetricSample(Section):
+    """One autoscaler reading: the metric summed over the Ready pods."""
+
+    time: datetime = Field(description="When the pods were scraped.")
+    value: float = Field(ge=0, description="Sum of the metric over the scraped pods.")
+    pods: int = Field(ge=0, description="Pods scraped successfully.")
+
+
+class AutoscalerStatus(Section):
+    """The built-in autoscaler's memory, kept here so it survives operator restarts."""
+
+    samples: list[MetricSample] = Field(default_factory=list, max_length=720,
+                                        description="Readings inside the averaging window.")
+    average_value: float | None = Field(None, ge=0,
+                                        description="Window average of the summed metric.")
+    proposed_replicas: int | None = Field(None, ge=0, description="Latest unclamped proposal.")
+    below_since: datetime | None = Field(
+        None, description="Since when proposals stayed below the current replicas; scale down "
+                          "waits scaleDownDelaySeconds from here.")
+    below_peak: int | None = Field(None, ge=0, description="Highest proposal since belowSince: "
+                                                           "where a scale-down goes.")
+    observed_replicas: int | None = Field(
+        None, ge=0, description="spec.replicas at the last tick; a change means someone else "
+                                "scaled, which restarts the scale-down clock.")
+    scrape_errors: int = Field(0, ge=0, description="Failed pod scrapes in the last round.")
+
+
+class InferenceServiceStatus(Section):
+    """Observed state of the InferenceService."""
+
+    observed_generation: int | None = Field(None, ge=0,
+                                            description="Last metadata.generation applied.")
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=8,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        description="Ready, Progressing and Degraded.")
+    replicas: int = Field(0, ge=0, description="Engine pods that exist.")
+    ready_replicas: int = Field(0, ge=0, description="Engine pods passing their readiness probe.")
+    updated_replicas: int = Field(0, ge=0, description="Pods already running the current spec.")
+    desired_replicas: int | None = Field(None, ge=0, description="Replicas asked for.")
+    replica_summary: str | None = Field(None, max_length=32,
+                                        description="'ready/desired', for kubectl get.")
+    selector: str | None = Field(None, max_length=1024,
+                                 description="Label selector of the pods (scale subresource).")
+    url: str | None = Field(None, max_length=1024, description="In-cluster endpoint.")
+    last_scale_time: datetime | None = Field(None, description="Last autoscaler change.")
+    autoscaler: AutoscalerStatus | None = Field(None, description=AutoscalerStatus.__doc__)

@@ -1,0 +1,140 @@
+"""spec → engine Deployment: flags round-trip through the shared table; pods are GPU-, drain-
+and security-correct."""
+
+from __future__ import annotations
+
+import argparse
+
+from isvc_builders import CONFIG, make_isvc
+
+from kubeinfer.operator.build import deployment
+from kubeinfer.operator.children import desired_children, stale_children
+from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
+
+
+def engine(spec: dict | None = None) -> dict:
+    return deployment(make_isvc(spec), CONFIG)["spec"]["template"]["spec"]["containers"][0]
+
+
+def parsed_args(container: dict) -> argparse.Namespace:
+    """Parse the container's args the way `kubeinfer serve` does (env ignored)."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ENGINE_FLAGS + SERVER_FLAGS, environ={})
+    assert container["command"] == ["kubeinfer"] and container["args"][0] == "serve"
+    return parser.parse_args(container["args"][1:])
+
+
+def test_engine_flags_round_trip_through_the_flag_table() -> None:
+    args = parsed_args(engine({
+        "model": {"dtype": "float32", "maxModelLen": 2048, "servedName": "smol"},
+        "engine": {"device": "cpu", "blockSize": 32, "maxNumSeqs": 8, "kvCacheMemory": "512Mi",
+                   "maxNumBatchedTokens": 512, "prefixCache": {"enabled": False}}}))
+    assert (args.model, args.served_model_name, args.dtype, args.device) == \
+        ("embedded", "smol", "float32", "cpu")
+    assert (args.block_size, args.max_num_seqs, args.max_num_batched_tokens) == (32, 8, 512)
+    assert args.kv_cache_memory == 512 * 2**20 and args.max_model_len == 2048
+    assert args.enable_prefix_caching is False
+
+
+def test_extra_args_come_last_and_server_flags_are_env() -> None:
+    container = engine({"engine": {"extraArgs": ["--seed", "7"],
+                                   "env": [{"name": "KUBEINFER_LOG_LEVEL", "value": "debug"},
+                                           {"name": "KUBEINFER_HOST", "value": "::"}]}})
+    assert container["args"][-2:] == ["--seed", "7"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["KUBEINFER_PORT"] == "8000" and env["KUBEINFER_SHUTDOWN_TIMEOUT"] == "30"
+    assert env["KUBEINFER_HOST"] == "::"  # the user's env wins, without a duplicate entry
+    assert env["KUBEINFER_LOG_LEVEL"] == "debug"
+    assert len(env) == len(container["env"])
+
+
+def test_gpu_limit_is_the_tensor_parallel_size_with_shm() -> None:
+    dep = deployment(make_isvc({"engine": {"tensorParallelSize": 3},
+                                "resources": {"gpuProduct": "NVIDIA-H100-80GB-HBM3"}}), CONFIG)
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 3
+    assert parsed_args(container).tensor_parallel_size == 3
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+def test_cpu_engine_requests_no_gpu_and_no_shm() -> None:
+    pod = deployment(make_isvc({"engine": {"device": "cpu"}}), CONFIG)["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"]
+    assert all(v["name"] != "dshm" for v in pod["volumes"]) and "tolerations" not in pod
+
+
+def test_pvc_source_mounts_the_claim_read_only() -> None:
+    dep = deployment(make_isvc({"model": {"source": "pvc://weights/llama/model.gguf"}}), CONFIG)
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} \
+        in pod["volumes"]
+    assert parsed_args(pod["containers"][0]).model == "/models/llama/model.gguf"
+
+
+def test_hf_source_downloads_in_an_init_container_with_the_token() -> None:
+    pod = deployment(make_isvc({"model": {"source": "hf://Qwen/Qwen3-0.6B",
+                                          "tokenSecretRef": {"name": "hf"}}}),
+                     CONFIG)["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]
+    assert init["command"][:3] == ["hf", "download", "Qwen/Qwen3-0.6B"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} \
+        in init["env"]
+    args = parsed_args(pod["containers"][0])
+    assert args.model == "/models/Qwen/Qwen3-0.6B" and args.served_model_name == "Qwen/Qwen3-0.6B"
+
+
+def test_probes_drain_and_restricted_security() -> None:
+    dep = deployment(make_isvc({"rollout": {"drainSeconds": 120}}), CONFIG)
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + 120
+    assert pod["securityContext"]["runAsNonRoot"] and \
+        pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert pod["enableServiceLinks"] is False
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8000"
+
+
+def test_rollout_and_replicas_follow_the_spec() -> None:
+    dep = deployment(make_isvc({"replicas": 4, "rollout": {"maxSurge": "25%", "maxUnavailable": 1}}),
+                     CONFIG)
+    assert dep["spec"]["replicas"] == 4
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 1}
+    assert engine()["image"] == "kubeinfer/kubeinfer:test"
+    assert engine({"engine": {"image": "mine:1"}})["image"] == "mine:1"
+
+
+def test_every_child_is_owned_and_labelled() -> None:
+    isvc = make_isvc({"replicas": 2})
+    children = desired_children(isvc, CONFIG)
+    assert [c["kind"] for c in children] == ["Deployment", "Service", "PodDisruptionBudget"]
+    for child in children:
+        owner = child["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["uid"], owner["controller"]) == ("InferenceService", "uid-1", True)
+        assert child["metadata"]["labels"]["kubeinfer.io/inferenceservice"] == "chat"
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kubeinfer-operator"
+    selector = children[0]["spec"]["selector"]["matchLabels"]
+    assert children[1]["spec"]["selector"] == selector
+    assert children[2]["spec"]["selector"]["matchLabels"] == selector
+    assert isvc.selector == "app.kubernetes.io/component=engine,kubeinfer.io/inferenceservice=chat"
+
+
+def test_pdb_only_above_one_replica() -> None:
+    single = make_isvc({"replicas": 1})
+    assert [c["kind"] for c in desired_children(single, CONFIG)] == ["Deployment", "Service"]
+    assert stale_children(single) == [("PodDisruptionBudget", "chat")]
+    assert stale_children(make_isvc({"replicas": 3})) == []
+
+
+def test_builders_are_pure() -> None:
+    assert deployment(make_isvc(), CONFIG) == deployment(make_isvc(), CONFIG)
