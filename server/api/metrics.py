@@ -91,19 +91,22 @@ class ServerMetrics:
         self.rejected = Counter("kubeinfer:requests_rejected", "Requests refused with 503.",
                                 ["model_name", "reason"], registry=self.registry)
 
-    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
-        """Tokens that arrived together share the gap since the previous delivery."""
-        for _ in range(num_tokens):
-            self.itl.observe(seconds / num_tokens)
+    def observe_token_gaps(self, seconds: float, num_gaps: int) -> None:
+        """`num_gaps` tokens arrived `seconds` after the previous delivery: the first of them
+        waited that long, the rest came with it (so a request adds output tokens - 1 samples)."""
+        if num_gaps > 0:
+            self.itl.observe(seconds)
+        for _ in range(num_gaps - 1):
+            self.itl.observe(0.0)
 
     def observe_finished(self, output: RequestOutput) -> None:
         m = output.metrics
-        end = m.finished_time or time.monotonic()
-        if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self.queue.observe(m.first_scheduled_time - m.arrival_time)
-        self.e2e.observe(end - m.arrival_time)
+        if m.arrival_time is not None:
+            if m.first_token_time is not None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            self.e2e.observe((m.finished_time or time.monotonic()) - m.arrival_time)
         for choice in output.outputs:
             self.success.labels(self.model_name, choice.finish_reason or "abort").inc()
             if len(choice.token_ids) > 1 and m.first_token_time and m.last_token_time:

@@ -22,16 +22,18 @@ class ClientDisconnected(Exception):
 async def measured(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics,
                    num_choices: int) -> AsyncIterator[RequestOutput]:
     """Feed the latency histograms; a stream closed before its last output counts as an abort."""
-    last_delivery: float | None = None
+    last_delivery: dict[int, float] = {}  # per choice
     finished = rejected = False
     try:
         async for output in outputs:
             now = time.monotonic()
-            new_tokens = sum(len(choice.delta_token_ids) for choice in output.outputs)
-            if last_delivery is not None and new_tokens:
-                metrics.observe_token_gap(now - last_delivery, new_tokens)
-            if new_tokens:
-                last_delivery = now
+            for choice in output.outputs:
+                if choice.delta_token_ids:
+                    # Tokens delivered together reach the client together: zero gap between them.
+                    previous = last_delivery.get(choice.index)
+                    gap = 0.0 if previous is None else now - previous
+                    metrics.observe_token_gaps(gap, len(choice.delta_token_ids) - (previous is None))
+                    last_delivery[choice.index] = now
             if output.finished:
                 finished = True
                 metrics.observe_finished(output)
