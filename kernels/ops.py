@@ -1,0 +1,126 @@
+"""The kernel API the model calls: tensors in, tensors out, Triton on CUDA, torch elsewhere.
+
+`KUBEINFER_KERNEL_BACKEND` (auto | triton | torch) or the `use_backend` context manager
+override the choice, e.g. to run the Triton path under TRITON_INTERPRET=1 on a CPU.
+Triton modules are imported on first use, so CPU-only callers never import triton.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+import torch
+
+from kubeinfer.kernels.activation_ref import silu_and_mul_ref
+from kubeinfer.kernels.attention_ref import paged_attention_ref
+from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
+from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
+from kubeinfer.kernels.rope_cache import build_rope_cache
+from kubeinfer.kernels.rotary_ref import apply_rotary_ref
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = os.environ.get("KUBEINFER_KERNEL_BACKEND", "auto")
+if _backend not in BACKENDS:
+    raise ValueError(f"KUBEINFER_KERNEL_BACKEND={_backend!r}; expected one of {', '.join(BACKENDS)}")
+
+__all__ = ["build_rope_cache", "paged_attention", "store_kv_cache", "rms_norm", "apply_rotary",
+           "silu_and_mul", "use_backend", "uses_triton"]
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Temporarily force "triton", "torch" or "auto" for every op (process-wide)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def uses_triton(tensor: torch.Tensor) -> bool:
+    """Whether ops on `tensor` run the Triton kernels under the current backend setting."""
+    return _backend == "triton" or (_backend == "auto" and tensor.is_cuda)
+
+
+@lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, max_query_len: int,
+                      device: torch.device) -> int:
+    """Split the context only for decode whose (sequence, KV head) programs leave SMs idle.
+
+    Aim for about two programs per SM, with each split still covering >= 512 tokens so
+    the merge stays cheap next to the KV reads it parallelises.
+    """
+    if max_query_len != 1:
+        return 1
+    programs = num_seqs * num_kv_heads
+    wanted = -(-2 * _multiprocessor_count(device) // programs)
+    return max(1, min(wanted, max_seq_len // 512, 16))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                    max_query_len: int, max_seq_len: int, sliding_window: int | None = None,
+                    softcap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Attention of `q [T, H, D]` over the paged caches; see `attention_ref.paged_attention_ref`.
+
+    `max_query_len`/`max_seq_len` are host ints (never read from the device). `num_splits`
+    None lets `choose_num_splits` decide between the unified and the split-KV kernel.
+    """
+    if not uses_triton(q):
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                   sliding_window, softcap)
+    if num_splits is None:
+        num_splits = choose_num_splits(block_tables.shape[0], k_cache.shape[2], max_seq_len, max_query_len,
+                                       q.device)
+    if num_splits > 1:
+        from kubeinfer.kernels.split_kv_attention import split_kv_attention
+        return split_kv_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                  num_splits=num_splits, sliding_window=sliding_window, softcap=softcap)
+    from kubeinfer.kernels.unified_attention import unified_attention
+    return unified_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                             max_query_len=max_query_len, sliding_window=sliding_window, softcap=softcap)
+
+
+def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write `k, v [T, kv_heads, D]` into the caches at `slot_mapping` (int64, -1 = skip)."""
+    if not uses_triton(k):
+        return store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+    from kubeinfer.kernels.kv_cache import store_kv_cache as store
+    store(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of `x`; with `residual`, (normed(x + residual), x + residual)."""
+    if not uses_triton(x):
+        return rms_norm_ref(x, weight, eps, residual)
+    from kubeinfer.kernels.rms_norm import rms_norm as norm
+    return norm(x, weight, eps, residual)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by `positions` with a `build_rope_cache` table; returns (q, k)."""
+    if not uses_triton(q):
+        return apply_rotary_ref(q, k, positions, cos_sin_cache, inplace)
+    from kubeinfer.kernels.rotary import apply_rotary as rotate
+    return rotate(q, k, positions, cos_sin_cache, inplace)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `x [..., 2I]` holding gate|up."""
+    if not uses_triton(x):
+        return silu_and_mul_ref(x)
+    from kubeinfer.kernels.activation import silu_and_mul as fused
+    return fused(x)
