@@ -1,0 +1,1 @@
+"""Scale-from-zero gateway: hold requests while an InferenceService has no Ready pod."""

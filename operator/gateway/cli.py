@@ -1,0 +1,58 @@
+"""`kubeinfer gateway`: the per-InferenceService scale-from-zero gateway process.
+
+Runs in the gateway Deployment the operator creates when `autoscaling.minReplicas` is 0; its
+Service is the InferenceService's URL. Options default from the environment so the pod spec
+stays short (the namespace comes from the downward API or the service-account mount).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _namespace() -> str:
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    if SERVICE_ACCOUNT_NAMESPACE.exists():
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return "default"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--inferenceservice", default=env("KUBEINFER_INFERENCESERVICE"),
+                        required=not env("KUBEINFER_INFERENCESERVICE"),
+                        help="InferenceService whose engine pods receive the requests "
+                             "[env KUBEINFER_INFERENCESERVICE].")
+    parser.add_argument("--namespace", default=_namespace(),
+                        help="Its namespace [env POD_NAMESPACE, else the pod's own].")
+    parser.add_argument("--host", default="0.0.0.0", help="Address to bind.")
+    parser.add_argument("--port", type=int, default=8080, help="Port to bind.")
+    parser.add_argument("--activation-timeout", type=float,
+                        default=float(env("KUBEINFER_ACTIVATION_TIMEOUT", "120")),
+                        help="Seconds a request is held waiting for a Ready pod before 503 "
+                             "[env KUBEINFER_ACTIVATION_TIMEOUT].")
+    parser.add_argument("--retry-after", type=int, default=10,
+                        help="Retry-After seconds sent with that 503.")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kubeinfer.operator.autoscaler.kube import KubeScaleApi
+    from kubeinfer.operator.gateway.activator import Activator, ActivatorConfig, GatewayMetrics
+    from kubeinfer.operator.gateway.backends import KubeBackends
+    from kubeinfer.operator.gateway.proxy import build_app
+
+    backends = KubeBackends(KubeScaleApi(), args.namespace, args.inferenceservice)
+    activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),
+                          GatewayMetrics())
+    app = build_app(activator, args.inferenceservice, retry_after=args.retry_after)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

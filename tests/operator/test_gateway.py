@@ -1,0 +1,168 @@
+"""The scale-from-zero gateway against real upstream engines on 127.0.0.1 and a fake scaler."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import AsyncExitStack
+from typing import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from test_autoscaler_scrape import free_port, serving
+
+from kubeinfer.operator.gateway.activator import Activator, ActivatorConfig, GatewayMetrics
+from kubeinfer.operator.gateway.proxy import build_app
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def upstream(tag: str, release: threading.Event | None = None) -> FastAPI:
+    """A tiny OpenAI-shaped engine; its stream pauses after one event until `release` is set."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> JSONResponse | StreamingResponse:
+        payload = await request.json()
+        if payload.get("model") != "m":
+            return JSONResponse({"error": {"message": "no such model", "type":
+                                           "not_found_error", "param": "model", "code": None}},
+                                status_code=404)
+        if not payload.get("stream"):
+            return JSONResponse({"pod": tag, "echo": payload["messages"][0]["content"],
+                                 "query": dict(request.query_params),
+                                 "header": request.headers.get("x-trace")})
+
+        async def events() -> AsyncIterator[bytes]:
+            yield b'data: {"delta": "one"}\n\n'
+            while release is not None and not release.is_set():
+                await asyncio.sleep(0.01)
+            yield b'data: {"delta": "two"}\n\ndata: [DONE]\n\n'
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+class FakeBackends:
+    """Pods appear when the test says so; `wake` records the 0 -> 1 request like the API would."""
+
+    def __init__(self, urls: list[str], pod_on_wake: str | None = None) -> None:
+        self.urls, self.pod_on_wake = urls, pod_on_wake
+        self.wakes = self.forgets = 0
+        self.woken = threading.Event()
+
+    async def ready(self) -> list[str]:
+        return list(self.urls)
+
+    async def wake(self) -> bool:
+        self.wakes += 1
+        self.woken.set()
+        return self.wakes == 1
+
+    def forget(self) -> None:
+        self.forgets += 1
+
+    def start_pod(self) -> None:
+        assert self.pod_on_wake
+        self.urls.append(self.pod_on_wake)
+
+
+def gateway(backends: FakeBackends, timeout: float = 30.0) -> tuple[FastAPI, GatewayMetrics]:
+    metrics = GatewayMetrics()
+    config = ActivatorConfig(activation_timeout=timeout, poll_interval=0.05, wake_interval=60)
+    return build_app(Activator(backends, config, metrics), "llm", retry_after=7), metrics
+
+
+def held(metrics: GatewayMetrics) -> float:
+    return metrics.registry.get_sample_value("kubeinfer_gateway_held_requests") or 0.0
+
+
+async def test_forwards_requests_with_query_headers_and_upstream_errors() -> None:
+    with serving(upstream("a")) as engine:
+        app, metrics = gateway(FakeBackends([f"http://127.0.0.1:{engine}"]))
+        with serving(app) as port:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                ok = await client.post("/v1/chat/completions?user=u1", json=CHAT,
+                                       headers={"x-trace": "t-9"})
+                missing = await client.post("/v1/chat/completions", json={**CHAT, "model": "x"})
+                scraped = await client.get("/metrics")
+    assert ok.status_code == 200
+    assert ok.json() == {"pod": "a", "echo": "hi", "query": {"user": "u1"}, "header": "t-9"}
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    assert 'kubeinfer_gateway_requests_total{code="404"} 1.0' in scraped.text
+
+
+async def test_streams_events_as_they_arrive() -> None:
+    release = threading.Event()
+    with serving(upstream("a", release)) as engine:
+        app, _ = gateway(FakeBackends([f"http://127.0.0.1:{engine}"]))
+        with serving(app) as port:
+            async with httpx.AsyncClient() as client:
+                async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                                         json={**CHAT, "stream": True}) as response:
+                    chunks = response.aiter_text()
+                    first = await chunks.__anext__()  # arrives while the engine still holds "two"
+                    release.set()
+                    rest = "".join([chunk async for chunk in chunks])
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert first == 'data: {"delta": "one"}\n\n'
+    assert rest == 'data: {"delta": "two"}\n\ndata: [DONE]\n\n'
+
+
+async def test_request_at_zero_is_held_wakes_one_replica_and_completes() -> None:
+    with serving(upstream("new")) as engine:
+        backends = FakeBackends([], pod_on_wake=f"http://127.0.0.1:{engine}")
+        app, metrics = gateway(backends)
+        with serving(app) as port:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                pending = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+                await asyncio.to_thread(backends.woken.wait, 10)
+                while held(metrics) != 1:
+                    await asyncio.sleep(0.01)
+                assert not pending.done()
+                backends.start_pod()  # the pod became Ready
+                response = await pending
+    assert response.status_code == 200 and response.json()["pod"] == "new"
+    assert backends.wakes == 1 and held(metrics) == 0
+    assert metrics.registry.get_sample_value("kubeinfer_gateway_activations_total") == 1
+    assert metrics.registry.get_sample_value("kubeinfer_gateway_hold_seconds_count") == 1
+
+
+async def test_past_the_activation_timeout_answers_503_with_retry_after() -> None:
+    app, metrics = gateway(FakeBackends([]), timeout=0.3)
+    with serving(app) as port:
+        async with httpx.AsyncClient() as client:
+            response = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                         json=CHAT)
+    assert response.status_code == 503 and response.headers["retry-after"] == "7"
+    error = response.json()["error"]
+    assert error["type"] == "service_unavailable_error" and error["code"] == "no_ready_replica"
+    assert "llm" in error["message"] and "0.3s" in error["message"]
+    assert held(metrics) == 0
+
+
+async def test_a_pod_refusing_connections_is_skipped_for_a_ready_one() -> None:
+    with serving(upstream("alive")) as engine:
+        backends = FakeBackends([f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{engine}"])
+        app, _ = gateway(backends)
+        with serving(app) as port:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                answers = [await client.post("/v1/chat/completions", json=CHAT)
+                           for _ in range(2)]
+    assert [a.json()["pod"] for a in answers] == ["alive", "alive"]
+    assert backends.forgets == 1  # the dead pod was hit once, then the other got it
+
+
+async def test_least_loaded_pod_first_then_round_robin() -> None:
+    urls = ["http://a", "http://b", "http://c"]
+    activator = Activator(FakeBackends(urls), ActivatorConfig(), GatewayMetrics())
+    async with AsyncExitStack() as stack:
+        busy = [await stack.enter_async_context(activator.upstream()) for _ in range(3)]
+        assert sorted(busy) == urls  # each concurrent request got its own pod
+    turns = []
+    for _ in range(3):
+        async with activator.upstream() as url:
+            turns.append(url)
+    assert sorted(turns) == urls
