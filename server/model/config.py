@@ -1,0 +1,128 @@
+"""Architecture hyper-parameters of a Llama-family decoder, from HF `config.json` or GGUF metadata.
+
+Both sources land in one validated dataclass so the model code never guesses: Llama 2/3,
+SmolLM2, Mistral and Qwen2/2.5 differ only in the fields below (biases, tying, rope scaling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        self.eos_token_ids = frozenset(self.eos_token_ids)
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> "ModelConfig":
+        """From a parsed `config.json`: both the classic keys (`rope_theta`, `rope_scaling`) and
+        transformers>=5's `rope_parameters`."""
+        model_type = config.get("model_type", "")
+        heads = config["num_attention_heads"]
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+        if "type" in rope:   # pre-4.45 spelling
+            rope.setdefault("rope_type", rope.pop("type"))
+        eos = config.get("eos_token_id")
+        use_sliding = config.get("use_sliding_window", model_type == "mistral")
+        return cls(
+            architecture=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            sliding_window=config.get("sliding_window") if use_sliding else None,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        )
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], tensor_names: set[str]) -> "ModelConfig":
+        """From GGUF metadata (`<arch>.*` keys, as llama.cpp's converter writes them)."""
+        arch = meta["general.architecture"]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def key(name: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{name}", default)
+
+        hidden, heads = key("embedding_length"), key("attention.head_count")
+        vocab = key("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        rope_scaling = None
+        scaling_type = key("rope.scaling.type")
+        if scaling_type == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+        elif scaling_type not in (None, "none"):
+            raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+        if "rope_freqs.weight" in tensor_names:
+            # Llama 3.1+: the converter bakes the llama3 scaling into a per-frequency divisor tensor,
+            # which the model loads into its rotary embedding.
+            rope_scaling = {"rope_type": "freq_factors"}
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=int(hidden),
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=int(heads),
+            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(key("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            sliding_window=key("attention.sliding_window"),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=frozenset([] if eos is None else [int(eos)]),
+        )

@@ -1,0 +1,80 @@
+"""Read a GGUF file (llama.cpp's format): config and tokenizer from metadata, weights dequantized.
+
+llama.cpp's converter permutes the rows of `attn_q`/`attn_k` of `llama` models for its rotary
+layout (pairs interleaved instead of halves); we undo that so weights match transformers'.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .gguf_dequant import dequantize
+from .gguf_reader import GGUFFile
+from .gguf_tokenizer import tokenizer_from_gguf
+from .tokenizer import Tokenizer
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs.weight"}
+_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+# GGUF `general.sampling.*` keys (recent converters) -> our generation default names
+_SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if not match or match[2] not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a Llama-family model")
+    return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's `permute`: per head, rows (pair, 2) back to (2 halves, pair)."""
+    shape = weight.shape
+    return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def read_gguf_file(path: Path) -> Checkpoint:
+    gguf = GGUFFile(path)
+    meta = gguf.metadata
+    config = ModelConfig.from_gguf(meta, set(gguf.tensors))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eos_ids = {meta[key] for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                     "tokenizer.ggml.eom_token_id") if key in meta}
+    config.eos_token_ids = frozenset(eos_ids)
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and index < len(tokens) else None
+
+    tokenizer = Tokenizer(tokenizer_from_gguf(meta), chat_template=meta.get("tokenizer.chat_template"),
+                          bos_token=token("bos_token_id"), eos_token=token("eos_token_id"),
+                          eos_token_ids=config.eos_token_ids,
+                          extra_special_tokens={"unk_token": token("unknown_token_id"),
+                                                "pad_token": token("padding_token_id")})
+    defaults = {ours: meta[f"general.sampling.{key}"] for key, ours in _SAMPLING_KEYS.items()
+                if f"general.sampling.{key}" in meta}
+    permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+
+    def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in gguf.tensors.items():
+            value = dequantize(tensor, torch.float32 if name == "rope_freqs.weight" else dtype)
+            kind = name.split(".")[2] if name.startswith("blk.") else ""
+            if config.architecture == "llama" and kind in permuted_heads:
+                value = unpermute_rope_rows(value, permuted_heads[kind])
+            yield hf_name(name), value
+
+    return Checkpoint(config=config, tokenizer=tokenizer, generation_defaults=defaults,
+                      name=_QUANT_SUFFIX.sub("", path.stem), num_tensors=len(gguf.tensors), weights=weights)

@@ -1,0 +1,71 @@
+"""Build a `tokenizers.Tokenizer` from GGUF metadata (`tokenizer.ggml.*`), for byte-level BPE vocabularies.
+
+GGUF carries no tokenizer.json, only tokens, merges, token types and llama.cpp's name for the
+pre-tokenizer (`tokenizer.ggml.pre`). We rebuild the pipeline llama.cpp applies for that name, so
+e.g. SmolLM2 ("smollm") splits digits one by one exactly like its original tokenizer.json.
+SentencePiece ("llama") vocabularies are not supported yet: load such models from their HF directory.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+CONTROL, USER_DEFINED = 3, 4   # llama.cpp token types
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte (the alphabet byte-level vocabularies are written in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)   # GPT-2's split
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level
+
+
+def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+                         "load this model from its Hugging Face directory instead")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+    vocab = {(token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode())): index
+             for index, token in enumerate(tokens)}
+    merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    tokenizer.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>…) are matched whole and skipped when decoding; user-defined ones
+    # are matched whole but kept. A token spelled outside the byte alphabet (a converter mislabel)
+    # is not in `vocab` and would get a new id past the model's vocabulary, so it is left out.
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in zip(tokens, types) if kind == CONTROL and t in vocab])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab])
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    return tokenizer

@@ -1,0 +1,121 @@
+"""Llama-family causal LM over the paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5.
+
+The variants differ only in config (q/k/v bias, tied lm_head, rope scaling), so one module
+serves them all. Parameter names follow transformers' checkpoints (`model.layers.N...`), with
+q/k/v and gate/up merged; `load_weights` routes checkpoint tensors into the merged matrices.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .attention import AttentionBackend
+from .config import ModelConfig
+from .forward_batch import ForwardBatch
+from .linear import MergedLinear
+from .mlp import SwiGLUMLP
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+from .self_attention import SelfAttention
+
+# checkpoint projection name -> (merged module name, shard index)
+PACKED_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, kv_cache, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
+        x = self.model.embed_tokens(batch.input_ids)
+        cos_sin = self.model.rotary_emb.cos_sin(batch.positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos_sin, kv_cache, batch)
+        # Only the rows that need logits go through the final norm and the (large) lm_head.
+        x = self.model.norm(x[batch.logits_indices] + residual[batch.logits_indices])
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (transformers names) in, converting dtype; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if name == "rope_freqs.weight":   # GGUF Llama 3.1+: per-frequency divisors
+                self.model.rotary_emb.inv_freq.div_(tensor.to(self.model.rotary_emb.inv_freq))
+                continue
+            module_name, _, kind = name.rpartition(".")
+            parent, _, proj = module_name.rpartition(".")
+            if proj in PACKED_MODULES:
+                merged, shard = PACKED_MODULES[proj]
+                target = f"{parent}.{merged}.{kind}"
+                self._param(params, target)
+                self.get_submodule(f"{parent}.{merged}").load_shard(params[target], tensor, shard)
+                loaded.add(f"{target}#{shard}")
+                continue
+            param = self._param(params, name)
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = self._expected_weights() - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}")
+
+    def _expected_weights(self) -> set[str]:
+        """Parameter names, merged ones as `name#shard` (one entry per checkpoint matrix)."""
+        expected = set()
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            shards = len(module.output_sizes) if isinstance(module, MergedLinear) else 0
+            expected.update([f"{name}#{i}" for i in range(shards)] if shards else [name])
+        return expected
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
+        if name not in params:
+            raise ValueError(f"checkpoint has an unexpected weight {name!r} for a Llama-family model")
+        return params[name]

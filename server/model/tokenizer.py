@@ -1,0 +1,46 @@
+"""The serving tokenizer: a `tokenizers.Tokenizer` plus the model's special tokens and chat template.
+
+Built from a HF directory (tokenizer.json, tokenizer_config.json) or from GGUF metadata; the
+engine only sees this class, so both sources behave the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tokenizers import Tokenizer as BackendTokenizer
+
+from .chat_template import ChatTemplateError, render_chat
+
+
+class Tokenizer:
+    def __init__(self, backend: BackendTokenizer, *, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None, eos_token_ids: frozenset[int], extra_special_tokens: dict[str, str | None]
+                 | None = None) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
+        eos_id = backend.token_to_id(eos_token) if eos_token else None
+        self.eos_token_ids = frozenset(eos_token_ids | ({eos_id} if eos_id is not None else set()))
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.all_special_ids = frozenset(
+            index for index, token in backend.get_added_tokens_decoder().items() if token.special)
+        self._template_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(extra_special_tokens or {})}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text for `messages`; raises `ChatTemplateError` (a ValueError) for rejected input."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use the completions API with a plain prompt")
+        tools = kwargs.pop("tools", None)
+        return render_chat(self.chat_template, messages, add_generation_prompt, tools, self._template_tokens,
+                           **kwargs)

@@ -1,0 +1,67 @@
+"""Drive a model through a paged KV cache step by step, as the engine does, without the engine.
+
+Blocks are handed out in a shuffled order so block tables are never contiguous, which is what
+exposes gather/scatter bugs in attention backends.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from kubeinfer.server.model.forward_batch import ForwardBatch
+
+
+@dataclass
+class _Sequence:
+    length: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+class PagedRunner:
+    def __init__(self, model: torch.nn.Module, *, num_blocks: int = 64, block_size: int = 4, seed: int = 0) -> None:
+        config = model.config
+        param = next(model.parameters())
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.model, self.block_size, self.device = model, block_size, param.device
+        self.kv_caches = [(torch.zeros(shape, dtype=param.dtype, device=param.device),
+                           torch.zeros(shape, dtype=param.dtype, device=param.device))
+                          for _ in range(config.num_hidden_layers)]
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.sequences: dict[str, _Sequence] = {}
+
+    def build_batch(self, chunks: list[tuple[str, list[int]]], all_logits: bool = False) -> ForwardBatch:
+        """One step: `chunks` = (sequence id, new token ids) per sequence, in batch order."""
+        ids, positions, slots, tables, query_lens, seq_lens, logits_rows = [], [], [], [], [], [], []
+        for seq_id, tokens in chunks:
+            seq = self.sequences.setdefault(seq_id, _Sequence())
+            for pos in range(seq.length, seq.length + len(tokens)):
+                if pos // self.block_size == len(seq.blocks):
+                    seq.blocks.append(self.free_blocks.pop())
+                slots.append(seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+                positions.append(pos)
+            start = len(ids)
+            ids.extend(tokens)
+            logits_rows.extend(range(start, len(ids)) if all_logits else [len(ids) - 1])
+            seq.length += len(tokens)
+            query_lens.append(len(tokens))
+            seq_lens.append(seq.length)
+            tables.append(list(seq.blocks))
+        width = max(len(table) for table in tables)
+        tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
+        return ForwardBatch(
+            input_ids=tensor(ids, torch.int64), positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor([table + [0] * (width - len(table)) for table in tables], torch.int32),
+            query_start_loc=tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32), logits_indices=tensor(logits_rows, torch.int64),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+
+    def step(self, chunks: list[tuple[str, list[int]]], all_logits: bool = False) -> torch.Tensor:
+        """float32 logits: the last token of each chunk, or every token with `all_logits`."""
+        with torch.inference_mode():
+            return self.model(self.build_batch(chunks, all_logits), self.kv_caches)
