@@ -3,7 +3,7 @@
 A kopf daemon rather than `@kopf.timer`, because a timer's interval is fixed at registration
 while ours is per object (`spec.autoscaling.intervalSeconds`) and may be edited live. kopf
 stops the daemon when autoscaling is disabled or the object is deleted (it keeps its
-finalizer on autoscaled objects for that). Registered by importing this module.
+finalizer on autoscaled objects for that). `kubeinfer operator` calls `register(registry)`.
 """
 
 from __future__ import annotations
@@ -16,39 +16,43 @@ import kopf
 
 from kubeinfer.operator import api
 from kubeinfer.operator.autoscaler import metrics
-from kubeinfer.operator.autoscaler.kube import KubeScaleApi, ScaleApi
+from kubeinfer.operator.autoscaler.kube import ScaleApi
 from kubeinfer.operator.autoscaler.policy import ScalingPolicy
 from kubeinfer.operator.autoscaler.tick import Tick, run_tick
-
-_kube: ScaleApi | None = None
 
 
 def autoscaling_enabled(spec: Any, **_: Any) -> bool:
     return bool((spec.get("autoscaling") or {}).get("enabled"))
 
 
-@kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, id="autoscaler", when=autoscaling_enabled,
-             cancellation_timeout=10.0)
-async def autoscale(namespace: str, name: str, stopped: kopf.DaemonStopped,
-                    logger: logging.Logger, **_: Any) -> None:
-    global _kube
-    _kube = _kube or KubeScaleApi()
+def register(registry: kopf.OperatorRegistry, kube: ScaleApi) -> None:
+    """Attach the autoscaler daemon to `registry`; `kube` is usually `KubeScaleApi(Kube(...))`."""
+
+    @kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, id="autoscaler", when=autoscaling_enabled,
+                 cancellation_timeout=10.0, registry=registry)
+    async def autoscale(namespace: str, name: str, stopped: kopf.DaemonStopped,
+                        logger: logging.Logger, **_: Any) -> None:
+        async with httpx.AsyncClient() as http:
+            try:
+                await _loop(kube, http, namespace, name, stopped, logger)
+            finally:
+                metrics.forget(namespace, name)
+
+
+async def _loop(kube: ScaleApi, http: httpx.AsyncClient, namespace: str, name: str,
+                stopped: kopf.DaemonStopped, logger: logging.Logger) -> None:
     interval = ScalingPolicy().interval_seconds
-    async with httpx.AsyncClient() as http:
+    while not stopped:
         try:
-            while not stopped:
-                try:
-                    tick = await run_tick(_kube, http, namespace, name)
-                except ValueError as error:  # a policy the CRD schema let through
-                    logger.error("autoscaling disabled until the spec is fixed: %s", error)
-                except Exception:  # one bad tick must not end the loop; the next retries
-                    logger.exception("autoscaler tick failed")
-                else:
-                    interval = _interval(tick, interval)
-                    _report(tick, logger)
-                await stopped.wait(interval)
-        finally:
-            metrics.forget(namespace, name)
+            tick = await run_tick(kube, http, namespace, name)
+        except ValueError as error:  # a policy the CRD schema let through
+            logger.error("autoscaler paused until the spec is fixed: %s", error)
+        except Exception:  # one bad tick must not end the loop; the next one retries
+            logger.exception("autoscaler tick failed")
+        else:
+            interval = _interval(tick, interval)
+            _report(tick, logger)
+        await stopped.wait(interval)
 
 
 def _interval(tick: Tick, fallback: float) -> float:
@@ -62,5 +66,5 @@ def _report(tick: Tick, logger: logging.Logger) -> None:
     logger.debug("autoscaler: %s", decision.reason)
     if tick.scaled:
         reason = "ScaledUp" if decision.desired > tick.current else "ScaledDown"
-        kopf.info(tick.isvc, reason=reason,
-                  message=f"{tick.current} -> {decision.desired}: {decision.reason}")
+        kopf.event(tick.isvc, type="Normal", reason=reason,
+                   message=f"{tick.current} -> {decision.desired}: {decision.reason}")

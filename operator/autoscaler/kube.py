@@ -1,17 +1,20 @@
 """The few Kubernetes calls the autoscaler and the gateway make, behind one small interface.
 
 `ScaleApi` is what the tick and the gateway depend on, so unit tests pass an in-memory fake
-and e2e exercises `KubeScaleApi` against the real API server. The official client is
-synchronous; its calls run in a worker thread to keep the kopf event loop free.
+and e2e exercises `KubeScaleApi` against the real API server. It rides on the operator's own
+REST client, which is synchronous, so each call runs in a worker thread to keep the event
+loop (kopf's, or the gateway's) free.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Protocol
 
 from kubeinfer.operator import api
+from kubeinfer.operator.kube import Kube, KubeError, load_api_client
+
+MERGE_PATCH = "application/merge-patch+json"
 
 
 class Conflict(Exception):
@@ -37,26 +40,19 @@ def engine_selector(isvc: dict[str, Any]) -> str:
 
 
 class KubeScaleApi:
-    """`ScaleApi` over the official client: in-cluster config, else the local kubeconfig."""
+    """`ScaleApi` over `kubeinfer.operator.kube.Kube` (in-cluster auth, else kubeconfig)."""
 
-    def __init__(self) -> None:
-        from kubernetes import client, config  # deferred: unit tests never need a cluster
-
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        self._core, self._custom = client.CoreV1Api(), client.CustomObjectsApi()
-        self._errors = client.ApiException
+    def __init__(self, kube: Kube | None = None) -> None:
+        self.kube = kube or Kube(load_api_client())
 
     async def get(self, namespace: str, name: str) -> dict[str, Any]:
-        return await asyncio.to_thread(self._custom.get_namespaced_custom_object, api.GROUP,
-                                       api.VERSION, namespace, api.PLURAL, name)
+        found = await asyncio.to_thread(self.kube.get, api.KIND, namespace, name)
+        if found is None:
+            raise LookupError(f"{api.KIND} {namespace}/{name} no longer exists")
+        return found
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        response = await asyncio.to_thread(self._core.list_namespaced_pod, namespace,
-                                           label_selector=selector, _preload_content=False)
-        return json.loads(response.data)["items"]
+        return await asyncio.to_thread(self.kube.list, "Pod", namespace, selector)
 
     async def set_replicas(self, namespace: str, name: str, replicas: int,
                            resource_version: str | None = None) -> None:
@@ -64,14 +60,14 @@ class KubeScaleApi:
         body: dict[str, Any] = {"spec": {"replicas": replicas}}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
+        path = self.kube.path(api.KIND, namespace, name) + "/scale"
         try:
-            await asyncio.to_thread(self._custom.patch_namespaced_custom_object_scale, api.GROUP,
-                                    api.VERSION, namespace, api.PLURAL, name, body)
-        except self._errors as error:
+            await asyncio.to_thread(self.kube.request, "PATCH", path, body,
+                                    content_type=MERGE_PATCH)
+        except KubeError as error:
             if error.status == 409:
                 raise Conflict(f"{namespace}/{name} changed since it was read") from error
             raise
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        await asyncio.to_thread(self._custom.patch_namespaced_custom_object_status, api.GROUP,
-                                api.VERSION, namespace, api.PLURAL, name, {"status": status})
+        await asyncio.to_thread(self.kube.patch_status, namespace, name, status)

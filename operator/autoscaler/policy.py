@@ -43,8 +43,8 @@ class ScalingPolicy:
             raise ValueError("autoscaling.intervalSeconds and windowSeconds must be > 0")
         if self.scale_down_delay_seconds < 0:
             raise ValueError("autoscaling.scaleDownDelaySeconds must be >= 0")
-        if self.max_scale_up_factor <= 1:
-            raise ValueError(f"autoscaling.maxScaleUpFactor must be > 1, "
+        if self.max_scale_up_factor < 1:  # 1 still grows: a step is at least +1
+            raise ValueError(f"autoscaling.maxScaleUpFactor must be >= 1, "
                              f"got {self.max_scale_up_factor}")
 
     @property
