@@ -1,0 +1,77 @@
+"""Command lines of the control-plane processes, cross-checked with ``kwokctl --dry-run``.
+
+Why these flags: no default route exists here, so the apiserver gets explicit bind/advertise
+addresses and no endpoint reconciler; the controller-manager runs only the controllers a
+workload needs (no node lifecycle: kwok owns node health), with per-controller service-account
+credentials so RBAC is exercised the way a real cluster does.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from e2e.binaries import binary
+from e2e.config import ClusterConfig
+from e2e.pki import Pki
+from e2e.runner_rules import runner_managed_jq
+
+STAGES = Path(__file__).parent / "kwok"
+CONTROLLERS = ("serviceaccount", "serviceaccount-token", "namespace", "deployment", "replicaset", "statefulset",
+               "daemonset", "job", "cronjob", "garbagecollector", "disruption", "endpointslice", "podgc",
+               "ttl-after-finished", "horizontalpodautoscaling", "resourcequota", "clusterrole-aggregation",
+               "root-ca-certificate-publisher")
+
+
+def etcd(cfg: ClusterConfig) -> list[str]:
+    client, peer = (f"http://127.0.0.1:{cfg.ports[p]}" for p in ("etcd", "etcd-peer"))
+    return [str(binary("etcd")), "--name=kubeinfer", f"--data-dir={cfg.state_dir / 'etcd'}",
+            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=kubeinfer={peer}", "--initial-cluster-state=new",
+            "--unsafe-no-fsync=true", "--quota-backend-bytes=2147483648", "--log-level=warn"]
+
+
+def kube_apiserver(cfg: ClusterConfig, pki: Pki) -> list[str]:
+    return [str(binary("kube-apiserver")), "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--secure-port={cfg.ports['kube-apiserver']}", "--endpoint-reconciler-type=none",
+            f"--etcd-servers=http://127.0.0.1:{cfg.ports['etcd']}", "--etcd-prefix=/kubeinfer",
+            f"--service-cluster-ip-range={cfg.service_cidr}", "--allow-privileged=true",
+            "--authorization-mode=Node,RBAC", f"--token-auth-file={pki.token_file}", f"--client-ca-file={pki.ca}",
+            f"--tls-cert-file={pki.serving_cert}", f"--tls-private-key-file={pki.serving_key}",
+            f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            "--enable-priority-and-fairness=false", "--profiling=false", "--v=1"]
+
+
+def _component_auth(cfg: ClusterConfig, pki: Pki, name: str) -> list[str]:
+    kubeconfig = pki.kubeconfig(name)
+    return [f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}", "--bind-address=127.0.0.1",
+            f"--secure-port={cfg.ports[name]}", "--leader-elect=false", "--v=1"]
+
+
+def kube_controller_manager(cfg: ClusterConfig, pki: Pki) -> list[str]:
+    return [str(binary("kube-controller-manager")), *_component_auth(cfg, pki, "kube-controller-manager"),
+            "--use-service-account-credentials=true", f"--service-account-private-key-file={pki.sa_key}",
+            f"--root-ca-file={pki.ca}", f"--controllers={','.join(CONTROLLERS)}",
+            f"--service-cluster-ip-range={cfg.service_cidr}", "--concurrent-deployment-syncs=10",
+            "--kube-api-qps=200", "--kube-api-burst=400"]
+
+
+def kube_scheduler(cfg: ClusterConfig, pki: Pki) -> list[str]:
+    return [str(binary("kube-scheduler")), *_component_auth(cfg, pki, "kube-scheduler")]
+
+
+def kwok_config(cfg: ClusterConfig) -> Path:
+    """All pinned stages in one multi-document file, with the runner rule filled in."""
+    rule = runner_managed_jq().replace("'", "''")  # the key sits in a single-quoted YAML string
+    docs = [p.read_text().replace("__RUNNER_MANAGED__", rule) for p in sorted(STAGES.glob("*.yaml"))]
+    path = cfg.state_dir / "kwok.yaml"
+    path.write_text("\n---\n".join(docs))
+    return path
+
+
+def kwok(cfg: ClusterConfig, pki: Pki) -> list[str]:
+    return [str(binary("kwok")), f"--kubeconfig={pki.kubeconfig('kwok')}", f"--config={kwok_config(cfg)}",
+            "--manage-all-nodes=false", "--manage-nodes-with-label-selector=type=kwok",
+            "--node-ip=127.0.0.1", f"--cidr={cfg.pod_cidr}", "--node-lease-duration-seconds=40",
+            f"--server-address=127.0.0.1:{cfg.ports['kwok']}"]

@@ -1,0 +1,48 @@
+"""Where the local cluster lives and which loopback ports and address ranges it uses."""
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from e2e.binaries import CACHE
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything binds to 127.0.0.1. Pod IPs come from 127.1.0.0/16 (one /24 per node) and
+    Service IPs from 127.96.0.0/16: loopback only, so no traffic can ever leave the machine."""
+
+    state_dir: Path = field(default_factory=lambda: Path(os.environ.get("KUBEINFER_CLUSTER_DIR", CACHE / "cluster")))
+    port_base: int = field(default_factory=lambda: _env_int("KUBEINFER_CLUSTER_PORT_BASE", 46400))
+    gpu_nodes: int = field(default_factory=lambda: _env_int("KUBEINFER_CLUSTER_NODES", 2))
+    service_cidr: str = "127.96.0.0/16"
+    service_ip: str = "127.96.0.1"  # the `kubernetes` Service: first address of the range
+    pod_cidr: str = "127.1.0.0/16"
+    gpu_product: str = "NVIDIA-H100-80GB-HBM3"
+    gpus_per_node: int = 8
+
+    @property
+    def ports(self) -> dict[str, int]:
+        names = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+        return {name: self.port_base + i for i, name in enumerate(names)}
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports['kube-apiserver']}"
+
+    @property
+    def kubeconfig(self) -> Path:
+        """The admin kubeconfig printed by `up`; tests and kubectl use it."""
+        return self.state_dir / "pki" / "admin.kubeconfig"
+
+    def node_pod_cidr(self, index: int) -> str:
+        """The /24 of node ``index`` inside ``pod_cidr`` (the first /24 is left unused)."""
+        network = ipaddress.ip_network(self.pod_cidr)
+        return str(next(itertools.islice(network.subnets(new_prefix=24), index + 1, None)))

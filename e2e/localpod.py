@@ -1,0 +1,128 @@
+"""A runner pod: its directory (service-account token, CA, kubeconfig, logs) and its containers.
+
+Why a kubeconfig per pod: in-cluster clients look for the token at a fixed path
+(/var/run/secrets/...), which local processes cannot share; the Python client, kopf and kubectl
+all fall back to ``$KUBECONFIG``, which here holds the pod's own bound service-account token.
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client
+
+from e2e.pki import kubeconfig
+from e2e.podenv import ConfigError, command_line, container_env
+from e2e.podprocess import LocalContainer, now_iso
+from e2e.runner_rules import image_prefixes
+
+
+@dataclass
+class Apiserver:
+    host: str
+    port: int
+    ca: Path
+
+    @property
+    def url(self) -> str:
+        return f"https://{self.host}:{self.port}"
+
+
+@dataclass
+class LocalPod:
+    pod: dict
+    dir: Path
+    containers: dict[str, LocalContainer] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # container -> CreateContainerConfigError
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    created: str = field(default_factory=now_iso)
+    ready_state: tuple[bool, str] = (False, "")  # (ready, lastTransitionTime)
+
+    @property
+    def ip(self) -> str:
+        return self.pod["status"]["podIP"]
+
+    def _service_account(self, core: client.CoreV1Api, api: Apiserver) -> dict[str, str]:
+        meta = self.pod["metadata"]
+        sa_dir = self.dir / "serviceaccount"
+        sa_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(api.ca, sa_dir / "ca.crt")
+        (sa_dir / "namespace").write_text(meta["namespace"])
+        env = {"KUBERNETES_SERVICE_HOST": api.host, "KUBERNETES_SERVICE_PORT": str(api.port),
+               "KUBERNETES_SERVICE_PORT_HTTPS": str(api.port)}
+        if self.pod["spec"].get("automountServiceAccountToken") is False:
+            return env
+        request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+            audiences=[], expiration_seconds=24 * 3600,
+            bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name=meta["name"],
+                                                           uid=meta["uid"])))
+        sa_name = self.pod["spec"].get("serviceAccountName") or "default"
+        token = core.create_namespaced_service_account_token(sa_name, meta["namespace"], request).status.token
+        (sa_dir / "token").write_text(token)
+        (self.dir / "kubeconfig").write_text(kubeconfig(api.url, sa_dir / "ca.crt", token, sa_name))
+        return {**env, "KUBECONFIG": str(self.dir / "kubeconfig")}
+
+    def start(self, core: client.CoreV1Api, api: Apiserver, entrypoint: list[str], pid_dir: Path) -> None:
+        """Start every container whose image is ours; other containers are reported as running."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        base = {**self._service_account(core, api), "HOSTNAME": self.pod["metadata"]["name"],
+                "POD_IP": self.ip, "KUBEINFER_HOST": self.ip}
+        spec = self.pod["spec"]
+        for container in spec["containers"]:
+            if not container.get("image", "").startswith(image_prefixes()):
+                continue
+            try:
+                env = {**base, **container_env(core, self.pod, container)}
+            except ConfigError as err:
+                self.errors[container["name"]] = str(err)
+                continue
+            local = LocalContainer(container, command_line(container, env, entrypoint), env, self.dir,
+                                   self.dir / f"{container['name']}.log", self.ip, spec.get("restartPolicy", "Always"),
+                                   float(spec.get("terminationGracePeriodSeconds", 30)),
+                                   pid_dir / f"pod-{self.dir.name}-{container['name']}.pid")
+            self.containers[container["name"]] = local
+            local.start()
+
+    def tick(self) -> None:
+        with self.lock:
+            for container in self.containers.values():
+                container.tick()
+
+    def stop(self) -> None:
+        with self.lock:
+            for container in self.containers.values():
+                container.stop()
+                container.next_start = 0.0
+
+    def status(self) -> dict:
+        """Pod status fields the runner owns: phase, Ready/ContainersReady, containerStatuses."""
+        statuses = []
+        for container in self.pod["spec"]["containers"]:
+            name = container["name"]
+            if name in self.containers:
+                statuses.append(self.containers[name].status())
+            elif name in self.errors:
+                statuses.append({"name": name, "image": container.get("image", ""), "ready": False, "restartCount": 0,
+                                 "state": {"waiting": {"reason": "CreateContainerConfigError",
+                                                       "message": self.errors[name]}}})
+            else:  # not our image: simulated, like kwok does for every other pod
+                statuses.append({"name": name, "image": container.get("image", ""), "ready": True, "restartCount": 0,
+                                 "started": True, "state": {"running": {"startedAt": self.created}}})
+        ready = all(s["ready"] for s in statuses)
+        if ready != self.ready_state[0] or not self.ready_state[1]:
+            self.ready_state = (ready, now_iso())
+        terminated = [s["state"]["terminated"] for s in statuses if "terminated" in s["state"]]
+        phase = "Running" if any("running" in s["state"] for s in statuses) else "Pending"
+        if terminated and len(terminated) == len(statuses):
+            phase = "Succeeded" if all(t["exitCode"] == 0 for t in terminated) else "Failed"
+        conditions = [{"type": kind, "status": str(ready), "lastTransitionTime": self.ready_state[1],
+                       "reason": None if ready else "ContainersNotReady"}
+                      for kind in ("Ready", "ContainersReady")]
+        init = [{"name": c["name"], "image": c.get("image", ""), "ready": True, "restartCount": 0,
+                 "state": {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": self.created,
+                                          "finishedAt": self.created}}}
+                for c in self.pod["spec"].get("initContainers") or []]  # simulated, not run (see podrunner)
+        return {"phase": phase, "conditions": conditions, "containerStatuses": statuses,
+                "initContainerStatuses": init}

@@ -1,0 +1,123 @@
+"""One container of a runner pod as a local process: start, restart per policy, probe, stop.
+
+Why a process group per container: a container's command may fork (uvicorn workers, tensor-
+parallel ranks); stopping the group stops them all, as a container runtime would.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from e2e.probes import Probe
+from e2e.processes import record
+
+INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "KUBEINFER_CACHE")
+BACKOFF_START, BACKOFF_MAX = 2.0, 60.0  # kubelet uses 10 s .. 300 s; shorter keeps tests quick
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class LocalContainer:
+    spec: dict
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    log_path: Path
+    host: str
+    restart_policy: str
+    grace: float
+    pid_file: Path  # lets `cluster down` stop the process even if the runner was killed
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    started_iso: str = ""
+    restarts: int = 0
+    next_start: float = 0.0
+    last_state: dict = field(default_factory=dict)
+    terminated: dict | None = None
+    probes: dict[str, Probe] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ports = {p["name"]: p["containerPort"] for p in self.spec.get("ports") or [] if p.get("name")}
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            if kind in self.spec:
+                self.probes[kind] = Probe(self.spec[kind], self.host, self.env, ports, ok=kind == "livenessProbe")
+
+    def start(self) -> None:
+        base = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- {now_iso()} starting {self.argv}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.argv, env={**base, **self.env}, cwd=self.cwd, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        record(self.pid_file, self.proc.pid)
+        self.started_at, self.started_iso, self.terminated = time.monotonic(), now_iso(), None
+        for kind, probe in self.probes.items():
+            probe.successes = probe.failures = 0
+            probe.ok, probe.last_run = kind == "livenessProbe", float("-inf")
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL it after the pod's grace period."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(self.grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.pid_file.unlink(missing_ok=True)
+
+    def _exited(self, code: int, reason: str) -> None:
+        self.terminated = {"exitCode": code, "reason": reason, "startedAt": self.started_iso, "finishedAt": now_iso()}
+        self.last_state = {"terminated": self.terminated}
+        self.proc = None
+        self.pid_file.unlink(missing_ok=True)
+        if self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and code != 0):
+            self.next_start = time.monotonic() + min(BACKOFF_MAX, BACKOFF_START * 2 ** self.restarts)
+            self.restarts += 1
+
+    def tick(self) -> None:
+        """Notice exits, restart when the backoff has passed, run due probes."""
+        now = time.monotonic()
+        if self.proc is not None and self.proc.poll() is not None:
+            code = self.proc.returncode
+            self._exited(128 - code if code < 0 else code, "Completed" if code == 0 else "Error")
+        if self.proc is None:
+            if self.next_start and now >= self.next_start:
+                self.next_start = 0.0
+                self.start()
+            return
+        startup = self.probes.get("startupProbe")
+        for kind, probe in self.probes.items():
+            if (kind == "startupProbe" or startup is None or startup.ok) and probe.due(self.started_at, now):
+                probe.run(now)
+        liveness = self.probes.get("livenessProbe")
+        if (liveness and not liveness.ok) or (startup and startup.failures >= startup.spec.get("failureThreshold", 3)):
+            self.stop()
+            self._exited(137, "Error")
+
+    @property
+    def ready(self) -> bool:
+        readiness = self.probes.get("readinessProbe")
+        startup = self.probes.get("startupProbe")
+        return self.proc is not None and (startup is None or startup.ok) and (readiness is None or readiness.ok)
+
+    def status(self) -> dict:
+        if self.proc is not None:
+            state = {"running": {"startedAt": self.started_iso}}
+        elif self.next_start:
+            state = {"waiting": {"reason": "CrashLoopBackOff", "message": f"back-off restarting, see {self.log_path}"}}
+        else:
+            state = {"terminated": self.terminated or {"exitCode": 0, "reason": "Completed"}}
+        startup = self.probes.get("startupProbe")
+        return {"name": self.spec["name"], "image": self.spec.get("image", ""), "imageID": "",
+                "containerID": f"local://{self.proc.pid}" if self.proc else "", "ready": self.ready,
+                "started": self.proc is not None and (startup is None or startup.ok), "restartCount": self.restarts,
+                "state": state, "lastState": self.last_state}

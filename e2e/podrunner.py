@@ -1,0 +1,120 @@
+"""Local pod runner: kubeinfer's own pods on the fake nodes run as real local processes.
+
+Test and demo infrastructure, not product. kwok only simulates pod status; for a pod that is
+bound to a local node, has its (loopback) pod IP and uses one of kubeinfer's images
+(``runner_rules``), this starts each container's command with its env, a bound service-account
+token and ``KUBERNETES_SERVICE_HOST/PORT`` of the local apiserver; sets ``KUBEINFER_HOST`` to the
+pod IP (unless the pod sets it) so ``kubeinfer serve`` binds there; restarts per restartPolicy;
+reflects probes into Ready/ContainersReady and containerStatuses; stops the process group when
+the pod goes away. Init containers and volumes are not run/mounted (init containers are
+reported Completed). Logs: ``<state>/pods/<namespace>_<pod>/<container>.log``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+from kubernetes import client, config, watch
+
+from e2e.localpod import Apiserver, LocalPod
+from e2e.runner_rules import runner_managed
+
+log = logging.getLogger("podrunner")
+
+
+class Runner:
+    def __init__(self, core: client.CoreV1Api, api: Apiserver, state: Path, pid_dir: Path, node_selector: str,
+                 entrypoint: list[str]):
+        self.core, self.api, self.state, self.pid_dir = core, api, state, pid_dir
+        self.node_selector, self.entrypoint = node_selector, entrypoint
+        self.pods: dict[str, LocalPod] = {}
+        self.reported: dict[str, dict] = {}
+        self.stopping = threading.Event()
+
+    def local_nodes(self) -> set[str]:
+        return {n.metadata.name for n in self.core.list_node(label_selector=self.node_selector).items}
+
+    def reconcile(self, kind: str, pod: dict, nodes: set[str]) -> None:
+        uid, meta, status = pod["metadata"]["uid"], pod["metadata"], pod.get("status") or {}
+        wanted = (kind != "DELETED" and not meta.get("deletionTimestamp") and pod["spec"].get("nodeName") in nodes
+                  and runner_managed(pod) and status.get("podIP"))
+        if not wanted:
+            if uid in self.pods:
+                local = self.pods.pop(uid)
+                log.info("stopping %s/%s", meta["namespace"], meta["name"])
+                threading.Thread(target=local.stop, daemon=False).start()
+            return
+        if uid not in self.pods and status.get("phase") not in ("Succeeded", "Failed"):
+            local = LocalPod(pod, self.state / f"{meta['namespace']}_{meta['name']}")
+            log.info("starting %s/%s on %s", meta["namespace"], meta["name"], local.ip)
+            self.pods[uid] = local
+            local.start(self.core, self.api, self.entrypoint, self.pid_dir)
+        elif uid in self.pods:
+            self.pods[uid].pod = pod
+
+    def watch(self) -> None:
+        """List then watch all pods; on any error (e.g. 410 Gone) list again."""
+        while not self.stopping.is_set():
+            try:
+                nodes = self.local_nodes()
+                listing = self.core.api_client.sanitize_for_serialization(self.core.list_pod_for_all_namespaces())
+                for pod in listing["items"]:
+                    self.reconcile("ADDED", pod, nodes)
+                for uid in set(self.pods) - {p["metadata"]["uid"] for p in listing["items"]}:
+                    self.reconcile("DELETED", self.pods[uid].pod, nodes)
+                stream = watch.Watch().stream(self.core.list_pod_for_all_namespaces, timeout_seconds=60,
+                                              resource_version=listing["metadata"]["resourceVersion"])
+                for event in stream:
+                    self.reconcile(event["type"], event["raw_object"], nodes)
+            except Exception:  # noqa: BLE001 - the runner must outlive apiserver hiccups
+                log.exception("watch failed; relisting")
+                time.sleep(1)
+
+    def supervise(self, interval: float = 0.5) -> None:
+        """Tick every local pod and patch its status when it changed."""
+        while not self.stopping.wait(interval):
+            for uid, local in list(self.pods.items()):
+                local.tick()
+                status = local.status()
+                if self.reported.get(uid) == status:
+                    continue
+                meta = local.pod["metadata"]
+                try:
+                    self.core.patch_namespaced_pod_status(meta["name"], meta["namespace"], {"status": status})
+                    self.reported[uid] = status
+                except client.ApiException as err:
+                    if err.status != 404:
+                        log.warning("status patch for %s/%s failed: %s", meta["namespace"], meta["name"], err.reason)
+
+    def shutdown(self, *_: object) -> None:
+        self.stopping.set()
+        for local in self.pods.values():
+            local.stop()
+        raise SystemExit(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m e2e.podrunner", description=__doc__.splitlines()[0])
+    parser.add_argument("--kubeconfig", required=True)
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--pid-dir", type=Path, required=True, help="where process pids are recorded for `down`")
+    parser.add_argument("--node-selector", default="type=kwok", help="label selector of the local fake nodes")
+    parser.add_argument("--entrypoint", default="kubeinfer", help="command for containers that set none")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    api_client = config.new_client_from_config(config_file=args.kubeconfig)
+    host, port = api_client.configuration.host.removeprefix("https://").rsplit(":", 1)
+    api = Apiserver(host, int(port), Path(api_client.configuration.ssl_ca_cert))
+    runner = Runner(client.CoreV1Api(api_client), api, args.state_dir, args.pid_dir, args.node_selector, args.entrypoint.split())
+    signal.signal(signal.SIGTERM, runner.shutdown)
+    signal.signal(signal.SIGINT, runner.shutdown)
+    threading.Thread(target=runner.supervise, daemon=True).start()
+    runner.watch()
+
+
+if __name__ == "__main__":
+    main()
