@@ -45,13 +45,12 @@ async def _loop(kube: ScaleApi, http: httpx.AsyncClient, namespace: str, name: s
     while not stopped:
         try:
             tick = await run_tick(kube, http, namespace, name)
+            interval = _interval(tick, interval)
+            _report(tick, logger)
         except ValueError as error:  # a policy the CRD schema let through
             logger.error("autoscaler paused until the spec is fixed: %s", error)
         except Exception:  # one bad tick must not end the loop; the next one retries
             logger.exception("autoscaler tick failed")
-        else:
-            interval = _interval(tick, interval)
-            _report(tick, logger)
         await stopped.wait(interval)
 
 
@@ -65,6 +64,7 @@ def _report(tick: Tick, logger: logging.Logger) -> None:
     decision = tick.decision
     logger.debug("autoscaler: %s", decision.reason)
     if tick.scaled:
+        logger.info("scaled %d -> %d: %s", tick.current, decision.desired, decision.reason)
         reason = "ScaledUp" if decision.desired > tick.current else "ScaledDown"
         kopf.event(tick.isvc, type="Normal", reason=reason,
                    message=f"{tick.current} -> {decision.desired}: {decision.reason}")
