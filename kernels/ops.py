@@ -26,7 +26,7 @@ _backend = os.environ.get("KUBEINFER_KERNEL_BACKEND", "auto")
 if _backend not in BACKENDS:
     raise ValueError(f"KUBEINFER_KERNEL_BACKEND={_backend!r}; expected one of {', '.join(BACKENDS)}")
 
-__all__ = ["build_rope_cache", "paged_attention", "store_kv_cache", "rms_norm", "apply_rotary",
+__all__ = ["build_rope_cache", "paged_attention", "triton_paged_attention", "store_kv_cache", "rms_norm", "apply_rotary",
            "silu_and_mul", "use_backend", "uses_triton"]
 
 
@@ -79,6 +79,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not uses_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                    sliding_window, softcap)
+    return triton_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                  max_query_len=max_query_len, max_seq_len=max_seq_len,
+                                  sliding_window=sliding_window, softcap=softcap, num_splits=num_splits)
+
+
+def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float, *, max_query_len: int, max_seq_len: int,
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """`paged_attention` on the Triton kernels whatever the backend setting: unified or split-KV."""
     if num_splits is None:
         num_splits = choose_num_splits(block_tables.shape[0], k_cache.shape[2], max_seq_len, max_query_len,
                                        q.device)

@@ -1,0 +1,33 @@
+"""The engine's AttentionBackend on kubeinfer's Triton kernels (the CUDA path).
+
+Per layer: one launch stores this step's K/V at `slot_mapping`, one (or two, split-KV)
+launches attend. Everything the launches need is a tensor of the ForwardBatch or a
+host-side int it already carries, so no layer ever waits on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kubeinfer.kernels.ops import triton_paged_attention
+
+from .forward_batch import ForwardBatch
+
+
+class TritonAttention:
+    """Unified paged attention (prefill chunks + decode in one launch), split-KV for long decode."""
+
+    def __init__(self, sliding_window: int | None = None, softcap: float | None = None) -> None:
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d] after rotary; returns [T, heads, d]."""
+        from kubeinfer.kernels.kv_cache import store_kv_cache
+
+        store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        return triton_paged_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale,
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+            sliding_window=self.sliding_window, softcap=self.softcap)

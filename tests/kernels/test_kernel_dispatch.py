@@ -1,0 +1,63 @@
+"""`kubeinfer.kernels.ops`: torch on CPU by default, Triton when forced, same answers either way."""
+
+import pytest
+import torch
+from paged_batches import BATCH_KINDS, make_paged_batch
+
+from kubeinfer.kernels import ops
+
+
+def _all_ops(batch):
+    """Run every op on fresh copies of the inputs; returns every output tensor."""
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    new_k, new_v = torch.linspace(-1, 1, 256).view(2, 2, 64), torch.linspace(1, 2, 256).view(2, 2, 64)
+    ops.store_kv_cache(new_k, new_v, k_cache, v_cache, torch.tensor([-1, 5]))
+    attention = ops.paged_attention(batch.q, k_cache, v_cache, *batch.args()[3:], 0.125,
+                                    max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
+    x = torch.linspace(-2, 2, 3 * 64).view(3, 64)
+    normed, residual = ops.rms_norm(x, torch.ones(64), 1e-6, residual=x)
+    cache = ops.build_rope_cache(64, 64, 10000.0)
+    q, k = ops.apply_rotary(x.view(3, 1, 64), x.view(3, 1, 64), torch.tensor([0, 1, 63]), cache)
+    return [k_cache.nan_to_num(), v_cache.nan_to_num(), attention, normed, residual, q, k,
+            ops.silu_and_mul(x)]
+
+
+def test_cpu_tensors_use_torch_unless_triton_is_forced():
+    x = torch.zeros(1)
+    assert not ops.uses_triton(x)
+    with ops.use_backend("triton"):
+        assert ops.uses_triton(x)
+        with ops.use_backend("torch"):
+            assert not ops.uses_triton(x)
+    assert not ops.uses_triton(x)
+
+
+def test_both_backends_agree():
+    batch = make_paged_batch(BATCH_KINDS["mixed"], 4, 2, 64, 16, torch.float32)
+    want = _all_ops(batch)
+    with ops.use_backend("triton"):
+        got = _all_ops(batch)
+    for got_tensor, want_tensor in zip(got, want):
+        torch.testing.assert_close(got_tensor, want_tensor, atol=1e-4, rtol=1e-4)
+
+
+def test_long_decode_picks_split_kv_and_prefill_never_does():
+    cpu = torch.device("cpu")
+    assert ops.choose_num_splits(1, 8, 32768, 1, cpu) > 1
+    assert ops.choose_num_splits(1, 8, 32768, 7, cpu) == 1
+    assert ops.choose_num_splits(1, 8, 300, 1, cpu) == 1        # too short to be worth a merge
+    assert ops.choose_num_splits(256, 8, 32768, 1, cpu) == 1    # the batch already fills the GPU
+
+
+def test_forced_split_kv_through_the_dispatcher(triton_backend):
+    batch = make_paged_batch([(1, 60), (1, 3)], 8, 2, 64, 16, torch.float32)
+    got = ops.paged_attention(*batch.args(), 0.125, max_query_len=1, max_seq_len=61, num_splits=2)
+    with ops.use_backend("torch"):
+        want = ops.paged_attention(*batch.args(), 0.125, max_query_len=1, max_seq_len=61)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="unknown kernel backend 'cuda'"):
+        with ops.use_backend("cuda"):
+            pass
