@@ -38,10 +38,17 @@ def engine_args(isvc: InferenceService, model_path: str, served_name: str | None
 
 
 def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
-    """Server flags as env vars (named by the flag table); the user's `engine.env` wins."""
-    ours = [("HOME", "/tmp"), (flag("host").env, "0.0.0.0"), (flag("port").env, str(api.HTTP_PORT)),
-            (flag("shutdown_timeout").env, str(isvc.spec.rollout.drain_seconds))]
-    merged: dict[str, dict[str, Any]] = {name: {"name": name, "value": value} for name, value in ours}
+    """Server flags as env vars (named by the flag table); the user's `engine.env` wins.
+
+    The server binds the pod IP rather than 0.0.0.0: Services and probes reach it there, and
+    pods that share one network namespace (the local dev cluster's runner) do not collide.
+    """
+    pod_ip = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    ours: list[tuple[str, dict[str, Any]]] = [
+        ("HOME", {"value": "/tmp"}), (flag("host").env, pod_ip),
+        (flag("port").env, {"value": str(api.HTTP_PORT)}),
+        (flag("shutdown_timeout").env, {"value": str(isvc.spec.rollout.drain_seconds)})]
+    merged = {name: {"name": name, **source} for name, source in ours}
     merged.update({env["name"]: env for env in isvc.spec.engine.env})
     return list(merged.values())
 

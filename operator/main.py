@@ -16,6 +16,7 @@ import kopf
 from prometheus_client import start_http_server
 
 from kubeinfer.operator import api
+from kubeinfer.operator.autoscaler import handlers as _autoscaler  # noqa: F401  registers its daemon
 from kubeinfer.operator.handlers import register
 from kubeinfer.operator.kube import Kube, KubeError, load_api_client
 from kubeinfer.operator.reconcile import Reconciler
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DNS suffix used in status.url.")
     parser.add_argument("--drift-interval", type=float, default=60.0,
                         help="Seconds between full re-applies of each InferenceService.")
+    parser.add_argument("--bind-address", default="0.0.0.0",
+                        help="Address of the health and metrics endpoints (the chart passes the "
+                             "pod IP).")
     parser.add_argument("--health-port", type=int, default=8080,
                         help="Liveness endpoint port (GET /healthz).")
     parser.add_argument("--metrics-port", type=int, default=8081,
@@ -77,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kube = Kube(load_api_client())
     config = OperatorConfig(engine_image=args.engine_image, cluster_domain=args.cluster_domain)
-    registry = kopf.OperatorRegistry()
+    registry = kopf.get_default_registry()  # the autoscaler's daemon registered itself here
     register(registry, Reconciler(kube, config), drift_seconds=args.drift_interval)
     if args.metrics_port:
-        start_http_server(args.metrics_port)
+        start_http_server(args.metrics_port, addr=args.bind_address)
     if not args.standalone:
         ensure_peering(kube, args.peering_name, args.namespace)
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
@@ -89,5 +93,5 @@ def run(args: argparse.Namespace) -> int:
                                      api.GROUP, args.engine_image, priority)
     kopf.run(registry=registry, clusterwide=not args.namespace, namespaces=args.namespace,
              standalone=args.standalone, priority=priority, peering_name=args.peering_name,
-             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz")
+             liveness_endpoint=f"http://{args.bind_address}:{args.health_port}/healthz")
     return 0

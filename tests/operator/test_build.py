@@ -41,11 +41,16 @@ def test_extra_args_come_last_and_server_flags_are_env() -> None:
                                    "env": [{"name": "KUBEINFER_LOG_LEVEL", "value": "debug"},
                                            {"name": "KUBEINFER_HOST", "value": "::"}]}})
     assert container["args"][-2:] == ["--seed", "7"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["KUBEINFER_PORT"] == "8000" and env["KUBEINFER_SHUTDOWN_TIMEOUT"] == "30"
     assert env["KUBEINFER_HOST"] == "::"  # the user's env wins, without a duplicate entry
     assert env["KUBEINFER_LOG_LEVEL"] == "debug"
     assert len(env) == len(container["env"])
+
+
+def test_server_binds_the_pod_ip() -> None:
+    env = {e["name"]: e for e in engine()["env"]}
+    assert env["KUBEINFER_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
 def test_gpu_limit_is_the_tensor_parallel_size_with_shm() -> None:

@@ -1,0 +1,98 @@
+"""The reconcile loop against an in-memory API: idempotent, prunes the PDB, reports failures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from isvc_builders import CONFIG, body
+
+from kubeinfer.operator.kube import KubeError
+from kubeinfer.operator.reconcile import Reconciler
+
+
+class MemoryKube:
+    """Stores what is applied; `refuse` makes applies of one kind fail like the API would."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.statuses: list[dict[str, Any]] = []
+        self.applies = 0
+        self.refuse = refuse
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] == self.refuse:
+            raise KubeError(422, f'{obj["kind"]}.apps "chat" is invalid: spec.template: bad',
+                            "Invalid")
+        self.applies += 1
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
+        return obj
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.objects.get((kind, name))
+
+    def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return []
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.objects.pop((kind, name), None)
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.statuses.append(status)
+
+
+def conditions(status: dict[str, Any]) -> dict[str, str]:
+    return {c["type"]: f'{c["status"]}/{c["reason"]}' for c in status["conditions"]}
+
+
+def test_creates_children_and_writes_status() -> None:
+    kube = MemoryKube()
+    Reconciler(kube, CONFIG).reconcile(body(), trigger="create")  # type: ignore[arg-type]
+    assert set(kube.objects) == {("Deployment", "chat"), ("Service", "chat")}
+    status = kube.statuses[-1]
+    assert status["observedGeneration"] == 1 and status["replicaSummary"] == "0/1"
+    assert conditions(status)["Progressing"] == "True/RollingOut"
+
+
+def test_reconcile_twice_applies_the_same_objects() -> None:
+    kube = MemoryKube()
+    reconciler = Reconciler(kube, CONFIG)
+    reconciler.reconcile(body({"replicas": 2}), trigger="create")  # type: ignore[arg-type]
+    first = {k: dict(v) for k, v in kube.objects.items()}
+    reconciler.reconcile(body({"replicas": 2}), trigger="drift")  # type: ignore[arg-type]
+    assert kube.objects == first
+
+
+def test_pdb_removed_when_scaled_to_one() -> None:
+    kube = MemoryKube()
+    reconciler = Reconciler(kube, CONFIG)
+    reconciler.reconcile(body({"replicas": 3}), trigger="create")  # type: ignore[arg-type]
+    assert ("PodDisruptionBudget", "chat") in kube.objects
+    reconciler.reconcile(body({"replicas": 1}, generation=2), trigger="update")  # type: ignore[arg-type]
+    assert ("PodDisruptionBudget", "chat") not in kube.objects
+
+
+def test_refused_apply_is_degraded_with_the_api_message() -> None:
+    kube = MemoryKube(refuse="Deployment")
+    events = Reconciler(kube, CONFIG).reconcile(  # type: ignore[arg-type]
+        body(generation=3, status={"observedGeneration": 2}), trigger="update")
+    status = kube.statuses[-1]
+    assert conditions(status)["Degraded"] == "True/ReconcileError"
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert "spec.template: bad" in degraded["message"] and status["observedGeneration"] == 2
+    assert ("Warning", "ReconcileError") in [(e.type, e.reason) for e in events]
+
+
+def test_spec_the_schema_let_by_is_invalid_not_a_crash() -> None:
+    kube = MemoryKube()
+    Reconciler(kube, CONFIG).reconcile(  # type: ignore[arg-type]
+        body({"model": {"source": "s3://bucket/llama"}}), trigger="create")
+    assert kube.objects == {}
+    assert conditions(kube.statuses[-1])["Degraded"] == "True/InvalidSpec"
+    assert "spec.model.source" in kube.statuses[-1]["conditions"][0]["message"]
+
+
+def test_status_write_leaves_the_autoscaler_fields_alone() -> None:
+    kube = MemoryKube()
+    saved = {"autoscaler": {"samples": [], "averageValue": 3.0}, "lastScaleTime": "2026-01-01T00:00:00Z"}
+    Reconciler(kube, CONFIG).reconcile(body(status=saved), trigger="resume")  # type: ignore[arg-type]
+    assert "autoscaler" not in kube.statuses[-1] and "lastScaleTime" not in kube.statuses[-1]
