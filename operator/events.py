@@ -15,24 +15,26 @@ class Event:
 
 
 def transition_events(before: list[Condition], after: list[Condition]) -> list[Event]:
-    """One Event per condition that changed status (or, while Degraded, changed reason)."""
+    """One Event per condition that changed status (or, while Degraded, changed reason).
+
+    The first status ever written only reports what is worth knowing: a rollout starting or
+    a problem; "not ready yet" and "not degraded" are the expected start.
+    """
     old = {c.type: c for c in before}
     events = []
     for cond in after:
-        prev = old.get(cond.type)
-        changed = prev is None or prev.status != cond.status
-        if cond.type == "Degraded" and cond.status == "True":
-            if changed or prev.reason != cond.reason:  # type: ignore[union-attr]
-                events.append(Event("Warning", cond.reason, cond.message))
-        elif not changed:
+        prev, is_true = old.get(cond.type), cond.status == "True"
+        if prev is not None and prev.status == cond.status and \
+                not (cond.type == "Degraded" and is_true and prev.reason != cond.reason):
             continue
+        if cond.type == "Degraded" and is_true:
+            events.append(Event("Warning", cond.reason, cond.message))
         elif cond.type == "Degraded" and prev is not None:
             events.append(Event("Normal", "Recovered", "no problems observed any more"))
-        elif cond.type == "Ready":
-            kind = "Normal" if cond.status == "True" else "Warning"
-            if cond.status == "True" or prev is not None:
-                events.append(Event(kind, "Ready" if cond.status == "True" else "NotReady",
-                                    cond.message))
-        elif cond.type == "Progressing" and cond.status == "True":
+        elif cond.type == "Ready" and is_true:
+            events.append(Event("Normal", "Ready", cond.message))
+        elif cond.type == "Ready" and prev is not None:
+            events.append(Event("Warning", "NotReady", cond.message))
+        elif cond.type == "Progressing" and is_true:
             events.append(Event("Normal", cond.reason, cond.message))
     return events
