@@ -43,6 +43,9 @@ class Reconciler:
     def __init__(self, kube: Kube, config: OperatorConfig) -> None:
         self.kube, self.config = kube, config
         self._locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+        # The status we last wrote, by uid: a queued call's body predates the call before it,
+        # and transition times and Events must build on what was really written last.
+        self._written: dict[str, InferenceServiceStatus] = {}
 
     def reconcile(self, body: Mapping[str, Any], trigger: str, apply: bool = True) -> list[Event]:
         """Bring one InferenceService's children and status in line; returns Events to post."""
@@ -60,7 +63,7 @@ class Reconciler:
         return events
 
     def _reconcile(self, body: Mapping[str, Any], apply: bool) -> list[Event]:
-        previous = previous_status(body)
+        previous = self._written.get(body["metadata"]["uid"]) or previous_status(body)
         applied, error = previous.observed_generation, None
         try:
             isvc = InferenceService.from_body(body)
@@ -79,7 +82,7 @@ class Reconciler:
                         pods=self.kube.list("Pod", isvc.namespace, isvc.selector),
                         applied_generation=applied, error=error)
         status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
-        self._write(isvc.namespace, isvc.name, status)
+        self._write(isvc.uid, isvc.namespace, isvc.name, status)
         return transition_events(previous.conditions, status.conditions)
 
     def _write_invalid(self, body: Mapping[str, Any], previous: InferenceServiceStatus,
@@ -89,15 +92,18 @@ class Reconciler:
                              observed_generation=meta.get("generation"), last_transition_time=now)
         others = [c for c in previous.conditions if c.type != "Degraded"]
         status = previous.model_copy(update={"conditions": [*others, degraded]})
-        self._write(meta["namespace"], meta["name"], status)
+        self._write(meta["uid"], meta["namespace"], meta["name"], status)
         return transition_events(previous.conditions, status.conditions)
 
-    def _write(self, namespace: str, name: str, status: InferenceServiceStatus) -> None:
+    def _write(self, uid: str, namespace: str, name: str, status: InferenceServiceStatus) -> None:
         """Only the fields this reconciler owns; the autoscaler's stay as they are."""
         body = status.model_dump(by_alias=True, mode="json", exclude_none=True,
                                  exclude={"autoscaler", "last_scale_time"})
         try:
             self.kube.patch_status(namespace, name, body)
         except KubeError as exc:
-            if exc.status != 404:  # 404: deleted meanwhile; its children go with it
-                raise
+            if exc.status == 404:  # deleted meanwhile; its children go with it
+                self._written.pop(uid, None)
+                return
+            raise
+        self._written[uid] = status

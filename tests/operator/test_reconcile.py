@@ -96,3 +96,12 @@ def test_status_write_leaves_the_autoscaler_fields_alone() -> None:
     saved = {"autoscaler": {"samples": [], "averageValue": 3.0}, "lastScaleTime": "2026-01-01T00:00:00Z"}
     Reconciler(kube, CONFIG).reconcile(body(status=saved), trigger="resume")  # type: ignore[arg-type]
     assert "autoscaler" not in kube.statuses[-1] and "lastScaleTime" not in kube.statuses[-1]
+
+
+def test_a_stale_body_does_not_repeat_events() -> None:
+    kube = MemoryKube()
+    reconciler = Reconciler(kube, CONFIG)
+    stale = body()  # both calls got the object before either wrote status
+    first = reconciler.reconcile(stale, trigger="create")  # type: ignore[arg-type]
+    second = reconciler.reconcile(stale, trigger="pod", apply=False)  # type: ignore[arg-type]
+    assert [e.reason for e in first] == ["RollingOut"] and second == []
