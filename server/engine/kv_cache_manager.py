@@ -42,9 +42,13 @@ class KVCacheManager:
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_inserted_blocks = len(blocks)
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
+
+    def record_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count an admitted sequence's prefix lookup (in tokens), once per admission."""
+        if self.cache is not None:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_cached_tokens
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False if out of blocks."""

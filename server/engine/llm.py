@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from ..model.loader import LoadedModel
+
 
 class LLM:
-    def __init__(self, model: str = "embedded", **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+    def __init__(self, model: str = "embedded", loaded_model: "LoadedModel | None" = None,
+                 **engine_kwargs: Any) -> None:
+        """`engine_kwargs` are EngineConfig fields; `loaded_model` reuses an already loaded model."""
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded_model)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

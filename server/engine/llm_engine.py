@@ -27,11 +27,14 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: "LoadedModel | None" = None) -> None:
-        from ..model.loader import load_model
         from .model_runner import ModelRunner
 
+        if loaded is None:
+            from ..model.loader import load_model
+
+            loaded = load_model(config.model, config.dtype, config.device)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         self.generation_defaults = dict(self.loaded.generation_defaults)

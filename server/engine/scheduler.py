@@ -86,14 +86,17 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs
                and len(out.scheduled) < self.max_num_seqs):
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
-                cached = self.kv.match_prefix(seq)
-                if seq.request.metrics.first_scheduled_time is None:
-                    seq.request.num_cached_tokens = cached
+            cached = self.kv.match_prefix(seq)
+            if self._next_block_in_flight(seq, out):
+                self.kv.free(seq)  # wait one step and reuse it instead of computing it twice
+                break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate_slots(seq, num_new):
                 self.kv.free(seq)  # give back the matched prefix; retry next step
                 break
+            self.kv.record_lookup(seq.num_tokens, cached)
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.num_cached_tokens = cached
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
@@ -111,6 +114,24 @@ class Scheduler:
             for sibling in seq.request.seqs[1:]:
                 if sibling.status is SequenceStatus.FORK_PENDING:
                     out.forks.append((sibling, len(out.scheduled) - 1))
+
+    def _next_block_in_flight(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Whether a prefill in this step computes the next block of `seq`'s prompt, which
+        the prefix cache will then hold: requests sharing a system prompt that arrive
+        together thus compute it once."""
+        if self.kv.cache is None:
+            return False
+        bs = self.kv.block_size
+        end = seq.num_computed_tokens + bs
+        if end > seq.num_tokens - 1:
+            return False
+        for item in out.scheduled:
+            other = item.seq
+            if (other.num_computed_tokens <= end - bs < other.num_computed_tokens + item.num_new_tokens
+                    and other.params.cache_salt == seq.params.cache_salt
+                    and other.token_ids[:end] == seq.token_ids[:end]):
+                return True
+        return False
 
     def _pick_victim(self, scheduled: set[int]) -> Sequence | None:
         """The newest running sequence not already scheduled this step."""

