@@ -18,7 +18,7 @@ from kubeinfer.kernels.activation_ref import silu_and_mul_ref
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
 from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
-from kubeinfer.kernels.rope_cache import build_rope_cache
+from kubeinfer.kernels.rope_cache import build_rope_cache, cos_sin_table
 from kubeinfer.kernels.rotary_ref import apply_rotary_ref
 
 BACKENDS = ("auto", "triton", "torch")
@@ -26,8 +26,8 @@ _backend = os.environ.get("KUBEINFER_KERNEL_BACKEND", "auto")
 if _backend not in BACKENDS:
     raise ValueError(f"KUBEINFER_KERNEL_BACKEND={_backend!r}; expected one of {', '.join(BACKENDS)}")
 
-__all__ = ["build_rope_cache", "paged_attention", "triton_paged_attention", "store_kv_cache", "rms_norm", "apply_rotary",
-           "silu_and_mul", "use_backend", "uses_triton"]
+__all__ = ["build_rope_cache", "cos_sin_table", "paged_attention", "triton_paged_attention", "store_kv_cache",
+           "rms_norm", "apply_rotary", "silu_and_mul", "use_backend", "uses_triton"]
 
 
 @contextmanager

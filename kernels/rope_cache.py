@@ -46,6 +46,12 @@ def build_rope_cache(rotary_dim: int, max_positions: int, theta: float,
     """The `[max_positions, rotary_dim]` float32 cos|sin table the rotary ops index by position."""
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
-    inv_freq = inverse_frequencies(rotary_dim, theta, rope_scaling)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    return cos_sin_table(inverse_frequencies(rotary_dim, theta, rope_scaling), max_positions, device)
+
+
+def cos_sin_table(inv_freq: torch.Tensor, max_positions: int,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """The cos|sin table from ready inverse frequencies (e.g. a model's, after GGUF rope_freqs)."""
+    positions = torch.arange(max_positions, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq.to(device=device, dtype=torch.float32))
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)

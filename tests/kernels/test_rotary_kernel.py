@@ -70,3 +70,14 @@ def test_reference_matches_transformers(scaling):
 def test_unknown_scaling_is_rejected():
     with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
         inverse_frequencies(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3],
+                         ids=["default", "linear", "llama3"])
+def test_table_from_the_models_inverse_frequencies_matches_ours(scaling):
+    """The GPU path builds its table from the model's own inv_freq (GGUF rope_freqs included)."""
+    from kubeinfer.kernels.rope_cache import cos_sin_table
+    from kubeinfer.server.model.rotary import rope_inv_freq
+
+    model_table = cos_sin_table(rope_inv_freq(64, 500000.0, scaling), 256)
+    torch.testing.assert_close(model_table, build_rope_cache(64, 256, 500000.0, scaling))
