@@ -86,6 +86,7 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "resources": engine_resources(isvc), **probes(),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "securityContext": restricted_container(), "volumeMounts": volume_mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",  # crash reasons reach status
     }
     node_selector = dict(spec.node_selector)
     tolerations = list(spec.tolerations)

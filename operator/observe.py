@@ -43,8 +43,11 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in STUCK_WAITING_REASONS:
                 last = ((cs.get("lastState") or {}).get("terminated") or {})
-                detail = waiting.get("message") or last.get("message") or \
-                    (f"exit code {last['exitCode']}" if "exitCode" in last else "")
+                # The engine's own last words (its log tail, via FallbackToLogsOnError) say
+                # why, e.g. a tensorParallelSize that does not divide the attention heads.
+                exit_code = f"exit code {last['exitCode']}" if "exitCode" in last else ""
+                detail = " ".join(filter(None, [exit_code, (last.get("message") or "").strip(),
+                                                waiting.get("message", "")]))
                 problems.append((waiting["reason"], f"pod {name} container {cs['name']}: "
                                                     f"{waiting['reason']} {detail}".strip()))
     return problems

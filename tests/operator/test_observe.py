@@ -61,6 +61,7 @@ def test_crash_loop_reports_the_last_exit() -> None:
     seen = Observed(deployment_with(1, 0), [crashing_pod()], applied_generation=1)
     degraded = next(c for c in status_of(None, seen).conditions if c.type == "Degraded")
     assert degraded.reason == "CrashLoopBackOff" and "back-off" in degraded.message
+    assert "exit code 1 heads not divisible by tp" in degraded.message
 
 
 def test_progress_deadline_stops_progressing() -> None:
