@@ -12,7 +12,7 @@ from kubeinfer.server.api.errors import OpenAIError
 from kubeinfer.server.api.logprobs import completion_logprobs
 from kubeinfer.server.api.protocol import CompletionRequest
 from kubeinfer.server.api.responses import CompletionChoice, CompletionResponse, Usage
-from kubeinfer.server.api.sampling import check_context, check_token_ids, sampling_params
+from kubeinfer.server.api.sampling import check_context, sampling_params
 from kubeinfer.server.api.sse import sse_response
 from kubeinfer.server.api.state import ServerState, new_request_id
 from kubeinfer.server.api.streams import chain, submit
@@ -32,7 +32,6 @@ def _prompt_ids(body: CompletionRequest, state: ServerState) -> list[list[int]]:
     for token_ids in ids:
         if not token_ids:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        check_token_ids(token_ids, tokenizer.vocab_size, "prompt")
         check_context(len(token_ids), body.max_tokens, state.engine.max_model_len, "prompt")
     return ids
 

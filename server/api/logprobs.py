@@ -19,7 +19,10 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, L
         sampled = alternatives[token_id]
         result.tokens.append(sampled.decoded_token)
         result.token_logprobs.append(sampled.logprob)
-        result.top_logprobs.append({alt.decoded_token: alt.logprob for alt in alternatives.values()})
+        top: dict[str, float] = {}
+        for alt in sorted(alternatives.values(), key=lambda alt: alt.rank):
+            top.setdefault(alt.decoded_token, alt.logprob)  # byte pieces can share a string: keep the likelier
+        result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(sampled.decoded_token)
     return result

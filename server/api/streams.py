@@ -57,7 +57,7 @@ async def merged(request: Request, streams: list[AsyncIterator[RequestOutput]],
     """Yield `(stream_index, output)` as outputs arrive from any stream.
 
     Raises ClientDisconnected when the client leaves, also while the request still waits
-    for its first token. On the way out every stream is closed, then `on_close` runs.
+    for its first token. On the way out unfinished streams are aborted and `on_close` runs.
     """
     pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -75,14 +75,24 @@ async def merged(request: Request, streams: list[AsyncIterator[RequestOutput]],
                 pending[asyncio.ensure_future(anext(streams[index]))] = index
                 yield index, output
     finally:
+        # NOTE: closing the streams (which aborts their engine requests) runs in a task of its
+        # own: Starlette cancels a disconnected stream with an anyio scope that would cancel
+        # any await placed here again, leaving requests running.
         for task in (*pending, watcher):
             task.cancel()
-        await asyncio.gather(*pending, watcher, return_exceptions=True)
-        try:
-            for stream in streams:
-                await stream.aclose()  # type: ignore[attr-defined]
-        finally:
-            on_close()
+        cleanup = asyncio.ensure_future(_close(list(pending), streams))
+        _cleanups.add(cleanup)
+        cleanup.add_done_callback(_cleanups.discard)
+        on_close()
+
+
+_cleanups: set[asyncio.Future] = set()  # asyncio keeps only weak references to tasks
+
+
+async def _close(cancelled: list[asyncio.Future], streams: list[AsyncIterator[RequestOutput]]) -> None:
+    await asyncio.gather(*cancelled, return_exceptions=True)
+    for stream in streams:
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 async def chain(first: tuple[int, RequestOutput],

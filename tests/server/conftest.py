@@ -32,6 +32,39 @@ def serve_in_thread(app: object) -> Iterator[str]:
         thread.join(timeout=10)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def live_server():
     return serve_in_thread
+
+
+@contextlib.contextmanager
+def engine_server(model: str, *, api_keys: list[str] | None = None, max_queued_requests: int = 1024,
+                  **engine_kwargs: object) -> Iterator[tuple[str, object]]:
+    """The real AsyncEngine on `model` behind the real app; yields (base URL, ServerState)."""
+    import asyncio
+
+    from kubeinfer.server.api.app import build_app
+    from kubeinfer.server.api.state import ServerState
+    from kubeinfer.server.engine.async_engine import AsyncEngine
+    from kubeinfer.server.engine.config import EngineConfig
+
+    config = EngineConfig(model=model, dtype="float32", device="cpu", **engine_kwargs)  # type: ignore[arg-type]
+    engine = AsyncEngine.from_config(config)
+    try:
+        state = ServerState.create(engine, model, max_queued_requests)
+        with serve_in_thread(build_app(state, api_keys or [])) as url:
+            yield url, state
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from helpers.tiny_models import make_tiny_llama
+
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    return engine_server
