@@ -1,0 +1,101 @@
+"""The torch attention backend against a naive per-sequence reference over the same paged cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kubeinfer.server.model.attention import TorchAttention, get_attention_backend
+from kubeinfer.server.model.forward_batch import ForwardBatch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 8, 4, 48
+
+
+def _batch(seqs: list[tuple[int, int]], skip_rows: set[int] = frozenset()) -> tuple[ForwardBatch, list[list[int]]]:
+    """seqs = (cached tokens, new tokens) per sequence; shuffled, non-contiguous blocks."""
+    free = list(range(NUM_BLOCKS))
+    random.Random(1).shuffle(free)
+    slots, positions, tables, query_lens, seq_lens = [], [], [], [], []
+    for cached, new in seqs:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // BLOCK))]
+        tables.append(table)
+        for pos in range(cached, total):
+            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+            positions.append(pos)
+        query_lens.append(new)
+        seq_lens.append(total)
+    slots = [-1 if row in skip_rows else slot for row, slot in enumerate(slots)]
+    width = max(map(len, tables))
+    batch = ForwardBatch(
+        input_ids=torch.zeros(len(slots), dtype=torch.int64), positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                                    dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), logits_indices=torch.arange(len(slots)),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+    return batch, tables
+
+
+def _reference(q, k_cache, v_cache, seqs, tables, scale):
+    """Per sequence, per query: softmax over the visible keys read slot by slot."""
+    out, row = [], 0
+    for (cached, new), table in zip(seqs, tables):
+        for i in range(new):
+            visible = cached + i + 1
+            slot_ids = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(visible)]
+            keys = k_cache.view(-1, KV_HEADS, HEAD_DIM)[slot_ids].repeat_interleave(HEADS // KV_HEADS, 1)
+            values = v_cache.view(-1, KV_HEADS, HEAD_DIM)[slot_ids].repeat_interleave(HEADS // KV_HEADS, 1)
+            weights = torch.einsum("hd,khd->hk", q[row], keys).mul(scale).softmax(-1)
+            out.append(torch.einsum("hk,khd->hd", weights, values))
+            row += 1
+    return torch.stack(out)
+
+
+def _caches():
+    generator = torch.Generator().manual_seed(0)
+    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+@pytest.mark.parametrize("seqs", [
+    [(0, 11)],                               # lone prefill, no prefix: the causal fast path
+    [(9, 1), (0, 1), (30, 1), (4, 1)],        # decode-only
+    [(0, 7), (13, 1), (5, 6), (22, 1)],       # prefills, a chunk after a cached prefix, decodes
+    [(17, 5)],                               # one chunk on top of a cached prefix
+])
+def test_matches_reference_and_stores_kv(seqs):
+    batch, tables = _batch(seqs)
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(batch.num_tokens, HEADS, HEAD_DIM, generator=generator)
+    k = torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM, generator=generator)
+    v = torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM, generator=generator)
+    k_cache, v_cache = _caches()
+    out = TorchAttention().forward(q, k, v, k_cache, v_cache, batch, HEAD_DIM ** -0.5)
+    assert torch.equal(k_cache.view(-1, KV_HEADS, HEAD_DIM)[batch.slot_mapping], k)
+    assert torch.equal(v_cache.view(-1, KV_HEADS, HEAD_DIM)[batch.slot_mapping], v)
+    expected = _reference(q, k_cache, v_cache, seqs, tables, HEAD_DIM ** -0.5)
+    assert out.shape == (batch.num_tokens, HEADS, HEAD_DIM)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_skipped_slots_are_not_written():
+    seqs = [(0, 3), (6, 1)]
+    batch, _ = _batch(seqs, skip_rows={1})
+    k_cache, v_cache = _caches()
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    q = torch.randn(batch.num_tokens, HEADS, HEAD_DIM)
+    k = torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM)
+    TorchAttention().forward(q, k, k.clone(), k_cache, v_cache, batch, 1.0)
+    written = batch.slot_mapping[batch.slot_mapping >= 0]
+    untouched = torch.ones(NUM_BLOCKS * BLOCK, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(k_cache.view(NUM_BLOCKS * BLOCK, -1)[untouched], before_k.view(NUM_BLOCKS * BLOCK, -1)[untouched])
+    assert torch.equal(v_cache.view(NUM_BLOCKS * BLOCK, -1)[untouched], before_v.view(NUM_BLOCKS * BLOCK, -1)[untouched])
+    assert torch.equal(k_cache.view(-1, KV_HEADS, HEAD_DIM)[written], k[[0, 2, 3]])
+
+
+def test_cpu_device_gets_the_torch_backend():
+    assert isinstance(get_attention_backend(torch.device("cpu")), TorchAttention)
