@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "[env KUBEINFER_INFERENCESERVICE].")
     parser.add_argument("--namespace", default=_namespace(),
                         help="Its namespace [env POD_NAMESPACE, else the pod's own].")
-    parser.add_argument("--host", default="0.0.0.0", help="Address to bind.")
+    parser.add_argument("--host", default=env("KUBEINFER_HOST", "0.0.0.0"),
+                        help="Address to bind [env KUBEINFER_HOST].")
     parser.add_argument("--port", type=int, default=8080, help="Port to bind.")
     parser.add_argument("--activation-timeout", type=float,
                         default=float(env("KUBEINFER_ACTIVATION_TIMEOUT", "120")),
