@@ -14,6 +14,7 @@ from kubeinfer.operator.autoscaler.policy import ScalingPolicy
 from kubeinfer.operator.autoscaler.state import Reading, ScalerState
 
 RUNNING = "vllm:num_requests_running"  # requests being decoded: their pod must not be cut
+MAX_READINGS = 720  # status.autoscaler.samples maxItems; 1 s intervals keep the newest 12 min
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,14 @@ class Decision:
     state: ScalerState
     reason: str  # the numbers that drove it, for the Event and the log
     average: float | None  # the metric's sum over pods, averaged over the window; None on hold
-    proposal: int
+    proposal: int  # clamped to [minReplicas, maxReplicas]
     scrape_failures: int
+    needed: int  # ceil(average / target) before the clamp
 
     def to_status(self) -> dict[str, Any]:
         """`status.autoscaler`; on a hold the last average stays as it was."""
         extra = {} if self.average is None else {"averageValue": round(self.average, 6)}
-        return {**self.state.to_status(), **extra, "proposedReplicas": self.proposal,
+        return {**self.state.to_status(), **extra, "proposedReplicas": self.needed,
                 "scrapeErrors": self.scrape_failures}
 
 
@@ -57,11 +59,11 @@ def decide(policy: ScalingPolicy, samples: Sequence[PodSample], state: ScalerSta
         why = "no Ready pod could be scraped" if ready else "no pod is Ready yet"
         held = ScalerState(state.readings, None, None, current)
         return Decision(current, held, f"hold at {current}: {why} ({failures} scrape failures)",
-                        None, current, failures)
+                        None, current, failures, current)
 
     load = _tick_load(policy, scraped, failures, held_requests)
     readings = tuple(r for r in state.readings if r.time > now - policy.window_seconds)
-    readings += (Reading(now, load, len(scraped)),)
+    readings = (*readings, Reading(now, load, len(scraped)))[-MAX_READINGS:]
     average = sum(r.value for r in readings) / len(readings)
     needed = math.ceil(round(average / policy.target, 9))
     if held_requests > 0:
@@ -74,7 +76,7 @@ def decide(policy: ScalingPolicy, samples: Sequence[PodSample], state: ScalerSta
               f"failures, {held_requests} held) / target {policy.target:g} -> proposal "
               f"{proposal} [{policy.min_replicas}..{policy.max_replicas}]; {verdict}")
     return Decision(desired, replace(state, readings=readings, replicas=desired), reason,
-                    average, proposal, failures)
+                    average, proposal, failures, needed)
 
 
 def _tick_load(policy: ScalingPolicy, scraped: list[PodSample], failures: int,

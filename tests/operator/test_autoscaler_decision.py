@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kubeinfer.operator.autoscaler.decision import Decision, PodSample, decide
+from kubeinfer.operator.autoscaler.decision import MAX_READINGS, Decision, PodSample, decide
 from kubeinfer.operator.autoscaler.policy import ScalingPolicy
 from kubeinfer.operator.autoscaler.state import Reading, ScalerState
 
@@ -214,3 +214,14 @@ def test_malformed_status_restarts_empty_instead_of_crashing() -> None:
                                      "observedReplicas": True})
     assert state == ScalerState(readings=(Reading(2.0, 3.0, 1),))
     assert ScalerState.from_status(None) == ScalerState.from_status("junk") == ScalerState()
+
+
+def test_window_is_capped_at_the_status_schema_limit() -> None:
+    policy = ScalingPolicy(interval_seconds=1, window_seconds=3600, target=2, max_replicas=9)
+    state = ScalerState(tuple(Reading(float(t), 2.0, 1) for t in range(800)))
+    decision = decide(policy, pods(100), state, 1, 800.0)
+    assert len(decision.state.readings) == MAX_READINGS
+    assert decision.state.readings[-1] == Reading(800.0, 100.0, 1)
+    status = decision.to_status()
+    assert (status["proposedReplicas"], decision.proposal) == (2, 2)  # (719*2 + 100)/720 / 2
+    assert decide(policy, pods(40), ScalerState(), 1, 0.0).to_status()["proposedReplicas"] == 20
