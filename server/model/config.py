@@ -52,6 +52,12 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         self.eos_token_ids = frozenset(self.eos_token_ids)
 
+    @property
+    def max_context_len(self) -> int:
+        """Longest context this implementation serves exactly. Sliding-window attention (Mistral) is
+        not implemented, which is exact only while the context fits in the window."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> "ModelConfig":
         """From a parsed `config.json`: both the classic keys (`rope_theta`, `rope_scaling`) and

@@ -104,6 +104,9 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
     config = checkpoint.config
     logger.info("model %s: %s, %d layers, hidden %d; config and tokenizer read in %.2fs", checkpoint.name,
                 config.architecture, config.num_hidden_layers, config.hidden_size, time.perf_counter() - start)
+    if config.sliding_window:
+        logger.warning("sliding-window attention is not implemented: contexts are limited to the %d-token window",
+                       config.sliding_window)
 
     stage = time.perf_counter()
     with torch.device("meta"):

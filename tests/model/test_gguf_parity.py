@@ -3,7 +3,7 @@ and un-permutes q/k itself), in one prefill, in chunks over the paged cache, and
 
 Tolerance (float32, 30 layers, logits std ~8): one-shot prefill is bit-identical in practice;
 chunked prefill and decode change the reduction order inside attention (cached prefix + chunk),
-measured max |diff| ~1e-4, so we allow 2e-3 — still 4000x below the logit spread.
+measured max |diff| 7.7e-5, so we allow 2e-3 — still 4000x below the logit spread.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ def test_logits_match_transformers_prefill_chunks_and_decode(ours, reference_mod
 
 
 def test_bfloat16_tracks_float32(ours):
-    """bf16 weights and activations: the greedy next token is kept and logits stay close (measured
-    max |diff| ~0.5 on logits of std ~8 for this quantized model; we allow 1.5)."""
+    """bf16 weights and activations: the greedy next token is kept and logits stay close. Measured on
+    this prompt's last row: max |diff| 0.54 on logits of std ~8 (transformers' own bf16 run is 1.17 off
+    its float32 run over all rows); we allow 1.5."""
     prompt = ours.tokenizer.encode(ours.tokenizer.apply_chat_template(MESSAGES))
     bf16 = load_model("embedded", dtype="bfloat16", device="cpu")
     full = PagedRunner(ours.model, block_size=16, num_blocks=16).step([("a", prompt)])

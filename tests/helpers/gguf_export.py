@@ -1,0 +1,92 @@
+"""Write a tiny HF Llama as a GGUF the way llama.cpp's converter does (q/k rows permuted for its
+rotary layout, Llama-3 rope scaling baked into `rope_freqs`), optionally Q8_0-quantized.
+
+Q8_0 blocks run along rows and the permutation only reorders rows, so quantization commutes with
+it: the exporter also returns the transformers model with the same quantization round-trip applied,
+the exact reference the GGUF must reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight"}
+_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(name: str) -> str:
+    if name in _NAMES:
+        return _NAMES[name]
+    _, _, layer, *module, kind = name.split(".")
+    return f"blk.{layer}.{_BLOCK['.'.join(module)]}.{kind}"
+
+
+def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def export_llama_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
+                      qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0) -> torch.nn.Module:
+    """Write `out` and return `hf_model` with matrices replaced by their quantize/dequantize round-trip."""
+    config = hf_model.config
+    writer = GGUFWriter(out, "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(config.head_dim)
+    _add_tokenizer(writer, hf_dir)
+    with torch.no_grad():
+        if rope.get("rope_type") == "llama3":   # llama.cpp stores default_inv_freq / scaled_inv_freq
+            scaled = hf_model.model.rotary_emb.inv_freq.float()
+            default = 1.0 / (rope["rope_theta"] ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
+            writer.add_tensor("rope_freqs.weight", (default / scaled).numpy())
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+        for name, param in hf_model.state_dict().items():
+            gguf_name = _gguf_name(name)
+            value = param.float().numpy()
+            raw_dtype = None
+            if value.ndim == 2 and value.shape[1] % 32 == 0 and qtype != GGMLQuantizationType.F32:
+                value, raw_dtype = quants.quantize(value, qtype), qtype
+                param.copy_(torch.from_numpy(quants.dequantize(value, qtype)))
+            kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+            if kind in heads:
+                value = _llama_cpp_permute(value, heads[kind])
+            writer.add_tensor(gguf_name, value, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf_model
+
+
+def _add_tokenizer(writer: GGUFWriter, hf_dir: Path) -> None:
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {token["id"] for token in spec["added_tokens"] if token["special"]}
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if index in special else 1 for index in range(len(tokens))])
+    writer.add_token_merges(merges)
+    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    writer.add_bos_token_id(vocab[tokenizer_config["bos_token"]])
+    writer.add_eos_token_id(vocab[tokenizer_config["eos_token"]])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer_config["chat_template"])
