@@ -85,3 +85,13 @@ def test_503_with_retry_after_while_draining(server) -> None:
     finally:
         state.admission.draining = False
     assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_health_fails_once_the_engine_loop_stops(start_server, tiny_model_path) -> None:
+    import asyncio
+
+    with start_server(tiny_model_path, kv_cache_memory=2**20, max_model_len=64) as (url, state):
+        assert httpx.get(url + "/health").status_code == 200
+        asyncio.run(state.engine.shutdown())
+        error = _error(httpx.get(url + "/health"), 503)
+        assert error["message"] == "engine loop is not running"
