@@ -1,0 +1,119 @@
+"""`helm lint` and `helm template` of helm/kubeinfer, with the helm the local cluster builds.
+
+The binary comes from e2e.binaries (pinned, cached under ~/.cache/kubeinfer/bin), so unit
+tests and e2e use one helm; the first run builds it from the Go module proxy.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.binaries import binary, ensure
+from kubeinfer.operator import api
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "kubeinfer"
+KUBE_VERSION = "1.33.0"  # the local cluster's minor; helm's built-in default is older
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    ensure("helm")
+    return str(binary("helm"))
+
+
+def run(helm: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120)
+
+
+def render(helm: str, *sets: str) -> list[dict[str, Any]]:
+    flags = [arg for s in sets for arg in ("--set", s)]
+    result = run(helm, "template", "kubeinfer", str(CHART), "--namespace", "kubeinfer-system",
+                 "--kube-version", KUBE_VERSION, *flags)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def is_hook(doc: dict[str, Any]) -> bool:
+    return "helm.sh/hook" in (doc["metadata"].get("annotations") or {})
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The release's own objects of a kind (hooks such as the `helm test` pod left out)."""
+    return [d for d in docs if d["kind"] == kind and not is_hook(d)]
+
+
+def operator_args(docs: list[dict[str, Any]]) -> list[str]:
+    return by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_lint_is_clean(helm: str) -> None:
+    result = run(helm, "lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_default_install_is_cluster_wide_with_crds(helm: str) -> None:
+    docs = render(helm)
+    crds = {d["metadata"]["name"]: d for d in by_kind(docs, "CustomResourceDefinition")}
+    assert set(crds) == {api.CRD_NAME, "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+    assert crds[api.CRD_NAME]["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert "--all-namespaces" in operator_args(docs) and "--peering-name=kubeinfer" in operator_args(docs)
+    role = by_kind(docs, "ClusterRole")[0]
+    resources = {r for rule in role["rules"] for r in rule["resources"]}
+    assert {"inferenceservices", "inferenceservices/status", "deployments", "services",
+            "poddisruptionbudgets", "pods", "events", "clusterkopfpeerings"} <= resources
+    assert not by_kind(docs, "Role")
+    assert "secrets" not in resources  # least privilege: the operator never reads Secrets
+
+
+def test_namespaced_install_uses_roles(helm: str) -> None:
+    docs = render(helm, "watch.namespaces={team-a,team-b}")
+    args = operator_args(docs)
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    assert "--all-namespaces" not in args
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == ["team-a", "team-b"]
+    cluster_resources = {r for rule in by_kind(docs, "ClusterRole")[0]["rules"] for r in rule["resources"]}
+    assert cluster_resources == {"customresourcedefinitions", "namespaces"}
+
+
+def test_crds_can_be_left_out(helm: str) -> None:
+    assert not by_kind(render(helm, "crds.install=false"), "CustomResourceDefinition")
+
+
+def test_operator_pod_is_restricted_and_probed(helm: str) -> None:
+    pod = by_kind(render(helm), "Deployment")[0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["image"] == "kubeinfer/kubeinfer:0.1.0"
+
+
+def test_monitoring_objects_are_optional(helm: str) -> None:
+    assert not by_kind(render(helm), "PodMonitor")
+    docs = render(helm, "metrics.podMonitor.enabled=true", "metrics.serviceMonitor.enabled=true")
+    assert by_kind(docs, "PodMonitor")[0]["spec"]["namespaceSelector"] == {"any": True}
+    assert by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_dashboard_uses_the_engine_metric_names(helm: str) -> None:
+    config_map = next(d for d in by_kind(render(helm), "ConfigMap") if "dashboard" in d["metadata"]["name"])
+    dashboard = config_map["data"]["kubeinfer-engines.json"]
+    for metric in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                   "vllm:time_to_first_token_seconds", "kubeinfer_operator_reconciles_total"):
+        assert metric in dashboard
+
+
+def test_helm_test_hook_is_rendered(helm: str) -> None:
+    pods = [d for d in render(helm) if d["kind"] == "Pod" and is_hook(d)]
+    assert len(pods) == 1 and pods[0]["spec"]["restartPolicy"] == "Never"
+
+
+def test_values_schema_refuses_bad_values(helm: str) -> None:
+    result = run(helm, "template", "kubeinfer", str(CHART), "--kube-version", KUBE_VERSION,
+                 "--set", "operator.logLevel=loud")
+    assert result.returncode != 0 and "logLevel" in result.stderr
