@@ -16,7 +16,7 @@ from kubeinfer.server.api.responses import (AssistantMessage, ChatChoice, ChatCh
 from kubeinfer.server.api.sampling import check_context, sampling_params
 from kubeinfer.server.api.sse import sse_response
 from kubeinfer.server.api.state import ServerState, new_request_id
-from kubeinfer.server.api.streams import chain, submit
+from kubeinfer.server.api.streams import Indexed, chain, submit
 from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -68,8 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
 
 
 async def _stream(body: ChatCompletionRequest, state: ServerState, request_id: str, created: int,
-                  first: tuple[int, RequestOutput],
-                  outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[ChatCompletionChunk]:
+                  first: Indexed, outputs: AsyncIterator[Indexed]) -> AsyncIterator[ChatCompletionChunk]:
     def chunk(*choices: ChatChunkChoice, usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
                                    choices=list(choices), usage=usage)

@@ -15,7 +15,7 @@ from kubeinfer.server.api.responses import CompletionChoice, CompletionResponse,
 from kubeinfer.server.api.sampling import check_context, sampling_params
 from kubeinfer.server.api.sse import sse_response
 from kubeinfer.server.api.state import ServerState, new_request_id
-from kubeinfer.server.api.streams import chain, submit
+from kubeinfer.server.api.streams import Indexed, chain, submit
 from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -36,11 +36,14 @@ def _prompt_ids(body: CompletionRequest, state: ServerState) -> list[list[int]]:
     return ids
 
 
-def _choice(body: CompletionRequest, prompt_index: int, choice: CompletionOutput, text: str, token_ids: list[int], offset: int) -> CompletionChoice:
-    """`text` and `token_ids` are the part being sent (all of it, or a stream delta)."""
+def _choice(body: CompletionRequest, prompt_index: int, choice: CompletionOutput, text: str,
+            token_ids: list[int], offset: int) -> CompletionChoice:
+    """`text` and `token_ids` are the part being sent (all of it, or a stream delta) and
+    `offset` is where that text starts in the whole choice."""
     logprobs = None
     if body.logprobs is not None and choice.logprobs is not None:
-        logprobs = completion_logprobs(token_ids, choice.logprobs[len(choice.logprobs) - len(token_ids):], offset)
+        window = choice.logprobs[len(choice.logprobs) - len(token_ids):]
+        logprobs = completion_logprobs(token_ids, window, offset)
     return CompletionChoice(index=prompt_index * body.n + choice.index, text=text, logprobs=logprobs,
                             finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
 
@@ -66,8 +69,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
 
 
 async def _stream(body: CompletionRequest, state: ServerState, request_id: str, created: int,
-                  first: tuple[int, RequestOutput],
-                  outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[CompletionResponse]:
+                  first: Indexed, outputs: AsyncIterator[Indexed]) -> AsyncIterator[CompletionResponse]:
     usage = Usage()
     async for index, output in chain(first, outputs):
         for choice in output.outputs:

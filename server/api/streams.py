@@ -15,6 +15,9 @@ from kubeinfer.server.engine.outputs import RequestOutput
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
 
+Indexed = tuple[int, RequestOutput]  # (prompt index, output) from a multi-prompt request
+
+
 class ClientDisconnected(Exception):
     """The client closed the connection; its engine requests were aborted."""
 
@@ -53,7 +56,7 @@ async def _disconnected(request: Request) -> None:
 
 
 async def merged(request: Request, streams: list[AsyncIterator[RequestOutput]],
-                 on_close: Callable[[], None]) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 on_close: Callable[[], None]) -> AsyncIterator[Indexed]:
     """Yield `(stream_index, output)` as outputs arrive from any stream.
 
     Raises ClientDisconnected when the client leaves, also while the request still waits
@@ -95,8 +98,7 @@ async def _close(cancelled: list[asyncio.Future], streams: list[AsyncIterator[Re
         await stream.aclose()  # type: ignore[attr-defined]
 
 
-async def chain(first: tuple[int, RequestOutput],
-                rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
     """The peeked first output, then the rest of the merged stream."""
     yield first
     async for item in rest:
@@ -104,7 +106,7 @@ async def chain(first: tuple[int, RequestOutput],
 
 
 async def submit(state: ServerState, request: Request, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams) -> tuple[tuple[int, RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:
+                 params: SamplingParams) -> tuple[Indexed, AsyncIterator[Indexed]]:
     """Admit, start one engine request per prompt and wait for the first output.
 
     Waiting for it before any byte is sent lets engine validation errors still become a
@@ -120,9 +122,9 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
             state.admission.release(len(prompts))
 
     try:
-        streams = [measured(state.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                                  prompt, params), state.metrics, params.n)
-                   for i, prompt in enumerate(prompts)]
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = [measured(state.engine.generate(engine_id, prompt, params), state.metrics, params.n)
+                   for engine_id, prompt in zip(ids, prompts)]
         outputs = merged(request, streams, release)
         first = await anext(outputs)
     except BaseException:

@@ -157,3 +157,15 @@ def test_models_version_and_probes(client: openai.OpenAI, server) -> None:
     roundtrip = httpx.post(server[0] + "/detokenize", json={"tokens": httpx.post(
         server[0] + "/tokenize", json={"prompt": "fox"}).json()["tokens"]}).json()
     assert roundtrip["prompt"] == "fox"
+
+
+def test_chat_n_choices_stream_per_index(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], n=2, max_tokens=5,
+                  temperature=1.0, seed=7, extra_body=FIXED)
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 10
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
