@@ -108,13 +108,13 @@ def _pace(policy: ScalingPolicy, state: ScalerState, current: int, proposal: int
     state = replace(state, below_since=since, below_peak=peak)
     lower_for = now - since
     if lower_for < policy.scale_down_delay_seconds:
-        return current, (f"keep {current}: proposals lower for {lower_for:g}s of "
+        return current, (f"keep {current}: proposals lower for {lower_for:.0f}s of "
                          f"{policy.scale_down_delay_seconds:g}s (peak {peak})"), state
     if draining:
         return current, f"keep {current}: {draining} pods still draining", state
     desired = max(peak, busy, policy.min_replicas)
     if desired >= current:
         return current, f"keep {current}: {busy} replicas are decoding requests", state
-    return desired, (f"scale down {current} -> {desired} (every proposal for {lower_for:g}s "
+    return desired, (f"scale down {current} -> {desired} (every proposal for {lower_for:.0f}s "
                      f"was <= {peak}, {busy} decoding)"), replace(state, below_since=None,
                                                                   below_peak=None)
