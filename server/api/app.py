@@ -30,10 +30,17 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, state)
 
+    def card() -> ModelCard:
+        return ModelCard(id=state.model_name, root=state.model_source, max_model_len=state.engine.max_model_len)
+
     @router.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name, root=state.model_source,
-                                         max_model_len=state.engine.max_model_len)])
+        return ModelList(data=[card()])
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        state.check_model(model_id)
+        return card()
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -150,7 +150,9 @@ def test_token_id_prompts_and_prompt_lists(client: openai.OpenAI, server) -> Non
 
 def test_models_version_and_probes(client: openai.OpenAI, server) -> None:
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == [MODEL] and client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
     assert httpx.get(server[0] + "/version").json()["version"]
     assert httpx.get(server[0] + "/health").status_code == 200
     assert httpx.get(server[0] + "/ready").status_code == 200
