@@ -7,6 +7,7 @@ Clients (the official SDKs, LangChain, vLLM's benchmark) branch on the status an
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -43,13 +44,21 @@ def error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
+# pydantic names the member of a union that failed ('str', 'list[int]') in the error location
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|[\w-]+\[.*\])$")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """First pydantic error as 'field: reason', without echoing the client's input back."""
     first = exc.errors()[0]
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None
-    field = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+    parts = [str(part) for part in first.get("loc", ()) if part != "body"]
     reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if parts and _UNION_MEMBER.match(parts[-1]):
+        parts = parts[:-1]
+        reason = "value has none of the accepted types"
+    field = ".".join(parts) or None
     return (f"{field}: {reason}" if field else reason), field
 
 

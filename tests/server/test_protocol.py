@@ -50,6 +50,11 @@ async def test_validation_error_is_400_in_openai_shape() -> None:
     assert error["message"].startswith("n: ")
 
 
+async def test_union_type_errors_name_the_field_not_the_member() -> None:
+    error = _error(await _post(_app([]), {"prompt": [["a"]]}))
+    assert error["param"] == "prompt" and error["message"] == "prompt: value has none of the accepted types"
+
+
 async def test_missing_field_and_bad_json_are_400() -> None:
     assert _error(await _post(_app([]), {"model": "x"}))["param"] == "prompt"
     response = await _post(_app([]), content=b"{not json", headers={"content-type": "application/json"})
