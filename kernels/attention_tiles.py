@@ -39,16 +39,20 @@ def tanh(x):
 
 
 @triton.jit
-def attend_tiles(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+def attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
                  query_pos, row_valid, seq_len, tile_lo, tile_hi, scale, softcap, sliding_window,
                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 head_dim, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 head_dim, BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  TILE_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """Fold KV tiles [tile_lo, tile_hi) into the running (max, sum, acc); scores in log2 units.
+    """Online softmax over KV tiles [tile_lo, tile_hi); returns (row max, row sum, unnormalised out).
 
-    `query_pos` [BLOCK_M] holds each row's absolute position: a row sees keys at or before it
-    (causal within the chunk, everything of the cached prefix), within the window if any.
+    Scores are kept in log2 units (exp2 is the fast path). `query_pos` [BLOCK_M] holds each
+    row's absolute position: a row sees keys at or before it (causal within the chunk, all of
+    the cached prefix), within the window if any.
     """
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = offs_d < head_dim
     for tile in range(tile_lo, tile_hi):
@@ -83,14 +87,18 @@ def attend_tiles(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
 
 
 @triton.jit
-def kv_tile_range(query_pos_first, query_pos_last, seq_len, sliding_window,
-                  TILE_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """KV tiles a q block can see: up to its last query, from its first query's window start."""
-    kv_end = tl.minimum(seq_len, query_pos_last + 1)
-    tile_hi = tl.cdiv(kv_end, TILE_SIZE)
+def kv_tile_range(query_pos_first, query_pos_last, seq_len, sliding_window, split,
+                  NUM_SPLITS: tl.constexpr, TILE_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """The KV tiles this program folds: those its q block can see (up to its last query, from its
+    first query's window start), cut into NUM_SPLITS even slices, of which it takes `split`."""
+    tile_hi = tl.cdiv(tl.minimum(seq_len, query_pos_last + 1), TILE_SIZE)
     tile_lo = 0
     if USE_WINDOW:
         tile_lo = tl.maximum(query_pos_first - sliding_window + 1, 0) // TILE_SIZE
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
     return tile_lo, tile_hi
 
 

@@ -1,4 +1,8 @@
-"""The KV-cache store kernel against the torch reference, under the interpreter."""
+"""The KV-cache store kernel against the torch reference, under the interpreter.
+
+The store only moves bytes, so bfloat16 runs here too (the interpreter cannot do bf16
+arithmetic, but it copies bf16 exactly).
+"""
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ def _caches(num_blocks, block_size, kv_heads, head_dim, dtype):
     return k_cache, torch.randn_like(k_cache)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads,head_dim,block_size", [(8, 64, 16), (2, 128, 32), (1, 64, 16), (5, 80, 16)])
 def test_store_matches_reference_and_skips_padding(kv_heads, head_dim, block_size, dtype):
     num_blocks = 6

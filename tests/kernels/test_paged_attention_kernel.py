@@ -48,6 +48,16 @@ def test_head_dim_not_a_power_of_two():
     _check(make_paged_batch(BATCH_KINDS["mixed"], 4, 2, 80, 16, torch.float32, seed=3))
 
 
+def test_queries_as_views_of_a_fused_qkv_output():
+    """The model rotates q in place inside its qkv projection output: rows are strided."""
+    batch = make_paged_batch(BATCH_KINDS["mixed"], 8, 2, 64, 16, torch.float32, seed=5)
+    qkv = torch.randn(batch.q.shape[0], (8 + 2 + 2) * 64)
+    qkv[:, :512] = batch.q.flatten(1)
+    batch.q = qkv[:, :512].view(-1, 8, 64)
+    assert not batch.q.is_contiguous()
+    _check(batch)
+
+
 def test_padding_rows_past_the_last_sequence_are_left_alone():
     batch = make_paged_batch(BATCH_KINDS["decode"], 8, 2, 64, 16, torch.float32)
     batch.q = torch.cat([batch.q, torch.randn(3, 8, 64)])   # CUDA-graph style padding tokens
