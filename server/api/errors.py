@@ -63,6 +63,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    from kubeinfer.server.engine.async_engine import EngineDeadError
     from kubeinfer.server.engine.sampling_params import InvalidRequestError
 
     @app.exception_handler(OpenAIError)
@@ -77,6 +78,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def _engine_rejected(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return error_response(OpenAIError(400, str(exc)))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        logger.error("request refused: %s", exc)  # /health already fails; the kubelet restarts us
+        return error_response(OpenAIError(503, "the engine is not running; retry on another replica"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
