@@ -106,3 +106,22 @@ def test_shared_prefix_groups_share_their_prefix() -> None:
     assert len(requests) == 6 and len(prefixes) == 2
     assert all(len(r.prompt) == 20 for r in requests)
     assert len({tuple(r.prompt) for r in requests}) == 6
+
+
+def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path: Path) -> None:
+    import importlib.util
+
+    import pytest
+
+    from kubeinfer.server.bench.serve_client import RequestResult
+    from kubeinfer.server.bench.serve_report import plot, summarize
+
+    result = RequestResult(True, prompt_tokens=5, output_tokens=3, ttft=0.1, e2e=0.3, itl=[0.1, 0.1])
+    reports = [summarize([result], 1.0, level, float("inf")) for level in (1, 4)]
+    target = tmp_path / "sweep.png"
+    if importlib.util.find_spec("matplotlib") is None:
+        with pytest.raises(SystemExit, match="pip install matplotlib"):
+            plot(reports, str(target), "run")
+        return
+    plot(reports, str(target), "run")
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
