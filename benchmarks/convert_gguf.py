@@ -6,6 +6,7 @@ so vLLM, kubeinfer and transformers load the very weights llama.cpp serves from 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,9 +19,13 @@ def convert(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
                                                  quantization_config=quantization)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.config.quantization_config = None  # the output is plain dense bf16
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    # The output is plain dense bf16: no quantization entry for loaders (vLLM) to act on.
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)
+    config_path.write_text(json.dumps(config, indent=2))
 
 
 if __name__ == "__main__":
