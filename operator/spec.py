@@ -53,9 +53,11 @@ class Section(BaseModel):
 
 
 def section(model: type[Section], description: str) -> Any:
-    """A nested object that defaults to `{}`, so the API server fills its own defaults in."""
+    """A nested object present even when omitted. Its CRD default is spelled out in full: the
+    API server checks a default against the object's CEL rules without filling it in first."""
+    default = model().model_dump(mode="json", by_alias=True, exclude_none=True)
     return Field(default_factory=model, description=description,
-                 json_schema_extra={"default": {}})
+                 json_schema_extra={"default": default})
 
 
 class SecretKeyRef(Section):
