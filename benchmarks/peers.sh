@@ -15,6 +15,7 @@ RESULTS="${RESULTS:-$REPO/benchmarks/results}"
 THREADS="${THREADS:-$(nproc)}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 VLLM_TORCH="${VLLM_TORCH:-2.13.0}"
+# LLAMA_CPP_PYTHON_VERSION: the sdist whose vendored llama.cpp is built (default: the latest)
 NUM_PROMPTS="${NUM_PROMPTS:-64}"
 HOST=127.0.0.1
 PORT="${PORT:-8765}"
@@ -55,8 +56,18 @@ install_llamacpp() {
   [[ -x "$build/bin/llama-server" ]] && return
   log "llama-server from the llama-cpp-python sdist's vendored llama.cpp"
   mkdir -p "$PEERS/src"
-  "$PY" -m pip download -q --no-deps --no-binary :all: -d "$PEERS/src" llama-cpp-python
-  local sdist; sdist="$(ls -t "$PEERS"/src/llama_cpp_python-*.tar.gz | head -1)"
+  # The sdist itself: `pip download --no-binary` would build its build backend from source too.
+  local url; url="$("$PY" - "${LLAMA_CPP_PYTHON_VERSION:-}" <<'EOF'
+import json, sys, urllib.parse, urllib.request
+version = f"/{sys.argv[1]}" if sys.argv[1] else ""
+index = f"https://pypi.org/pypi/llama-cpp-python{version}/json"
+meta = json.load(urllib.request.urlopen(index))
+sdist = next(f["url"] for f in meta["urls"] if f["packagetype"] == "sdist")
+print(urllib.parse.urljoin(index, sdist))  # mirrors may answer with relative URLs
+EOF
+)"
+  local sdist="$PEERS/src/${url##*/}"
+  [[ -f "$sdist" ]] || curl -sSfL -o "$sdist" "$url"
   tar -xzf "$sdist" -C "$PEERS/src"
   local src="${sdist%.tar.gz}/vendor/llama.cpp"
   cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON \
