@@ -92,8 +92,8 @@ class LlamaForCausalLM(nn.Module):
             if proj in PACKED_MODULES:
                 merged, shard = PACKED_MODULES[proj]
                 target = f"{parent}.{merged}.{kind}"
-                self._param(params, target)
-                self.get_submodule(f"{parent}.{merged}").load_shard(params[target], tensor, shard)
+                param = self._param(params, target)
+                self.get_submodule(f"{parent}.{merged}").load_shard(param, tensor, shard)
                 loaded.add(f"{target}#{shard}")
                 continue
             param = self._param(params, name)

@@ -14,6 +14,41 @@ import torch
 from kubeinfer.server.model.forward_batch import ForwardBatch
 
 
+def scattered_batch(seqs: list[tuple[int, int]], *, block_size: int, num_blocks: int, seed: int = 1,
+                    skip_rows: frozenset[int] = frozenset()) -> tuple[ForwardBatch, list[list[int]]]:
+    """One step for sequences given as (cached tokens, new tokens), with their blocks scattered over the
+    pool; `skip_rows` get slot -1. Returns the batch and each sequence's block table."""
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    slots, positions, tables, query_lens, seq_lens = [], [], [], [], []
+    for cached, new in seqs:
+        table = [free.pop() for _ in range(-(-(cached + new) // block_size))]
+        for pos in range(cached, cached + new):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            positions.append(pos)
+        tables.append(table)
+        query_lens.append(new)
+        seq_lens.append(cached + new)
+    slots = [-1 if row in skip_rows else slot for row, slot in enumerate(slots)]
+    return _forward_batch([0] * len(slots), positions, slots, tables, query_lens, seq_lens,
+                          list(range(len(slots))), torch.device("cpu")), tables
+
+
+def _forward_batch(ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+                   query_lens: list[int], seq_lens: list[int], logits_rows: list[int],
+                   device: torch.device) -> ForwardBatch:
+    width = max(len(table) for table in tables)
+    tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+    return ForwardBatch(
+        input_ids=tensor(ids, torch.int64), positions=tensor(positions, torch.int64),
+        slot_mapping=tensor(slots, torch.int64),
+        block_tables=tensor([table + [0] * (width - len(table)) for table in tables], torch.int32),
+        query_start_loc=tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32), logits_indices=tensor(logits_rows, torch.int64),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+
+
 @dataclass
 class _Sequence:
     length: int = 0
@@ -50,16 +85,7 @@ class PagedRunner:
             query_lens.append(len(tokens))
             seq_lens.append(seq.length)
             tables.append(list(seq.blocks))
-        width = max(len(table) for table in tables)
-        tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
-        return ForwardBatch(
-            input_ids=tensor(ids, torch.int64), positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor([table + [0] * (width - len(table)) for table in tables], torch.int32),
-            query_start_loc=tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32), logits_indices=tensor(logits_rows, torch.int64),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        return _forward_batch(ids, positions, slots, tables, query_lens, seq_lens, logits_rows, self.device)
 
     def step(self, chunks: list[tuple[str, list[int]]], all_logits: bool = False) -> torch.Tensor:
         """float32 logits: the last token of each chunk, or every token with `all_logits`."""

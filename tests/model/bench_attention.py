@@ -11,39 +11,24 @@ instead of `index_select`, and K/V expanded to all heads instead of `enable_gqa`
 from __future__ import annotations
 
 import argparse
-import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-from kubeinfer.server.model.attention import TorchAttention
-from kubeinfer.server.model.forward_batch import ForwardBatch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, for `helpers` when run as a script
+from helpers.paged import scattered_batch  # noqa: E402
+
+from kubeinfer.server.model.attention import TorchAttention  # noqa: E402
+from kubeinfer.server.model.forward_batch import ForwardBatch  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 9, 3, 64, 16, 2048
 
 
 def make_batch(seqs: list[tuple[int, int]]) -> ForwardBatch:
-    """seqs = (cached, new) tokens per sequence, blocks scattered over the pool."""
-    free = list(range(NUM_BLOCKS))
-    random.Random(0).shuffle(free)
-    slots, positions, tables, query_lens, seq_lens = [], [], [], [], []
-    for cached, new in seqs:
-        table = [free.pop() for _ in range(-(-(cached + new) // BLOCK))]
-        for pos in range(cached, cached + new):
-            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
-            positions.append(pos)
-        tables.append(table)
-        query_lens.append(new)
-        seq_lens.append(cached + new)
-    width = max(map(len, tables))
-    return ForwardBatch(
-        input_ids=torch.zeros(len(slots), dtype=torch.int64), positions=torch.tensor(positions),
-        slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), logits_indices=torch.arange(len(slots)),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+    return scattered_batch(seqs, block_size=BLOCK, num_blocks=NUM_BLOCKS)[0]
 
 
 def timed(fn, repeat: int = 20) -> float:

@@ -2,41 +2,17 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from helpers.paged import scattered_batch
 
 from kubeinfer.server.model.attention import TorchAttention, get_attention_backend
-from kubeinfer.server.model.forward_batch import ForwardBatch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 8, 4, 48
 
 
-def _batch(seqs: list[tuple[int, int]], skip_rows: set[int] = frozenset()) -> tuple[ForwardBatch, list[list[int]]]:
-    """seqs = (cached tokens, new tokens) per sequence; shuffled, non-contiguous blocks."""
-    free = list(range(NUM_BLOCKS))
-    random.Random(1).shuffle(free)
-    slots, positions, tables, query_lens, seq_lens = [], [], [], [], []
-    for cached, new in seqs:
-        total = cached + new
-        table = [free.pop() for _ in range(-(-total // BLOCK))]
-        tables.append(table)
-        for pos in range(cached, total):
-            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
-            positions.append(pos)
-        query_lens.append(new)
-        seq_lens.append(total)
-    slots = [-1 if row in skip_rows else slot for row, slot in enumerate(slots)]
-    width = max(map(len, tables))
-    batch = ForwardBatch(
-        input_ids=torch.zeros(len(slots), dtype=torch.int64), positions=torch.tensor(positions),
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                                                    dtype=torch.int32),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), logits_indices=torch.arange(len(slots)),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-    return batch, tables
+def _batch(seqs: list[tuple[int, int]], skip_rows: frozenset[int] = frozenset()):
+    return scattered_batch(seqs, block_size=BLOCK, num_blocks=NUM_BLOCKS, skip_rows=skip_rows)
 
 
 def _reference(q, k_cache, v_cache, seqs, tables, scale):
