@@ -57,9 +57,10 @@ def decide(policy: ScalingPolicy, samples: Sequence[PodSample], state: ScalerSta
         state = replace(state, below_since=None, below_peak=None)  # restart the scale-down clock
     if (ready and not scraped) or (current > 0 and not ready):
         why = "no Ready pod could be scraped" if ready else "no pod is Ready yet"
-        held = ScalerState(state.readings, None, None, current)
-        return Decision(current, held, f"hold at {current}: {why} ({failures} scrape failures)",
-                        None, current, failures, current)
+        bounded = min(max(current, policy.min_replicas), policy.max_replicas)  # bounds still hold
+        held = ScalerState(state.readings, None, None, bounded)
+        return Decision(bounded, held, f"hold at {current} -> {bounded}: {why} ({failures} "
+                        f"scrape failures)", None, bounded, failures, bounded)
 
     load = _tick_load(policy, scraped, failures, held_requests)
     readings = tuple(r for r in state.readings if r.time > now - policy.window_seconds)
@@ -69,7 +70,7 @@ def decide(policy: ScalingPolicy, samples: Sequence[PodSample], state: ScalerSta
     if held_requests > 0:
         needed = max(needed, 1)  # a held request needs one pod whatever the metric says
     proposal = min(max(needed, policy.min_replicas), policy.max_replicas)
-    busy = sum(1 for s in scraped if s.gauges.get(RUNNING, 0.0) > 0) + failures  # type: ignore[union-attr]
+    busy = sum(1 for s in scraped if _gauge(s, RUNNING) > 0) + failures
     desired, verdict, state = _pace(policy, state, current, proposal, now, busy, draining)
     reason = (f"{policy.metric} {average:.2f} averaged over {len(readings)} samples "
               f"(now {load:.2f} from {len(scraped)}/{len(ready)} Ready pods, {failures} scrape "
@@ -82,10 +83,14 @@ def decide(policy: ScalingPolicy, samples: Sequence[PodSample], state: ScalerSta
 def _tick_load(policy: ScalingPolicy, scraped: list[PodSample], failures: int,
                held_requests: int) -> float:
     """Sum over scraped pods; a failed pod counts as at least `target`, never as idle."""
-    values = [sum(s.gauges.get(g, 0.0) for g in policy.gauges) for s in scraped]  # type: ignore[union-attr]
+    values = [sum(_gauge(s, g) for g in policy.gauges) for s in scraped]
     imputed = max(sum(values) / len(values), policy.target) if values else policy.target
     queued = held_requests if policy.metric != "kvCacheUsage" else 0
     return sum(values) + failures * imputed + queued
+
+
+def _gauge(sample: PodSample, name: str) -> float:
+    return (sample.gauges or {}).get(name, 0.0)
 
 
 def _pace(policy: ScalingPolicy, state: ScalerState, current: int, proposal: int, now: float,

@@ -57,7 +57,8 @@ async def run_tick(kube: ScaleApi, http: httpx.AsyncClient, namespace: str, name
                                     isvc["metadata"].get("resourceVersion"))
             scaled = True
             status["lastScaleTime"] = _rfc3339(now)
-            metrics.SCALE_EVENTS.labels(*labels, "up" if decision.desired > current else "down").inc()
+            direction = "up" if decision.desired > current else "down"
+            metrics.SCALE_EVENTS.labels(*labels, direction).inc()
         except Conflict as error:  # decide again next tick from what changed
             log.info("%s/%s: not scaling this tick: %s", namespace, name, error)
             return Tick(isvc, current, decision, False)

@@ -120,6 +120,7 @@ def test_min_and_max_clamp_the_proposal(waiting: float, expected: int) -> None:
 def test_replicas_outside_the_bounds_are_clamped_at_once() -> None:
     policy = ScalingPolicy(min_replicas=1, max_replicas=2, target=1)
     assert decide(policy, pods(0, 0, 0, 0, 0), ScalerState(), 5, 0.0).desired == 2
+    assert decide(policy, pods(not_ready=5), ScalerState(), 5, 0.0).desired == 2  # even on hold
 
 
 def test_never_below_replicas_with_requests_in_flight() -> None:
@@ -210,7 +211,7 @@ def test_malformed_status_restarts_empty_instead_of_crashing() -> None:
     state = ScalerState.from_status({"samples": ["junk", {"time": "x", "value": 1, "pods": 1},
                                                  {"time": "1970-01-01T00:00:02Z", "value": 3,
                                                   "pods": 1}],
-                                     "belowSince": "1970-01-01T00:00:01Z",  # peak lost: clock restarts
+                                     "belowSince": "1970-01-01T00:00:01Z",  # without its peak
                                      "observedReplicas": True})
     assert state == ScalerState(readings=(Reading(2.0, 3.0, 1),))
     assert ScalerState.from_status(None) == ScalerState.from_status("junk") == ScalerState()

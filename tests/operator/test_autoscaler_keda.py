@@ -32,8 +32,8 @@ def scaledobject_schema() -> dict[str, Any]:
         pytest.skip("needs the Go toolchain to fetch KEDA's CRD from its module")
     listing = subprocess.run(["go", "mod", "download", "-json", KEDA_MODULE], check=True,
                              capture_output=True, text=True, timeout=600)
-    crd_file = Path(json.loads(listing.stdout)["Dir"]) / "config/crd/bases/keda.sh_scaledobjects.yaml"
-    crd = yaml.safe_load(crd_file.read_text())
+    module_dir = Path(json.loads(listing.stdout)["Dir"])
+    crd = yaml.safe_load((module_dir / "config/crd/bases/keda.sh_scaledobjects.yaml").read_text())
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")
     return strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
 
