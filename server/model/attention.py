@@ -43,7 +43,7 @@ class _StepLayout:
     self_causal: bool                  # one sequence, no cached prefix: causal over its own k/v
 
 
-def _layout(batch: ForwardBatch, block_size: int) -> _StepLayout:
+def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None) -> _StepLayout:
     device = batch.input_ids.device
     valid = batch.slot_mapping >= 0
     all_valid = bool(valid.all())
@@ -56,6 +56,8 @@ def _layout(batch: ForwardBatch, block_size: int) -> _StepLayout:
     # Query i of a sequence with context L and q new tokens sees keys j <= L - q + i (and j < L).
     last_visible = (seq_lens - query_lens)[:, None] + query_pos[None, :]
     key_mask = (key_pos[None, None, :] <= last_visible[:, :, None]) & (key_pos < seq_lens[:, None, None])
+    if sliding_window is not None:   # Mistral-style: a query sees only the last `sliding_window` positions
+        key_mask &= key_pos[None, None, :] > last_visible[:, :, None] - sliding_window
     query_index = None
     if max_q > 1:
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens)
@@ -67,7 +69,8 @@ def _layout(batch: ForwardBatch, block_size: int) -> _StepLayout:
         context_blocks=batch.block_tables[:, :blocks_per_seq].to(torch.int64).reshape(-1),
         key_mask=key_mask[:, None],
         query_index=query_index,
-        self_causal=num_seqs == 1 and batch.query_lens_cpu[0] == batch.seq_lens_cpu[0] and all_valid,
+        self_causal=(num_seqs == 1 and batch.query_lens_cpu[0] == batch.seq_lens_cpu[0] and all_valid
+                     and (sliding_window is None or batch.max_seq_len <= sliding_window)),
     )
 
 
@@ -78,14 +81,15 @@ class TorchAttention:
     the ForwardBatch object: the engine builds a new ForwardBatch per step (never mutates one).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window
         self._batch: ForwardBatch | None = None
         self._layout: _StepLayout | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if batch is not self._batch:   # first layer of a new step
-            self._batch, self._layout = batch, _layout(batch, k_cache.shape[1])
+            self._batch, self._layout = batch, _layout(batch, k_cache.shape[1], self.sliding_window)
         layout = self._layout
         self._store(k, v, k_cache, v_cache, layout)
         if layout.self_causal:
@@ -123,12 +127,13 @@ class TorchAttention:
         return context.transpose(1, 2)
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """The torch path on CPU; on CUDA the Triton backend once `attention_triton.py` exists."""
+def get_attention_backend(device: torch.device, sliding_window: int | None = None) -> AttentionBackend:
+    """The torch path on CPU; on CUDA the Triton backend once `attention_triton.py` exists.
+    `sliding_window`: attend to the last N positions only (Mistral); None = full causal attention."""
     if device.type == "cuda":
         # Selection point for the Triton kernels: used as soon as attention_triton.py exists.
         if importlib.util.find_spec(f"{__package__}.attention_triton") is not None:
             from .attention_triton import TritonAttention
 
-            return TritonAttention()
-    return TorchAttention()
+            return TritonAttention(sliding_window=sliding_window)
+    return TorchAttention(sliding_window)

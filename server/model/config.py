@@ -52,12 +52,6 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         self.eos_token_ids = frozenset(self.eos_token_ids)
 
-    @property
-    def max_context_len(self) -> int:
-        """Longest context this implementation serves exactly. Sliding-window attention (Mistral) is
-        not implemented, which is exact only while the context fits in the window."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
-
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> "ModelConfig":
         """From a parsed `config.json`: both the classic keys (`rope_theta`, `rope_scaling`) and
@@ -70,6 +64,8 @@ class ModelConfig:
             rope.setdefault("rope_type", rope.pop("type"))
         eos = config.get("eos_token_id")
         use_sliding = config.get("use_sliding_window", model_type == "mistral")
+        if len(set(config.get("layer_types") or [])) > 1 or (model_type == "qwen2" and use_sliding):
+            raise ValueError("models that mix sliding-window and full-attention layers are not supported")
         return cls(
             architecture=model_type,
             vocab_size=config["vocab_size"],

@@ -104,13 +104,10 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
     config = checkpoint.config
     logger.info("model %s: %s, %d layers, hidden %d; config and tokenizer read in %.2fs", checkpoint.name,
                 config.architecture, config.num_hidden_layers, config.hidden_size, time.perf_counter() - start)
-    if config.sliding_window:
-        logger.warning("sliding-window attention is not implemented: contexts are limited to the %d-token window",
-                       config.sliding_window)
 
     stage = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, get_attention_backend(torch_device)).to(torch_dtype)
+        model = LlamaForCausalLM(config, get_attention_backend(torch_device, config.sliding_window)).to(torch_dtype)
     model.to_empty(device=torch_device)
     model.model.rotary_emb.reset_inv_freq(torch_device)
     model.load_weights((name, tensor.to(torch_device)) for name, tensor in checkpoint.weights(torch_dtype))

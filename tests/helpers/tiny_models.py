@@ -131,6 +131,17 @@ def build_tiny_qwen2(tmp_path: Path, *, tie_word_embeddings: bool = False, num_k
     return _build(tmp_path, config, seed, add_bos_token, generation_config, name)
 
 
+def build_tiny_mistral(tmp_path: Path, *, sliding_window: int = 8, num_kv_heads: int = 2, seed: int = 0,
+                       name: str = "tiny-mistral") -> tuple[Path, torch.nn.Module]:
+    """A 2-layer Mistral with a small sliding window (to exercise windowed attention) and its transformers model."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, sliding_window=sliding_window,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                           bos_token_id=BOS_ID, eos_token_id=EOS_ID, **_DIMS)
+    return _build(tmp_path, config, seed, False, None, name)
+
+
 def make_tiny_llama(tmp_path: Path, **kwargs: Any) -> Path:
     """Path of a tiny Llama HF directory; keyword arguments as `build_tiny_llama`."""
     return build_tiny_llama(tmp_path, **kwargs)[0]

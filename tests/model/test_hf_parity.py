@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 from helpers.paged import PagedRunner
-from helpers.tiny_models import build_tiny_llama, build_tiny_qwen2
+from helpers.tiny_models import build_tiny_llama, build_tiny_mistral, build_tiny_qwen2
 
 from kubeinfer.server.model.loader import load_model
 
@@ -62,6 +62,13 @@ def test_llama3_rope_scaling_from_classic_config_keys(tmp_path):
     config["rope_scaling"] = rope
     (path / "config.json").write_text(json.dumps(config))
     assert load_model(str(path), "float32", "cpu").config.rope_scaling["rope_type"] == "llama3"
+    _check_prefill_chunks_and_decode(path, hf_model)
+
+
+def test_mistral_sliding_window(tmp_path):
+    """A window of 8 over a 25-token sequence: both the prefill and the chunked/decode paths must mask."""
+    path, hf_model = build_tiny_mistral(tmp_path, sliding_window=8)
+    assert load_model(str(path), "float32", "cpu").config.sliding_window == 8
     _check_prefill_chunks_and_decode(path, hf_model)
 
 
