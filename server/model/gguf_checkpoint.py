@@ -6,13 +6,14 @@ layout (pairs interleaved instead of halves); we undo that so weights match tran
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, loading_threads
 from .config import ModelConfig
 from .gguf_dequant import dequantize
 from .gguf_reader import GGUFFile
@@ -70,11 +71,12 @@ def read_gguf_file(path: Path) -> Checkpoint:
 
     def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in gguf.tensors.items():
-            value = dequantize(tensor, torch.float32 if name == "rope_freqs.weight" else dtype)
-            kind = name.split(".")[2] if name.startswith("blk.") else ""
-            if config.architecture == "llama" and kind in permuted_heads:
-                value = unpermute_rope_rows(value, permuted_heads[kind])
-            yield hf_name(name), value
+            with loading_threads(math.prod(tensor.shape)):
+                value = dequantize(tensor, torch.float32 if name == "rope_freqs.weight" else dtype)
+                kind = name.split(".")[2] if name.startswith("blk.") else ""
+                if config.architecture == "llama" and kind in permuted_heads:
+                    value = unpermute_rope_rows(value, permuted_heads[kind])
+                yield hf_name(name), value
 
     return Checkpoint(config=config, tokenizer=tokenizer, generation_defaults=defaults,
                       name=_QUANT_SUFFIX.sub("", path.stem), num_tensors=len(gguf.tensors), weights=weights)

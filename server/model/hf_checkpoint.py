@@ -4,6 +4,7 @@ generation_config.json."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -11,7 +12,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as BackendTokenizer
 
-from .checkpoint import GENERATION_KEYS, Checkpoint
+from .checkpoint import GENERATION_KEYS, Checkpoint, loading_threads
 from .config import ModelConfig
 from .tokenizer import Tokenizer
 
@@ -75,7 +76,9 @@ def read_hf_directory(path: Path) -> Checkpoint:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name).to(dtype)
+                    tensor = handle.get_slice(name)
+                    with loading_threads(math.prod(tensor.get_shape())):
+                        yield name, handle.get_tensor(name).to(dtype)
 
     num_tensors = 0
     for file in files:
