@@ -1,0 +1,41 @@
+"""The two layers tensor parallelism adds: a row-parallel linear and a vocab-parallel embedding.
+
+Column-parallel layers need no class of their own: a rank's q/k/v and gate/up are ordinary
+(merged) linears over its share of the output features, built from `ShardPlan.local_config()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+
+class RowParallelLinear(nn.Linear):
+    """o_proj / down_proj over this rank's input features; one all-reduce sums the partial outputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out)
+        return out
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [vocab_start, vocab_start + num_embeddings) of the table; other ranks fill the rest.
+
+    Each rank looks up the tokens it owns, zeroes the others, and an all-reduce assembles the
+    embeddings. Its weight doubles as this rank's slice of a tied lm_head.
+    """
+
+    def __init__(self, rows_per_rank: int, hidden_size: int, vocab_start: int) -> None:
+        super().__init__(rows_per_rank, hidden_size)
+        self.vocab_start = vocab_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        owned = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(torch.where(owned, local, 0), self.weight)
+        out.masked_fill_(~owned[:, None], 0)
+        dist.all_reduce(out)
+        return out

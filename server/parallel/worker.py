@@ -1,0 +1,78 @@
+"""A tensor-parallel worker process (ranks 1..N-1): load its shard, then run every step rank 0 sends."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..model.loader import read_checkpoint
+from .group import init_group
+from .model import KVCaches, TensorParallelLlama, load_shard
+from .plan import ShardPlan
+from .step_broadcast import receive_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a spawned worker needs (pickled once, at spawn)."""
+
+    source: str
+    dtype: torch.dtype
+    device: str
+    rank: int
+    size: int
+    port: int
+    block_size: int
+    log_level: int
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s tp-rank{spec.rank} %(name)s: "
+                                                     "%(message)s")
+    _exit_with_parent(os.getppid())
+    device = init_group(spec.rank, spec.size, spec.port, torch.device(spec.device))
+    start = time.perf_counter()
+    plan = ShardPlan(read_checkpoint(spec.source).config, spec.rank, spec.size)
+    model = load_shard(Path(spec.source), plan, spec.dtype, device)
+    log.info("rank %d/%d: shard of %d heads, %d KV heads loaded in %.2fs", spec.rank, spec.size, plan.num_heads,
+             plan.num_kv_heads, time.perf_counter() - start)
+    with torch.inference_mode():
+        serve_steps(model, spec, device)
+    dist.destroy_process_group()
+
+
+def serve_steps(model: TensorParallelLlama, spec: WorkerSpec, device: torch.device) -> None:
+    """Follow rank 0 step by step; the KV cache is sized by rank 0 and allocated on the first step."""
+    kv_caches: KVCaches | None = None
+    while (step := receive_step(device)) is not None:
+        batch, num_blocks = step
+        if kv_caches is None:
+            kv_caches = _allocate_kv_caches(model, num_blocks, spec.block_size, spec.dtype, device)
+        model.compute(batch, kv_caches)
+
+
+def _allocate_kv_caches(model: TensorParallelLlama, num_blocks: int, block_size: int, dtype: torch.dtype,
+                        device: torch.device) -> KVCaches:
+    shape = (num_blocks, block_size, model.plan.num_kv_heads, model.config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.config.num_hidden_layers)]
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker never outlives rank 0 (e.g. SIGKILLed): it notices being re-parented within a second."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kubeinfer-tp-parent-watch", daemon=True).start()
