@@ -40,13 +40,14 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
         settings.posting.level = logging.WARNING  # our own Events say what happened
         settings.execution.max_workers = workers
 
-    @kopf.on.resume(*ISVC, registry=registry)
-    @kopf.on.create(*ISVC, registry=registry)
-    @kopf.on.update(*ISVC, field="spec", registry=registry)
+    @kopf.on.resume(*ISVC, id="reconcile", registry=registry)
+    @kopf.on.create(*ISVC, id="reconcile", registry=registry)
+    @kopf.on.update(*ISVC, id="reconcile", field="spec", registry=registry)
     def on_spec(body: kopf.Body, reason: str, **_: Any) -> None:
         post(body, reconciler.reconcile(body, trigger=str(reason)))
 
-    @kopf.timer(*ISVC, interval=drift_seconds, initial_delay=drift_seconds, registry=registry)
+    @kopf.timer(*ISVC, id="drift", interval=drift_seconds, initial_delay=drift_seconds,
+                 registry=registry)
     def on_drift_timer(body: kopf.Body, **_: Any) -> None:
         post(body, reconciler.reconcile(body, trigger="drift"))
 
@@ -56,16 +57,17 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
         if owner is not None:
             post(owner, reconciler.reconcile(owner, trigger, apply=apply))
 
-    @kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)
+    @kopf.on.event("apps", "v1", "deployments", id="deployment", labels=OWNED, registry=registry)
     def on_deployment_event(body: kopf.Body, **_: Any) -> None:
         owner_changed(body, apply=True, trigger="deployment")  # a no-op apply when unchanged
 
-    @kopf.on.event("", "v1", "services", labels=OWNED, registry=registry)
-    @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OWNED, registry=registry)
+    @kopf.on.event("", "v1", "services", id="child", labels=OWNED, registry=registry)
+    @kopf.on.event("policy", "v1", "poddisruptionbudgets", id="child", labels=OWNED,
+                    registry=registry)
     def on_child_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         if event["type"] == "DELETED":
             owner_changed(body, apply=True, trigger="child-deleted")
 
-    @kopf.on.event("", "v1", "pods", labels=OWNED, registry=registry)
+    @kopf.on.event("", "v1", "pods", id="pod", labels=OWNED, registry=registry)
     def on_pod_event(body: kopf.Body, **_: Any) -> None:
         owner_changed(body, apply=False, trigger="pod")
