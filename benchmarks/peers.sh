@@ -3,7 +3,7 @@
 # one engine after the other, same model (SmolLM2-135M-Instruct from the embedded GGUF), same
 # seeded workloads, same streaming client (`kubeinfer bench serve`). See benchmarks/README.md.
 #
-#   benchmarks/peers.sh install            # peers' venvs/builds under $PEERS (idempotent, ~30 min)
+#   benchmarks/peers.sh install [peer...]  # llamacpp vllm: venvs/builds under $PEERS (idempotent, ~30 min)
 #   benchmarks/peers.sh run [engine...]    # kubeinfer vllm llamacpp transformers (default: all)
 #   benchmarks/peers.sh table              # markdown table of the last run -> stdout
 set -euo pipefail
@@ -134,7 +134,8 @@ run_engine() {
 }
 
 case "${1:-}" in
-  install) mkdir -p "$PEERS"; convert_model; install_llamacpp; install_vllm ;;
+  install) shift; mkdir -p "$PEERS"; convert_model
+           for peer in ${@:-llamacpp vllm}; do "install_$peer"; done ;;
   run) shift; mkdir -p "$RESULTS"; convert_model
        "$PY" "$REPO/benchmarks/versions.py" "$PEERS" > "$RESULTS/versions.json"
        for engine in "${@:-kubeinfer vllm llamacpp transformers}"; do
