@@ -35,7 +35,7 @@ def find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constex
 @triton.jit
 def tanh(x):
     """tanh from exp2, portable across the CUDA backend and the interpreter; saturates to +-1."""
-    return 1.0 - 2.0 / (tl.exp2(2.0 * LOG2E * x) + 1.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 @triton.jit
