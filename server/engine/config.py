@@ -41,8 +41,8 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported by this engine yet")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -18,6 +18,7 @@ from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SequenceStatus
 from .stats import EngineStats
+from .validation import check_fits, prompt_token_ids
 
 if TYPE_CHECKING:
     from ..model.loader import LoadedModel
@@ -29,6 +30,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: "LoadedModel | None" = None) -> None:
         from .model_runner import ModelRunner
 
+        if loaded is None and config.tensor_parallel_size > 1:  # TP hook: shards + worker processes
+            from ..parallel.launch import load_tensor_parallel
+
+            loaded = load_tensor_parallel(config)
         if loaded is None:
             from ..model.loader import load_model
 
@@ -70,32 +75,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
         params = params.with_defaults(self.generation_defaults)
         params.validate()
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = [int(t) for t in prompt]
-            bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token id {bad[0]} is out of vocabulary "
-                                          f"(size {self.model_config.vocab_size}).")
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty.")
-        limit, length = self.max_model_len, len(prompt_ids)
-        if length >= limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {length} input tokens, leaving no room for output. Please shorten it.")
-        if params.max_tokens is not None and length + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context "
-                f"length is {limit} tokens and your request has {length} input tokens "
-                f"({params.max_tokens} > {limit} - {length}).")
-        for token in params.stop_token_ids:
-            if not 0 <= token < self.model_config.vocab_size:
-                raise InvalidRequestError(f"stop_token_ids contains {token}, which is not a token "
-                                          f"of this model (vocabulary size "
-                                          f"{self.model_config.vocab_size}).")
-        request = Request(request_id, prompt_ids, params, self.eos_token_ids, limit)
+        vocab_size = self.model_config.vocab_size
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, vocab_size)
+        check_fits(len(prompt_ids), params, self.max_model_len, vocab_size)
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len)
         for seq in request.seqs:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..model.forward_batch import ForwardBatch
+from ..parallel.plan import kv_heads_per_rank
 from .config import EngineConfig
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -28,7 +29,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.block_size = config.block_size
         mc = loaded.config
-        shape = (config.block_size, mc.num_key_value_heads, mc.head_dim)
+        shape = (config.block_size, kv_heads_per_rank(mc, config.tensor_parallel_size), mc.head_dim)
         bytes_per_block = 2 * mc.num_hidden_layers * int(np.prod(shape)) * self.dtype.itemsize
         budget = self._kv_cache_budget(config)
         self.num_blocks = budget // bytes_per_block

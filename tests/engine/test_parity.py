@@ -17,14 +17,29 @@ from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.model.loader import load_model
 
-TINY_TOL = dict(tie_gap=1e-3, logprob=1e-4)  # float32, 2 layers
-SMOL_F32_TOL = dict(tie_gap=5e-3, logprob=5e-3)  # float32, 30 layers
-SMOL_BF16_TOL = dict(tie_gap=0.5, logprob=0.25)  # bfloat16 engine vs float32 transformers
+# tie_gap: logit gap allowed between the two chosen tokens where a sequence diverges;
+# logprob: |ours - transformers| for each token before that; max_diverged: prompts allowed to
+# diverge at a near-tie at all (bfloat16 rounding moves many near-ties).
+TINY_TOL = dict(tie_gap=1e-3, logprob=1e-4, max_diverged=1)  # float32, 2 layers
+SMOL_F32_TOL = dict(tie_gap=5e-3, logprob=5e-3, max_diverged=2)  # float32, 30 layers
+SMOL_BF16_TOL = dict(tie_gap=0.5, logprob=0.3, max_diverged=8)  # bf16 engine vs fp32 reference
+
+
+_references: dict[tuple[int, tuple[int, ...], int], tuple[list[int], torch.Tensor]] = {}
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int
               ) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and the log-softmax of its logits at each step."""
+    """transformers' greedy tokens and the log-softmax of its logits at each step (memoized:
+    the float32 and bfloat16 runs compare against the same reference)."""
+    key = (id(hf_model), tuple(prompt), max_new_tokens)
+    if key not in _references:
+        _references[key] = _hf_greedy(hf_model, prompt, max_new_tokens)
+    return _references[key]
+
+
+def _hf_greedy(hf_model, prompt: list[int], max_new_tokens: int
+               ) -> tuple[list[int], torch.Tensor]:
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
                                 do_sample=False, output_logits=True,
@@ -33,7 +48,8 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int
     return tokens, torch.stack([l[0].float() for l in out.logits]).log_softmax(-1)
 
 
-def assert_matches_hf(outputs, hf_model, prompts, max_new_tokens, tie_gap, logprob):
+def assert_matches_hf(outputs, hf_model, prompts, max_new_tokens, tie_gap, logprob,
+                      max_diverged):
     diverged = 0
     for output, prompt in zip(outputs, prompts):
         ours = output.outputs[0]
@@ -53,7 +69,7 @@ def assert_matches_hf(outputs, hf_model, prompts, max_new_tokens, tie_gap, logpr
                 break
         else:
             assert len(ours.token_ids) == len(ref_tokens), f"prompt {output.request_id}: length"
-    assert diverged <= len(prompts) // 4, f"{diverged} of {len(prompts)} prompts diverged"
+    assert diverged <= max_diverged, f"{diverged} of {len(prompts)} prompts diverged"
 
 
 GREEDY = dict(temperature=0.0, logprobs=2)
