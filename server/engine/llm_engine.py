@@ -73,10 +73,14 @@ class LLMEngine:
         """Validate and tokenize; raises InvalidRequestError with a client-facing message."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
+        explicit = params.explicit_fields
         params = params.with_defaults(self.generation_defaults)
         params.validate()
         vocab_size = self.model_config.vocab_size
         prompt_ids = prompt_token_ids(prompt, self.tokenizer, vocab_size)
+        room = self.max_model_len - len(prompt_ids)
+        if "max_tokens" not in explicit and params.max_tokens is not None and room > 0:
+            params.max_tokens = min(params.max_tokens, room)  # a default never overflows
         check_fits(len(prompt_ids), params, self.max_model_len, vocab_size)
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len)
         for seq in request.seqs:

@@ -155,3 +155,11 @@ def test_generation_defaults_apply_only_to_unset_fields(make_llm, random_prompts
     llm.engine.generation_defaults = {"temperature": 0.0, "top_k": 5}
     request = llm.engine.make_request("x", [5, 6], SamplingParams(top_k=2))
     assert request.params.temperature == 0.0 and request.params.top_k == 2
+
+
+def test_default_max_tokens_is_clamped_to_the_context(make_llm):
+    llm = make_llm(max_model_len=64)
+    llm.engine.generation_defaults = {"max_tokens": 1000}
+    assert llm.engine.make_request("d", [5] * 40, SamplingParams()).params.max_tokens == 24
+    with pytest.raises(InvalidRequestError, match="'max_tokens' is too large"):
+        llm.engine.make_request("e", [5] * 40, SamplingParams(max_tokens=1000))
