@@ -30,7 +30,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
         text = state.engine.tokenizer.apply_chat_template(
             [message.to_template() for message in messages], add_generation_prompt=add_generation_prompt,
             **kwargs)
-    except Exception as exc:  # a template raising on unexpected roles/content is the client's problem
+    except ValueError as exc:  # ChatTemplateError: the template refused these roles/contents
         raise OpenAIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
     return state.engine.tokenizer.encode(text, add_special_tokens=False)
 
