@@ -1,5 +1,5 @@
-"""Write a tiny HF Llama as a GGUF the way llama.cpp's converter does (q/k rows permuted for its
-rotary layout, Llama-3 rope scaling baked into `rope_freqs`), optionally Q8_0-quantized.
+"""Write a tiny HF Llama or Qwen2 as a GGUF the way llama.cpp's converter does (for `llama`: q/k rows
+permuted for its rotary layout, Llama-3 rope scaling baked into `rope_freqs`), Q8_0-quantized.
 
 Q8_0 blocks run along rows and the permutation only reorders rows, so quantization commutes with
 it: the exporter also returns the transformers model with the same quantization round-trip applied,
@@ -34,11 +34,12 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
         weight.shape)
 
 
-def export_llama_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
-                      qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0) -> torch.nn.Module:
+def export_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
+                qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0) -> torch.nn.Module:
     """Write `out` and return `hf_model` with matrices replaced by their quantize/dequantize round-trip."""
     config = hf_model.config
-    writer = GGUFWriter(out, "llama")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = GGUFWriter(out, config.model_type)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -48,14 +49,16 @@ def export_llama_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(head_dim)
     _add_tokenizer(writer, hf_dir)
     with torch.no_grad():
         if rope.get("rope_type") == "llama3":   # llama.cpp stores default_inv_freq / scaled_inv_freq
             scaled = hf_model.model.rotary_emb.inv_freq.float()
-            default = 1.0 / (rope["rope_theta"] ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
+            default = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
             writer.add_tensor("rope_freqs.weight", (default / scaled).numpy())
-        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+        # llama.cpp permutes only `llama` q/k (Qwen2 uses its NeoX rotary, the HF layout)
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} \
+            if config.model_type == "llama" else {}
         for name, param in hf_model.state_dict().items():
             gguf_name = _gguf_name(name)
             value = param.float().numpy()
