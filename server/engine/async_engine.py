@@ -140,9 +140,13 @@ class AsyncEngine:
             self._error = error
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"the engine loop failed: {error!r}"))
-        finally:
+        finally:  # shutting down: whoever still waits gets a final "abort" output
+            if self._error is None:
+                self._drain_inbox()
             for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
+                final = self.engine.abort_request(request_id)
+                if final is not None and self._error is None:
+                    self._deliver(request_id, final)
             self._publish_stats()
 
     def _drain_inbox(self) -> None:

@@ -85,3 +85,14 @@ async def test_abort_ends_the_stream_with_abort(engine):
     await _wait_idle(engine)
     assert engine.stats().num_blocks_free == engine.stats().num_blocks_total - \
         engine.engine.kv.num_cached_blocks
+
+
+async def test_shutdown_ends_open_streams_with_abort(tiny_qwen2):
+    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory=4 << 20), tiny_qwen2[0]))
+    params = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+    stream = engine.generate("s", [5] * 10, params)
+    first = await anext(stream)
+    await engine.shutdown()
+    rest = [o async for o in stream]
+    assert not first.finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert not engine.is_alive()
