@@ -2,7 +2,8 @@
 
 Why these flags: no default route exists here, so the apiserver gets explicit bind/advertise
 addresses and no endpoint reconciler; the controller-manager runs only the controllers a
-workload needs (no node lifecycle: kwok owns node health), with per-controller service-account
+workload needs (no node lifecycle: kwok owns node health, so the admission plugin that taints
+new nodes not-ready until that controller clears it is off), with per-controller service-account
 credentials so RBAC is exercised the way a real cluster does.
 """
 from __future__ import annotations
@@ -15,10 +16,11 @@ from e2e.pki import Pki
 from e2e.runner_rules import runner_managed_jq
 
 STAGES = Path(__file__).parent / "kwok"
-CONTROLLERS = ("serviceaccount", "serviceaccount-token", "namespace", "deployment", "replicaset", "statefulset",
-               "daemonset", "job", "cronjob", "garbagecollector", "disruption", "endpointslice", "podgc",
-               "ttl-after-finished", "horizontalpodautoscaling", "resourcequota", "clusterrole-aggregation",
-               "root-ca-certificate-publisher")
+CONTROLLERS = tuple(f"{name}-controller" for name in (
+    "serviceaccount", "serviceaccount-token", "namespace", "deployment", "replicaset", "statefulset", "daemonset",
+    "job", "cronjob", "garbage-collector", "disruption", "endpointslice", "pod-garbage-collector",
+    "ttl-after-finished", "horizontal-pod-autoscaler", "resourcequota", "clusterrole-aggregation",
+    "root-ca-certificate-publisher", "service-cidr", "taint-eviction"))
 
 
 def etcd(cfg: ClusterConfig) -> list[str]:
@@ -27,7 +29,8 @@ def etcd(cfg: ClusterConfig) -> list[str]:
             f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=kubeinfer={peer}", "--initial-cluster-state=new",
-            "--unsafe-no-fsync=true", "--quota-backend-bytes=2147483648", "--log-level=warn"]
+            "--unsafe-no-fsync=true", "--auto-compaction-retention=1", "--quota-backend-bytes=2147483648",
+            "--log-level=warn"]
 
 
 def kube_apiserver(cfg: ClusterConfig, pki: Pki) -> list[str]:
@@ -39,14 +42,19 @@ def kube_apiserver(cfg: ClusterConfig, pki: Pki) -> list[str]:
             f"--tls-cert-file={pki.serving_cert}", f"--tls-private-key-file={pki.serving_key}",
             f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--requestheader-client-ca-file={pki.ca}", "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group", "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            "--disable-admission-plugins=TaintNodesByCondition",  # its not-ready taint needs node lifecycle
             "--enable-priority-and-fairness=false", "--profiling=false", "--v=1"]
 
 
 def _component_auth(cfg: ClusterConfig, pki: Pki, name: str) -> list[str]:
     kubeconfig = pki.kubeconfig(name)
     return [f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
-            f"--authorization-kubeconfig={kubeconfig}", "--bind-address=127.0.0.1",
-            f"--secure-port={cfg.ports[name]}", "--leader-elect=false", "--v=1"]
+            f"--authorization-kubeconfig={kubeconfig}", "--authorization-always-allow-paths=/healthz,/readyz,/livez",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={cfg.ports[name]}", f"--tls-cert-file={pki.serving_cert}",
+            f"--tls-private-key-file={pki.serving_key}", "--leader-elect=false", "--v=1"]
 
 
 def kube_controller_manager(cfg: ClusterConfig, pki: Pki) -> list[str]:

@@ -17,14 +17,17 @@ def _env_int(name: str, default: int) -> int:
 @dataclass(frozen=True)
 class ClusterConfig:
     """Everything binds to 127.0.0.1. Pod IPs come from 127.1.0.0/16 (one /24 per node) and
-    Service IPs from 127.96.0.0/16: loopback only, so no traffic can ever leave the machine."""
+    Service IPs from 127.96.0.0/16: loopback only, so no traffic can ever leave the machine.
+    Ports start above Linux's ephemeral range (32768-60999), so no client socket can hold one.
+    A second cluster on the same machine needs its own KUBEINFER_CLUSTER_DIR, _PORT_BASE and
+    _POD_CIDR (e.g. 127.2.0.0/16), or pods of both could collide on an IP and port."""
 
     state_dir: Path = field(default_factory=lambda: Path(os.environ.get("KUBEINFER_CLUSTER_DIR", CACHE / "cluster")))
-    port_base: int = field(default_factory=lambda: _env_int("KUBEINFER_CLUSTER_PORT_BASE", 46400))
+    port_base: int = field(default_factory=lambda: _env_int("KUBEINFER_CLUSTER_PORT_BASE", 61400))
     gpu_nodes: int = field(default_factory=lambda: _env_int("KUBEINFER_CLUSTER_NODES", 2))
     service_cidr: str = "127.96.0.0/16"
     service_ip: str = "127.96.0.1"  # the `kubernetes` Service: first address of the range
-    pod_cidr: str = "127.1.0.0/16"
+    pod_cidr: str = field(default_factory=lambda: os.environ.get("KUBEINFER_CLUSTER_POD_CIDR", "127.1.0.0/16"))
     gpu_product: str = "NVIDIA-H100-80GB-HBM3"
     gpus_per_node: int = 8
 

@@ -54,10 +54,9 @@ class LocalPod:
                "KUBERNETES_SERVICE_PORT_HTTPS": str(api.port)}
         if self.pod["spec"].get("automountServiceAccountToken") is False:
             return env
-        request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-            audiences=[], expiration_seconds=24 * 3600,
-            bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name=meta["name"],
-                                                           uid=meta["uid"])))
+        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",  # bound: dies with the pod
+                   "spec": {"audiences": [], "expirationSeconds": 24 * 3600,
+                            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "uid": meta["uid"]}}}
         sa_name = self.pod["spec"].get("serviceAccountName") or "default"
         token = core.create_namespaced_service_account_token(sa_name, meta["namespace"], request).status.token
         (sa_dir / "token").write_text(token)

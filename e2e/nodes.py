@@ -46,8 +46,7 @@ def manifest(cfg: ClusterConfig, index: int) -> dict:
 def status(cfg: ClusterConfig) -> dict:
     resources = {"cpu": "192", "memory": "2048Gi", "pods": "110", "ephemeral-storage": "7500Gi",
                  "nvidia.com/gpu": str(cfg.gpus_per_node)}
-    return {"status": {"capacity": resources, "allocatable": resources,
-                       "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]}}
+    return {"status": {"capacity": resources, "allocatable": resources}}  # kwok adds InternalIP 127.0.0.1
 
 
 def create_all(api: client.CoreV1Api, cfg: ClusterConfig) -> list[str]:

@@ -12,6 +12,7 @@ reported Completed). Logs: ``<state>/pods/<namespace>_<pod>/<container>.log``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import threading
@@ -61,7 +62,7 @@ class Runner:
         while not self.stopping.is_set():
             try:
                 nodes = self.local_nodes()
-                listing = self.core.api_client.sanitize_for_serialization(self.core.list_pod_for_all_namespaces())
+                listing = json.loads(self.core.list_pod_for_all_namespaces(_preload_content=False).data)
                 for pod in listing["items"]:
                     self.reconcile("ADDED", pod, nodes)
                 for uid in set(self.pods) - {p["metadata"]["uid"] for p in listing["items"]}:
@@ -69,6 +70,8 @@ class Runner:
                 stream = watch.Watch().stream(self.core.list_pod_for_all_namespaces, timeout_seconds=60,
                                               resource_version=listing["metadata"]["resourceVersion"])
                 for event in stream:
+                    if event["type"] == "ERROR":  # e.g. 410 Gone: our resourceVersion is too old
+                        break
                     self.reconcile(event["type"], event["raw_object"], nodes)
             except Exception:  # noqa: BLE001 - the runner must outlive apiserver hiccups
                 log.exception("watch failed; relisting")
@@ -84,7 +87,8 @@ class Runner:
                     continue
                 meta = local.pod["metadata"]
                 try:
-                    self.core.patch_namespaced_pod_status(meta["name"], meta["namespace"], {"status": status})
+                    self.core.patch_namespaced_pod_status(meta["name"], meta["namespace"], {"status": status},
+                                                          _content_type="application/strategic-merge-patch+json")
                     self.reported[uid] = status
                 except client.ApiException as err:
                     if err.status != 404:
@@ -109,7 +113,8 @@ def main() -> None:
     api_client = config.new_client_from_config(config_file=args.kubeconfig)
     host, port = api_client.configuration.host.removeprefix("https://").rsplit(":", 1)
     api = Apiserver(host, int(port), Path(api_client.configuration.ssl_ca_cert))
-    runner = Runner(client.CoreV1Api(api_client), api, args.state_dir, args.pid_dir, args.node_selector, args.entrypoint.split())
+    runner = Runner(client.CoreV1Api(api_client), api, args.state_dir, args.pid_dir, args.node_selector,
+                    args.entrypoint.split())
     signal.signal(signal.SIGTERM, runner.shutdown)
     signal.signal(signal.SIGINT, runner.shutdown)
     threading.Thread(target=runner.supervise, daemon=True).start()

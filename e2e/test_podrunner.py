@@ -1,0 +1,93 @@
+"""The local pod runner runs kubeinfer-image pods as real processes on their loopback pod IP."""
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+import pytest
+
+from e2e.helpers import Cluster, pod_ready, wait_for
+
+pytestmark = pytest.mark.e2e
+
+IMAGE = "kubeinfer/kubeinfer:e2e"  # our image prefix: the runner starts the command locally
+
+
+def http_server_pod(name: str, delay: float) -> dict:
+    """A pod serving HTTP on its pod IP only after ``delay`` seconds, with a readiness probe."""
+    script = f"sleep {delay}; exec python -m http.server 8080 --bind $POD_IP"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"terminationGracePeriodSeconds": 5, "containers": [{
+                "name": "web", "image": IMAGE, "command": ["sh", "-c", script],
+                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                "ports": [{"name": "http", "containerPort": 8080}],
+                "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1}}]}}
+
+
+def test_runner_starts_process_on_pod_ip_and_gates_ready_on_probe(local_cluster: Cluster, namespace: str) -> None:
+    local_cluster.core.create_namespaced_pod(namespace, http_server_pod("web", delay=4))
+    read = lambda: local_cluster.core.read_namespaced_pod("web", namespace)  # noqa: E731
+    running = wait_for(lambda: (p := read()).status.phase == "Running" and p, "pod web Running", timeout=30)
+    assert not pod_ready(running), "kwok must not mark a runner pod Ready before its probe passes"
+    pod = wait_for(lambda: pod_ready(p := read()) and p, "pod web Ready", timeout=30)
+    status = pod.status.container_statuses[0]
+    assert status.ready and status.state.running and status.container_id.startswith("local://")
+    with urllib.request.urlopen(f"http://{pod.status.pod_ip}:8080/", timeout=5) as response:
+        assert response.status == 200
+    pid = int(status.container_id.removeprefix("local://"))
+    assert os.path.exists(f"/proc/{pid}")
+    local_cluster.core.delete_namespaced_pod("web", namespace)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"process {pid} to stop", timeout=30)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_runner_restarts_a_crashing_container(local_cluster: Cluster, namespace: str) -> None:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "crash"},
+           "spec": {"restartPolicy": "Always", "containers": [
+               {"name": "main", "image": IMAGE, "command": ["python", "-c", "import sys; sys.exit(3)"]}]}}
+    local_cluster.core.create_namespaced_pod(namespace, pod)
+
+    def restarted():
+        statuses = local_cluster.core.read_namespaced_pod("crash", namespace).status.container_statuses or []
+        return next((s for s in statuses if s.restart_count >= 1 and s.last_state.terminated), None)
+
+    status = wait_for(restarted, "a restart of container main", timeout=30)
+    assert status.last_state.terminated.exit_code == 3
+    assert not status.ready
+
+
+def test_runner_reports_completion_for_restart_never(local_cluster: Cluster, namespace: str) -> None:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "once"},
+           "spec": {"restartPolicy": "Never", "containers": [
+               {"name": "main", "image": IMAGE, "command": ["python", "-c", "print('done')"]}]}}
+    local_cluster.core.create_namespaced_pod(namespace, pod)
+    wait_for(lambda: local_cluster.core.read_namespaced_pod("once", namespace).status.phase == "Succeeded",
+             "pod once Succeeded", timeout=30)
+
+
+def test_kubeinfer_serve_pod_answers_on_its_pod_ip(local_cluster: Cluster, namespace: str) -> None:
+    """The engine pod as the operator builds it in spirit: image entrypoint `kubeinfer`, host
+    from the runner's KUBEINFER_HOST, readiness on /ready. The embedded model loads on the CPU."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "engine"},
+           "spec": {"terminationGracePeriodSeconds": 10, "containers": [{
+               "name": "engine", "image": IMAGE, "args": ["serve", "--port", "8000"],
+               "env": [{"name": "KUBEINFER_KV_CACHE_MEMORY", "value": "64Mi"},
+                       {"name": "KUBEINFER_MAX_NUM_SEQS", "value": "4"}],
+               "ports": [{"name": "http", "containerPort": 8000}],
+               "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2}}]}}
+    local_cluster.core.create_namespaced_pod(namespace, pod)
+    ready = wait_for(lambda: pod_ready(p := local_cluster.core.read_namespaced_pod("engine", namespace)) and p,
+                     "the kubeinfer serve pod to pass its readiness probe", timeout=600, interval=2)
+    with urllib.request.urlopen(f"http://{ready.status.pod_ip}:8000/v1/models", timeout=10) as response:
+        models = json.load(response)
+    assert models["object"] == "list"
+    assert [m["object"] for m in models["data"]] == ["model"]
