@@ -10,6 +10,8 @@ process on a fixed corpus: ~384 tokens, so any UTF-8 text round-trips.
     from helpers.tiny_models import make_tiny_llama, build_tiny_qwen2
     path = make_tiny_llama(tmp_path, tie_word_embeddings=True)
     path, hf_model = build_tiny_qwen2(tmp_path)      # also returns the transformers model (fp32, eval)
+
+Builders: Llama (tied or not, llama3 rope scaling), Qwen2 (q/k/v bias), Mistral (sliding window).
 """
 
 from __future__ import annotations
