@@ -5,8 +5,9 @@ over `slot_mapping`; each sequence's context is gathered from the paged cache by
 table into a padded `[S, max_seq_len, kv_heads, d]` tensor; queries are padded to
 `[S, max_query_len, heads, d]`; one boolean mask encodes causality against the cached prefix
 and padding (and, for Mistral, the sliding window); and a single `scaled_dot_product_attention`
-call (GQA via `enable_gqa`) does the math. Two common shapes skip work: a lone prefill without cached prefix attends causally over
-its own k/v (no cache read), and decode-only batches need no query padding.
+call (GQA via `enable_gqa`) does the math. Two common shapes skip work: a lone prefill without
+cached prefix attends causally over its own k/v (no cache read), and decode-only batches need no
+query padding.
 Measured with tests/model/bench_attention.py: `index_select` gathers 2-5x faster than advanced
 indexing, and `enable_gqa` beats expanding K/V to all heads by 2-10x.
 """

@@ -68,8 +68,9 @@ def test_skipped_slots_are_not_written():
     written = batch.slot_mapping[batch.slot_mapping >= 0]
     untouched = torch.ones(NUM_BLOCKS * BLOCK, dtype=torch.bool)
     untouched[written] = False
-    assert torch.equal(k_cache.view(NUM_BLOCKS * BLOCK, -1)[untouched], before_k.view(NUM_BLOCKS * BLOCK, -1)[untouched])
-    assert torch.equal(v_cache.view(NUM_BLOCKS * BLOCK, -1)[untouched], before_v.view(NUM_BLOCKS * BLOCK, -1)[untouched])
+    for cache, before in ((k_cache, before_k), (v_cache, before_v)):
+        rows = NUM_BLOCKS * BLOCK
+        assert torch.equal(cache.view(rows, -1)[untouched], before.view(rows, -1)[untouched])
     assert torch.equal(k_cache.view(-1, KV_HEADS, HEAD_DIM)[written], k[[0, 2, 3]])
 
 
