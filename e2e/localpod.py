@@ -54,9 +54,9 @@ class LocalPod:
                "KUBERNETES_SERVICE_PORT_HTTPS": str(api.port)}
         if self.pod["spec"].get("automountServiceAccountToken") is False:
             return env
-        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",  # bound: dies with the pod
-                   "spec": {"audiences": [], "expirationSeconds": 24 * 3600,
-                            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "uid": meta["uid"]}}}
+        bound_to = {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "uid": meta["uid"]}  # dies with the pod
+        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                   "spec": {"audiences": [], "expirationSeconds": 24 * 3600, "boundObjectRef": bound_to}}
         sa_name = self.pod["spec"].get("serviceAccountName") or "default"
         token = core.create_namespaced_service_account_token(sa_name, meta["namespace"], request).status.token
         (sa_dir / "token").write_text(token)
