@@ -91,3 +91,39 @@ def test_kubeinfer_serve_pod_answers_on_its_pod_ip(local_cluster: Cluster, names
         models = json.load(response)
     assert models["object"] == "list"
     assert [m["object"] for m in models["data"]] == ["model"]
+
+
+def test_runner_gives_env_refs_and_a_service_account_identity(local_cluster: Cluster, namespace: str) -> None:
+    core = local_cluster.core
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "creds"}, "stringData": {"key": "s3cret"}})
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "settings"}, "data": {"MODE": "fast"}})
+    script = ("echo name=$POD_NAME ip=$POD_IP secret=$TOKEN mode=$MODE port=$KUBERNETES_SERVICE_PORT; "
+              "kubectl auth whoami -o jsonpath='user={.status.userInfo.username}'")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "envcheck"},
+           "spec": {"restartPolicy": "Never", "containers": [{
+               "name": "main", "image": IMAGE, "command": ["sh", "-c", script],
+               "envFrom": [{"configMapRef": {"name": "settings"}}],
+               "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                       {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                       {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "key"}}}]}]}}
+    core.create_namespaced_pod(namespace, pod)
+    done = wait_for(lambda: (p := core.read_namespaced_pod("envcheck", namespace)).status.phase == "Succeeded" and p,
+                    "pod envcheck Succeeded", timeout=60)
+    log = (local_cluster.config.state_dir / "pods" / f"{namespace}_envcheck" / "main.log").read_text()
+    port = local_cluster.config.ports["kube-apiserver"]
+    assert f"name=envcheck ip={done.status.pod_ip} secret=s3cret mode=fast port={port}" in log
+    assert f"user=system:serviceaccount:{namespace}:default" in log
+
+
+def test_failing_liveness_probe_restarts_the_container(local_cluster: Cluster, namespace: str) -> None:
+    pod = http_server_pod("unhealthy", delay=0)
+    container = pod["spec"]["containers"][0]
+    container["livenessProbe"] = {"httpGet": {"path": "/", "port": 9}, "periodSeconds": 1, "failureThreshold": 2}
+    local_cluster.core.create_namespaced_pod(namespace, pod)
+
+    def restarted():
+        statuses = local_cluster.core.read_namespaced_pod("unhealthy", namespace).status.container_statuses or []
+        return next((s for s in statuses if s.restart_count >= 1), None)
+
+    status = wait_for(restarted, "a liveness restart", timeout=60)
+    assert status.last_state.terminated.exit_code == 137
