@@ -175,5 +175,9 @@ class AsyncEngine:
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
+        if stream is None:
+            return
+        try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # that event loop is closed: nobody is listening any more
+            self._streams.pop(request_id, None)
