@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kubeinfer.kernels import ops
+
 from .attention import AttentionBackend
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
@@ -67,7 +69,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
         x = self.model.embed_tokens(batch.input_ids)
-        cos_sin = self.model.rotary_emb.cos_sin(batch.positions, x.dtype)
+        rotary = self.model.rotary_emb
+        cos_sin = (rotary.table(self.config.max_position_embeddings) if ops.uses_triton(x)
+                   else rotary.cos_sin(batch.positions, x.dtype))
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv_cache, batch)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from kubeinfer.kernels import ops
 
 from .linear import MergedLinear
 
@@ -16,5 +17,4 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

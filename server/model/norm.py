@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kubeinfer.kernels import ops
+
 
 class RMSNorm(nn.Module):
     """Normalises in float32 and casts back before the weight, exactly as transformers' LlamaRMSNorm,
@@ -18,6 +20,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`."""
+        if ops.uses_triton(x):   # one fused pass over x and residual
+            return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kubeinfer.kernels.rope_cache import cos_sin_table
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] for `rope_type` default, linear or llama3."""
@@ -47,6 +49,14 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the float32 frequencies, e.g. after the model was built on the meta device."""
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._table: torch.Tensor | None = None
+
+    def table(self, max_positions: int) -> torch.Tensor:
+        """float32 cos|sin [max_positions, head_dim] for the Triton rotary kernel, built on first use
+        (after loading, so GGUF rope_freqs divisors are in)."""
+        if self._table is None or self._table.shape[0] < max_positions:
+            self._table = cos_sin_table(self.inv_freq, max_positions, self.inv_freq.device)
+        return self._table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, head_dim] for `positions` [T]; computed once per step, shared by all layers."""
