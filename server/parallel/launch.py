@@ -55,15 +55,18 @@ class WorkerGroup:
         if self.closing:
             return
         self.closing = True
-        try:
-            send_stop(self.device)
-        except RuntimeError:   # a worker already gone: nothing to tell it
-            pass
+        joined = dist.is_initialized()   # False when rank 0 failed before joining the group
+        if joined:
+            try:
+                send_stop(self.device)
+            except RuntimeError:   # a worker already gone: nothing to tell it
+                pass
         for process in self.processes:
-            process.join(timeout=10)
+            process.join(timeout=10 if joined else 0)
             if process.is_alive():
                 process.kill()
-        dist.destroy_process_group()
+        if joined:
+            dist.destroy_process_group()
         torch.set_num_threads(self.threads)
 
 
