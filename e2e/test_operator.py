@@ -165,6 +165,19 @@ def test_unschedulable_gpu_request_is_degraded(cluster: Cluster, operator: str,
     assert condition(obj, "Ready")["status"] == "False"
 
 
+def test_more_gpus_than_any_node_has_is_degraded(cluster: Cluster, operator: str,
+                                                 namespace: str) -> None:
+    nodes = cluster.kubectl_json("get", "nodes")["items"]
+    gpus = sum(int(n["status"]["allocatable"].get("nvidia.com/gpu", 0)) for n in nodes)
+    replicas = gpus // 8 + 1  # pods of tensorParallelSize 8: one more than the GPUs can hold
+    apply(cluster, namespace, manifest("toomany", {"replicas": replicas,
+                                                   "engine": {"tensorParallelSize": 8}}))
+    obj = wait_condition(cluster, namespace, "toomany", "Degraded", timeout=90)
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "Unschedulable"
+    assert "Insufficient nvidia.com/gpu" in degraded["message"], degraded["message"]
+
+
 def test_kubectl_scale(cluster: Cluster, operator: str, namespace: str) -> None:
     apply(cluster, namespace, manifest("scaled", {"engine": {"device": "cpu"}}))
     wait_condition(cluster, namespace, "scaled", "Ready")
