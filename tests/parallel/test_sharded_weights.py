@@ -1,0 +1,50 @@
+"""Each rank's sharded read equals its slice of the full checkpoint: safetensors via `get_slice`, GGUF
+(Q8_0, q/k rows permuted by llama.cpp) dequantizing only its rows and un-permuting its own heads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.gguf_export import export_gguf
+from helpers.tiny_models import build_tiny_llama
+from kubeinfer.server.model.loader import read_checkpoint
+from kubeinfer.server.parallel.plan import ShardPlan
+from kubeinfer.server.parallel.weights import sharded_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_sources(tmp_path_factory) -> dict[str, Path]:
+    """A 4-head, 1-KV-head Llama as an HF directory and as a Q8_0 GGUF."""
+    tmp = tmp_path_factory.mktemp("tp-weights")
+    path, hf_model = build_tiny_llama(tmp, num_kv_heads=1)
+    gguf = tmp / "tiny.Q8_0.gguf"
+    export_gguf(path, hf_model, gguf)
+    return {"safetensors": path, "gguf": gguf}
+
+
+def expected_shard(full: torch.Tensor, plan: ShardPlan, name: str) -> torch.Tensor:
+    part = plan.slice_for(name)
+    if part is None:
+        return full
+    shard = full.narrow(part.dim, part.start, part.stop - part.start)
+    if part.dim == 0 and shard.shape[0] < part.padded:
+        shard = torch.cat([shard, shard.new_zeros(part.padded - shard.shape[0], *shard.shape[1:])])
+    return shard
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_every_rank_reads_exactly_its_slice(tiny_llama_sources, source, size):
+    path = tiny_llama_sources[source]
+    checkpoint = read_checkpoint(str(path))
+    full = dict(checkpoint.weights(torch.float32))
+    for rank in range(size):
+        plan = ShardPlan(checkpoint.config, rank, size)
+        shards = dict(sharded_weights(path, plan, torch.float32))
+        assert shards.keys() == full.keys()
+        for name, shard in shards.items():
+            torch.testing.assert_close(shard, expected_shard(full[name], plan, name), rtol=0, atol=0,
+                                       msg=f"rank {rank}/{size} {source} {name}")
