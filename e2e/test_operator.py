@@ -165,7 +165,7 @@ def test_unschedulable_gpu_request_is_degraded(cluster: Cluster, operator: str,
     assert condition(obj, "Ready")["status"] == "False"
 
 
-def test_more_gpus_than_any_node_has_is_degraded(cluster: Cluster, operator: str,
+def test_more_gpus_than_the_cluster_has_is_degraded(cluster: Cluster, operator: str,
                                                  namespace: str) -> None:
     nodes = cluster.kubectl_json("get", "nodes")["items"]
     gpus = sum(int(n["status"]["allocatable"].get("nvidia.com/gpu", 0)) for n in nodes)
