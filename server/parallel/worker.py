@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ class WorkerSpec:
 def run_worker(spec: WorkerSpec) -> None:
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s tp-rank{spec.rank} %(name)s: "
                                                      "%(message)s")
+    # Ctrl-C reaches the whole process group: rank 0 drains and then stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent(os.getppid())
     device = init_group(spec.rank, spec.size, spec.port, torch.device(spec.device))
     start = time.perf_counter()
