@@ -16,3 +16,16 @@ test: venv
 
 test-unit: venv
 	$(VENV)/bin/python -m pytest -q tests
+
+# The local Kubernetes cluster (e2e/): binaries built once into ~/.cache/kubeinfer/bin.
+.PHONY: cluster-binaries cluster-up cluster-down cluster-status test-e2e
+cluster-binaries: venv
+	$(VENV)/bin/python -m e2e.binaries
+cluster-up: venv
+	$(VENV)/bin/python -m e2e.cluster up
+cluster-down: venv
+	$(VENV)/bin/python -m e2e.cluster down
+cluster-status: venv
+	$(VENV)/bin/python -m e2e.cluster status
+test-e2e: venv
+	$(VENV)/bin/python -m pytest -q -m e2e e2e
