@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 
 RECONCILES = Counter("kubeinfer_operator_reconciles_total",
                      "Reconciles of an InferenceService, by trigger and result.",
@@ -10,5 +10,3 @@ RECONCILES = Counter("kubeinfer_operator_reconciles_total",
 RECONCILE_SECONDS = Histogram("kubeinfer_operator_reconcile_duration_seconds",
                               "Wall time of one reconcile (apply children + write status).",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-MANAGED = Gauge("kubeinfer_operator_inferenceservices",
-                "InferenceServices this operator has reconciled and not seen deleted.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from isvc_builders import CONFIG, body
 
 from kubeinfer.operator.kube import KubeError
@@ -105,3 +106,23 @@ def test_a_stale_body_does_not_repeat_events() -> None:
     first = reconciler.reconcile(stale, trigger="create")  # type: ignore[arg-type]
     second = reconciler.reconcile(stale, trigger="pod", apply=False)  # type: ignore[arg-type]
     assert [e.reason for e in first] == ["RollingOut"] and second == []
+
+
+def test_reconciles_are_counted_by_trigger_and_result() -> None:
+    from prometheus_client import REGISTRY
+
+    def count(trigger: str, result: str) -> float:
+        return REGISTRY.get_sample_value("kubeinfer_operator_reconciles_total",
+                                         {"trigger": trigger, "result": result}) or 0.0
+
+    before_ok, before_error = count("metrics-test", "ok"), count("metrics-test", "error")
+    Reconciler(MemoryKube(), CONFIG).reconcile(body(), trigger="metrics-test")  # type: ignore[arg-type]
+
+    class Unreachable(MemoryKube):
+        def get(self, kind: str, namespace: str, name: str) -> None:
+            raise ConnectionError("API server unreachable")
+
+    with pytest.raises(ConnectionError):  # kopf retries it; the metric counts it
+        Reconciler(Unreachable(), CONFIG).reconcile(body(), trigger="metrics-test")  # type: ignore[arg-type]
+    assert count("metrics-test", "ok") == before_ok + 1
+    assert count("metrics-test", "error") == before_error + 1
