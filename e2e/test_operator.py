@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e.config import ClusterConfig
 from e2e.helpers import Cluster, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -160,8 +161,10 @@ def test_unschedulable_gpu_request_is_degraded(cluster: Cluster, operator: str,
     apply(cluster, namespace, manifest("nogpu", {"resources": {"gpuProduct": "NVIDIA-B200"}}))
     obj = wait_condition(cluster, namespace, "nogpu", "Degraded", timeout=90)
     degraded = condition(obj, "Degraded")
-    assert degraded["reason"] == "Unschedulable"
-    assert "node affinity/selector" in degraded["message"], degraded["message"]
+    assert degraded["reason"] == "GPUProductUnavailable"
+    assert "no node has nvidia.com/gpu.product=NVIDIA-B200" in degraded["message"]
+    assert ClusterConfig().gpu_product in degraded["message"]  # what the cluster does have
+    assert "node affinity/selector" in degraded["message"], degraded["message"]  # the scheduler
     assert condition(obj, "Ready")["status"] == "False"
 
 

@@ -19,6 +19,7 @@ COLLECTIONS = {
     "Service": "/api/v1/namespaces/{ns}/services",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "Pod": "/api/v1/namespaces/{ns}/pods",
+    "Node": "/api/v1/nodes",  # cluster-scoped: the namespace is ignored
     api.KIND: f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{{ns}}/{api.PLURAL}",
 }
 TIMEOUT_SECONDS = 30

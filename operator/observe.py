@@ -27,6 +27,16 @@ class Observed:
     pods: list[dict[str, Any]]
     applied_generation: int | None  # the spec generation whose children were applied
     error: str | None = None  # why applying failed, if it did
+    gpu_products: list[str] | None = None  # node GPU products, looked up when pods are stuck
+
+
+def gpu_product_problems(wanted: str | None, available: list[str] | None) -> list[tuple[str, str]]:
+    """A GPU product no node has: say so, and what the cluster does have."""
+    if not wanted or available is None or wanted in available:
+        return []
+    have = ", ".join(sorted(set(available))) or "none"
+    return [("GPUProductUnavailable", f"no node has nvidia.com/gpu.product={wanted} "
+                                      f"(GPU products in the cluster: {have})")]
 
 
 def pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -74,7 +84,9 @@ def rollout_in_flight(deployment: dict[str, Any], desired: int) -> bool:
 def conditions(isvc: InferenceService, seen: Observed, ready: int) -> list[tuple[str, bool, str, str]]:
     """(type, status, reason, message) for Ready, Progressing and Degraded."""
     desired, scaling = isvc.spec.replicas, isvc.spec.autoscaling
-    problems = ([("ReconcileError", seen.error)] if seen.error else []) + pod_problems(seen.pods)
+    problems = ([("ReconcileError", seen.error)] if seen.error else []) \
+        + gpu_product_problems(isvc.spec.resources.gpu_product, seen.gpu_products) \
+        + pod_problems(seen.pods)
     if seen.deployment is not None:
         problems += deployment_problems(seen.deployment)
     problem_text = "; ".join(dict.fromkeys(m for _, m in problems))[:MAX_MESSAGE]

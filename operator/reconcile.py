@@ -20,7 +20,8 @@ from kubeinfer.operator.children import desired_children, stale_children
 from kubeinfer.operator.events import Event, transition_events
 from kubeinfer.operator.kube import Kube, KubeError
 from kubeinfer.operator.metrics import RECONCILE_SECONDS, RECONCILES
-from kubeinfer.operator.observe import Observed, observe
+from kubeinfer.operator.build import GPU_PRODUCT_LABEL
+from kubeinfer.operator.observe import Observed, observe, pod_problems
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
 from kubeinfer.operator.status import Condition, InferenceServiceStatus
 
@@ -78,12 +79,24 @@ class Reconciler:
                 applied = isvc.generation
             except KubeError as exc:
                 error = f"applying children failed: {exc.message}"
+        pods = self.kube.list("Pod", isvc.namespace, isvc.selector)
         seen = Observed(deployment=self.kube.get("Deployment", isvc.namespace, isvc.name),
-                        pods=self.kube.list("Pod", isvc.namespace, isvc.selector),
-                        applied_generation=applied, error=error)
+                        pods=pods, applied_generation=applied, error=error,
+                        gpu_products=self._gpu_products(isvc, pods))
         status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
         self._write(isvc.uid, isvc.namespace, isvc.name, status)
         return transition_events(previous.conditions, status.conditions)
+
+    def _gpu_products(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> list[str] | None:
+        """Node GPU products, read only when a GPU product is asked for and pods are stuck."""
+        if not isvc.spec.resources.gpu_product or not any(
+                reason == "Unschedulable" for reason, _ in pod_problems(pods)):
+            return None
+        try:
+            nodes = self.kube.list("Node", "", GPU_PRODUCT_LABEL)
+        except KubeError:  # e.g. no RBAC for nodes: the scheduler's message still explains
+            return None
+        return [n["metadata"]["labels"][GPU_PRODUCT_LABEL] for n in nodes]
 
     def _write_invalid(self, body: Mapping[str, Any], previous: InferenceServiceStatus,
                        message: str) -> list[Event]:

@@ -77,7 +77,7 @@ def test_namespaced_install_uses_roles(helm: str) -> None:
     assert "--all-namespaces" not in args
     assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == ["team-a", "team-b"]
     cluster_resources = {r for rule in by_kind(docs, "ClusterRole")[0]["rules"] for r in rule["resources"]}
-    assert cluster_resources == {"customresourcedefinitions", "namespaces"}
+    assert cluster_resources == {"customresourcedefinitions", "namespaces", "nodes"}
 
 
 def test_crds_can_be_left_out(helm: str) -> None:

@@ -57,6 +57,17 @@ def test_unschedulable_pods_are_degraded_with_the_scheduler_message() -> None:
     assert conds(status)["Ready"] == ("False", "Unschedulable")
 
 
+def test_missing_gpu_product_names_what_the_cluster_has() -> None:
+    seen = Observed(deployment_with(1, 0), [pending_pod("didn't match node selector")],
+                    applied_generation=1, gpu_products=["NVIDIA-L4", "NVIDIA-H100", "NVIDIA-L4"])
+    status = status_of({"resources": {"gpuProduct": "NVIDIA-B200"}}, seen)
+    degraded = next(c for c in status.conditions if c.type == "Degraded")
+    assert degraded.reason == "GPUProductUnavailable"
+    assert degraded.message.startswith("no node has nvidia.com/gpu.product=NVIDIA-B200 "
+                                       "(GPU products in the cluster: NVIDIA-H100, NVIDIA-L4)")
+    assert "didn't match node selector" in degraded.message
+
+
 def test_crash_loop_reports_the_last_exit() -> None:
     seen = Observed(deployment_with(1, 0), [crashing_pod()], applied_generation=1)
     degraded = next(c for c in status_of(None, seen).conditions if c.type == "Degraded")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from isvc_builders import CONFIG, body
+from isvc_builders import CONFIG, body, pending_pod
 
 from kubeinfer.operator.kube import KubeError
 from kubeinfer.operator.reconcile import Reconciler
@@ -16,6 +16,7 @@ class MemoryKube:
 
     def __init__(self, refuse: str | None = None) -> None:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.listed: dict[str, list[dict[str, Any]]] = {}  # kind -> what list() returns
         self.statuses: list[dict[str, Any]] = []
         self.applies = 0
         self.refuse = refuse
@@ -32,7 +33,7 @@ class MemoryKube:
         return self.objects.get((kind, name))
 
     def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-        return []
+        return self.listed.get(kind, [])
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((kind, name), None)
@@ -126,3 +127,13 @@ def test_reconciles_are_counted_by_trigger_and_result() -> None:
         Reconciler(Unreachable(), CONFIG).reconcile(body(), trigger="metrics-test")  # type: ignore[arg-type]
     assert count("metrics-test", "ok") == before_ok + 1
     assert count("metrics-test", "error") == before_error + 1
+
+
+def test_stuck_pods_with_a_gpu_product_look_up_the_nodes() -> None:
+    kube = MemoryKube()
+    kube.listed = {"Pod": [pending_pod("0/1 nodes are available")],
+                   "Node": [{"metadata": {"labels": {"nvidia.com/gpu.product": "NVIDIA-L4"}}}]}
+    Reconciler(kube, CONFIG).reconcile(  # type: ignore[arg-type]
+        body({"resources": {"gpuProduct": "NVIDIA-A100"}}), trigger="create")
+    degraded = next(c for c in kube.statuses[-1]["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "GPUProductUnavailable" and "NVIDIA-L4" in degraded["message"]
