@@ -17,6 +17,7 @@ VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 VLLM_TORCH="${VLLM_TORCH:-2.13.0}"
 # LLAMA_CPP_PYTHON_VERSION: the sdist whose vendored llama.cpp is built (default: the latest)
 NUM_PROMPTS="${NUM_PROMPTS:-64}"
+MAX_DURATION="${MAX_DURATION:-600}"     # seconds per level before no new request starts
 HOST=127.0.0.1
 PORT="${PORT:-8765}"
 HF_DIR="$PEERS/smollm2-hf"              # the GGUF dequantized once; kubeinfer and vLLM load it
@@ -94,10 +95,11 @@ wait_ready() {  # url pid
 bench() {  # name: random 128/128 sweep, then shared-prefix 512+32/128 at 16
   local name="$1" url="http://$HOST:$PORT"
   "$PY" -m kubeinfer.server.cli bench serve --base-url "$url" --dataset random --input-len 128 --output-len 128 \
-    --num-prompts "$NUM_PROMPTS" --concurrency 1,4,16,32 --label "$name random 128/128" \
+    --num-prompts "$NUM_PROMPTS" --max-duration "$MAX_DURATION" --concurrency 1,4,16,32 --label "$name random 128/128" \
     --json "$RESULTS/$name-random.json" --no-progress
   "$PY" -m kubeinfer.server.cli bench serve --base-url "$url" --dataset shared-prefix --num-groups 4 \
     --prefix-len 512 --input-len 32 --output-len 128 --num-prompts "$NUM_PROMPTS" --concurrency 16 \
+    --max-duration "$MAX_DURATION" \
     --label "$name shared-prefix 512+32/128" --json "$RESULTS/$name-shared-prefix.json" --no-progress
 }
 
