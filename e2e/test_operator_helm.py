@@ -17,9 +17,10 @@ RELEASE, SYSTEM_NS = "kubeinfer", "kubeinfer-system"
 CRD = "inferenceservices.kubeinfer.io"
 
 
-def install(cluster: Cluster, chart: Path) -> None:
+def install(cluster: Cluster, chart: Path, *sets: str) -> None:
     cluster.helm("upgrade", "--install", RELEASE, str(chart), "--namespace", SYSTEM_NS,
-                 "--create-namespace", "--wait", "--timeout", "5m")
+                 "--create-namespace", "--wait", "--timeout", "5m",
+                 *[arg for s in sets for arg in ("--set", s)])
 
 
 def crd_columns(cluster: Cluster) -> list[str]:
@@ -42,6 +43,23 @@ def test_upgrade_updates_the_crd(cluster: Cluster, tmp_path: Path) -> None:
     finally:
         install(cluster, CHART)
     assert "Dtype" not in crd_columns(cluster)
+
+
+def test_namespaced_install_serves_its_namespace_with_roles(cluster: Cluster,
+                                                            namespace: str) -> None:
+    isvc = {"apiVersion": "kubeinfer.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "scoped"},
+            "spec": {"engine": {"image": "registry.example.com/simulated-engine:1", "device": "cpu"}}}
+    try:
+        install(cluster, CHART, f"watch.namespaces={{{namespace}}}")
+        assert cluster.kubectl_json("get", "role", "kubeinfer", "-n", namespace)["rules"]
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(isvc))
+        wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in
+                             (cluster.kubectl_json("get", "kis", "scoped", "-n", namespace)
+                              .get("status") or {}).get("conditions", [])),
+                 "namespaced operator makes it Ready", timeout=120)
+    finally:
+        install(cluster, CHART)
 
 
 def test_helm_test_hook_passes(cluster: Cluster) -> None:
