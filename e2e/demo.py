@@ -1,0 +1,231 @@
+"""``python -m e2e.demo`` (``make demo``): the whole story on one machine, stage by stage.
+
+Local cluster up (or reused) -> the Helm chart installed -> the embedded-model example applied
+and Ready -> a chat completion through its pod IP -> how to query it again. Demo infrastructure,
+not product: the cluster stays up afterwards (that is the point) unless ``--down`` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from openai import OpenAI
+
+from e2e import cluster as cluster_mod, processes
+from e2e.binaries import BUILDERS, CACHE, bin_dir, ensure_all
+from e2e.config import ClusterConfig
+from e2e.helpers import Cluster, pod_ready
+
+REPO = Path(__file__).resolve().parents[1]
+CHART, EXAMPLE = REPO / "helm" / "kubeinfer", REPO / "crds" / "examples" / "embedded-model.yaml"
+RELEASE, SYSTEM_NS, CRD = "kubeinfer", "kubeinfer-system", "inferenceservices.kubeinfer.io"
+OPERATOR_PODS = f"app.kubernetes.io/component=operator,app.kubernetes.io/instance={RELEASE}"
+STAGES, DEGRADED_GRACE = 5, 90.0  # Degraded this long means waiting will not fix it
+
+
+class StageFailed(RuntimeError):
+    """A stage gave up; ``details`` is what the user reads to find out why."""
+
+    def __init__(self, message: str, details: str) -> None:
+        super().__init__(message)
+        self.details = details
+
+
+@contextmanager
+def stage(number: int, title: str, diagnose: Callable[[], str] = lambda: "") -> Iterator[None]:
+    print(f"\n[{number}/{STAGES}] {title}", flush=True)
+    start = time.monotonic()
+    try:
+        yield
+    except Exception as err:  # any failure of a stage ends the demo with that stage's diagnostics
+        try:
+            details = diagnose()
+        except Exception as diag_err:
+            details = f"(no diagnostics: {diag_err})"
+        raise StageFailed(f"stage {number}/{STAGES} ({title}) failed: {err}", details) from err
+    print(f"      done in {time.monotonic() - start:.0f} s", flush=True)
+
+
+def wait_reporting(check: Callable[[], tuple[bool, str]], what: str, timeout: float) -> None:
+    """Poll ``check`` -> (done, state); print each new state and a heartbeat so nothing looks hung."""
+    start = beat = time.monotonic()
+    last = ""
+    while (elapsed := time.monotonic() - start) < timeout:
+        done, state = check()
+        if state != last or time.monotonic() - beat >= 30:
+            print(f"      {elapsed:4.0f} s  {state}", flush=True)
+            last, beat = state, time.monotonic()
+        if done:
+            return
+        time.sleep(2)
+    raise TimeoutError(f"{what} not reached after {timeout:.0f} s (last: {last})")
+
+
+def build_binaries() -> None:
+    missing = [c for c in BUILDERS if not (bin_dir(c) / ".built").exists()]
+    if not missing:
+        print(f"      Kubernetes binaries cached in {CACHE / 'bin'}")
+        return
+    print(f"      first run: building {', '.join(missing)} from the Go module proxy into {CACHE / 'bin'}\n"
+          f"      (~40 min on 2 cores, cached afterwards; build logs: {CACHE / 'build'}/<component>.log)")
+    with ThreadPoolExecutor(1) as pool:
+        build = pool.submit(ensure_all)
+        start = time.monotonic()
+        while not build.done():
+            time.sleep(5)
+            if int(time.monotonic() - start) % 60 < 5:
+                print(f"      still building ({(time.monotonic() - start) / 60:.0f} min)", flush=True)
+        build.result()
+
+
+def bring_up_cluster(cfg: ClusterConfig) -> bool:
+    """True when this run started the cluster, False when it reused a healthy one."""
+    with cluster_mod.locked(cfg):
+        seconds = cluster_mod.up(cfg)
+        (cfg.state_dir / "started-by-pytest").unlink(missing_ok=True)  # like `make cluster-up`: it stays up
+    print("      reused the running cluster" if seconds == 0 else f"      cluster up in {seconds:.0f} s")
+    return seconds > 0
+
+
+def pod_logs(cfg: ClusterConfig, namespace: str) -> str:
+    logs = sorted((cfg.state_dir / "pods").glob(f"{namespace}_*/*.log"))
+    return "\n".join(f"--- {p} (last lines)\n" + "\n".join(p.read_text().splitlines()[-15:]) for p in logs)
+
+
+def operator_state(kube: Cluster) -> tuple[bool, str]:
+    deps = kube.apps.list_namespaced_deployment(SYSTEM_NS, label_selector=OPERATOR_PODS).items
+    pods = [f"{p.metadata.name} {p.status.phase}{' Ready' if pod_ready(p) else ''}"
+            for p in kube.pods(SYSTEM_NS, OPERATOR_PODS)]
+    done = bool(deps) and all(d.status.observed_generation == d.metadata.generation
+                              and (d.status.updated_replicas or 0) == d.spec.replicas == (d.status.ready_replicas or 0)
+                              and (d.status.replicas or 0) == d.spec.replicas for d in deps)
+    return done, f"operator pods: {', '.join(pods) or 'none yet'}"
+
+
+def install_chart(kube: Cluster) -> None:
+    print(f"      helm upgrade --install {RELEASE} {CHART.relative_to(REPO)} -n {SYSTEM_NS}", flush=True)
+    kube.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS, "--create-namespace",
+              "--reset-then-reuse-values")  # keeps values someone set on an existing release
+    kube.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
+    wait_reporting(lambda: operator_state(kube), "operator Ready", timeout=300)
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def service_state(kube: Cluster, namespace: str, name: str) -> tuple[bool, str]:
+    obj = kube.kubectl_json("get", "inferenceservice", name, "-n", namespace)
+    ready, degraded = condition(obj, "Ready"), condition(obj, "Degraded")
+    if degraded.get("status") == "True":
+        since = datetime.fromisoformat(degraded["lastTransitionTime"].replace("Z", "+00:00"))
+        if (datetime.now(timezone.utc) - since).total_seconds() > DEGRADED_GRACE:
+            raise RuntimeError(f"Degraded ({degraded['reason']}): {degraded['message']}")
+    status = obj.get("status") or {}
+    pods = [f"{p.metadata.name} {p.status.phase}{' Ready' if pod_ready(p) else ''}"
+            for p in kube.pods(namespace, status["selector"])] if status.get("selector") else []
+    state = f"Ready={ready.get('status', '?')} {ready.get('reason', '')}: {ready.get('message', 'no status yet')}" \
+        + (f"; pods: {', '.join(pods)}" if pods else "")
+    caught_up = status.get("observedGeneration") == obj["metadata"]["generation"]
+    return ready.get("status") == "True" and caught_up, state
+
+
+def apply_example(kube: Cluster, namespace: str, timeout: float) -> dict[str, Any]:
+    name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+    print(f"      kubectl apply -n {namespace} -f {EXAMPLE.relative_to(REPO)}", flush=True)
+    kube.kubectl("create", "namespace", namespace, check=False)  # exists already: fine
+    kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+    wait_reporting(lambda: service_state(kube, namespace, name), f"{namespace}/{name} Ready", timeout)
+    print(kube.kubectl("get", "kis", name, "-n", namespace, "-o", "wide").stdout, end="")
+    return kube.kubectl_json("get", "inferenceservice", name, "-n", namespace)
+
+
+def chat(kube: Cluster, isvc: dict[str, Any], prompt: str) -> tuple[str, str, Path]:
+    """(base URL, served model, pod log) after one chat completion through a Ready pod's loopback IP."""
+    pod = next(p for p in kube.pods(isvc["metadata"]["namespace"], isvc["status"]["selector"]) if pod_ready(p))
+    port = next(p.container_port for c in pod.spec.containers for p in c.ports or [] if p.name == "http")
+    base = f"http://{pod.status.pod_ip}:{port}/v1"
+    with httpx.Client(trust_env=False) as http:  # loopback only: never through a configured proxy
+        api = OpenAI(base_url=base, api_key="unused", http_client=http, timeout=300, max_retries=0)
+        model = api.models.list().data[0].id
+        print(f"      POST {base}/chat/completions  model={model}\n      > {prompt}", flush=True)
+        start = time.monotonic()
+        reply = api.chat.completions.create(model=model, max_tokens=64,
+                                            messages=[{"role": "user", "content": prompt}])
+    answer = (reply.choices[0].message.content or "").strip()
+    if not answer:
+        raise RuntimeError(f"empty answer (finish_reason={reply.choices[0].finish_reason})")
+    print(f"      < {answer}\n      ({reply.usage.completion_tokens} tokens in {time.monotonic() - start:.1f} s,"
+          f" finish_reason={reply.choices[0].finish_reason})")
+    pod_dir = kube.config.state_dir / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}"
+    return base, model, pod_dir / f"{pod.spec.containers[0].name}.log"
+
+
+def next_steps(cfg: ClusterConfig, isvc: dict[str, Any], base: str, model: str, log: Path) -> None:
+    ns = isvc["metadata"]["namespace"]
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}]}' % model
+    print(f"""      export KUBECONFIG={cfg.kubeconfig}
+      kubectl get kis -n {ns} -o wide
+      curl -s {base}/chat/completions -H 'Content-Type: application/json' \\
+        -d '{body}'
+      pod log: {log}
+      tear down: make cluster-down""")
+
+
+def tear_down(cfg: ClusterConfig, kube: Cluster, started: bool, namespace: str, name: str) -> None:
+    """Stop the cluster only if this run started it and no test session uses it now."""
+    with cluster_mod.locked(cfg):
+        users = [s for s in (cfg.state_dir / "sessions").glob("*") if processes.pid_alive(int(s.name))]
+        if started and not users:
+            print(f"\n--down: stopped pids {cluster_mod.down(cfg)}")
+            return
+    kube.kubectl("delete", "inferenceservice", name, "-n", namespace, "--wait=true")
+    why = f"{len(users)} test session(s) use it" if users else "it was running before the demo"
+    print(f"\n--down: deleted {namespace}/{name}; left the cluster running ({why}); `make cluster-down` stops it")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--namespace", default="default", help="where the example InferenceService goes")
+    parser.add_argument("--prompt", default="Explain Kubernetes in one sentence.")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the model to be Ready")
+    parser.add_argument("--down", action="store_true", help="stop the cluster afterwards (if this run started it)")
+    args, cfg, start = parser.parse_args(argv), ClusterConfig(), time.monotonic()
+    describe = lambda *what: kube.kubectl("describe", *what, check=False).stdout  # noqa: E731
+    try:
+        with stage(1, "local Kubernetes cluster (build or reuse binaries, start or reuse)",
+                   lambda: f"cluster logs: {cfg.state_dir / 'logs'}"):
+            build_binaries()
+            started = bring_up_cluster(cfg)
+        kube = Cluster(cfg, cluster_mod.api_client(cfg), cfg.kubeconfig)
+        with stage(2, "kubeinfer operator (Helm chart)", lambda: describe("pods", "-n", SYSTEM_NS, "-l", OPERATOR_PODS)
+                   + pod_logs(cfg, SYSTEM_NS)):
+            install_chart(kube)
+        with stage(3, "InferenceService from the embedded-model example",
+                   lambda: describe("inferenceservice", "-n", args.namespace) + describe("pods", "-n", args.namespace)
+                   + pod_logs(cfg, args.namespace)):
+            isvc = apply_example(kube, args.namespace, args.timeout)
+        with stage(4, "chat completion (OpenAI API)", lambda: pod_logs(cfg, args.namespace)):
+            base, model, log = chat(kube, isvc, args.prompt)
+        with stage(5, "query it again"):
+            next_steps(cfg, isvc, base, model, log)
+        if args.down:
+            tear_down(cfg, kube, started, args.namespace, isvc["metadata"]["name"])
+    except StageFailed as err:
+        print(f"\nerror: {err}\n{err.details}", file=sys.stderr)
+        return 1
+    print(f"\ndemo finished in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
