@@ -62,29 +62,35 @@ async def _pick_model(client: httpx.AsyncClient, base_url: str, headers: dict[st
 async def run_level(client: httpx.AsyncClient, url: str, bodies: list[dict], headers: dict[str, str],
                     concurrency: int, request_rate: float, max_duration: float, seed: int,
                     progress: bool) -> tuple[list[RequestResult], float]:
-    """Start requests at Poisson times (or at once), at most `concurrency` in flight."""
+    """Start requests at Poisson times (or at once), at most `concurrency` in flight; none
+    starts after `max_duration` seconds (those already running finish)."""
     slots = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
     bar = tqdm(total=len(bodies), desc=f"concurrency {concurrency}", disable=not progress, leave=False)
+    start = time.perf_counter()
 
-    async def one(body: dict) -> RequestResult:
+    def expired() -> bool:
+        return time.perf_counter() - start > max_duration
+
+    async def one(body: dict) -> RequestResult | None:
         async with slots:
+            if expired():
+                return None
             result = await send_request(client, url, body, headers)
         bar.update()
         return result
 
-    start = time.perf_counter()
     tasks = []
     for body in bodies:
-        if time.perf_counter() - start > max_duration:
+        if expired():
             break
         tasks.append(asyncio.create_task(one(body)))
         if request_rate != float("inf"):
             await asyncio.sleep(rng.expovariate(request_rate))
-    results = await asyncio.gather(*tasks)
+    results = [result for result in await asyncio.gather(*tasks) if result is not None]
     duration = time.perf_counter() - start
     bar.close()
-    return list(results), duration
+    return results, duration
 
 
 async def _bench(args: argparse.Namespace) -> list[LevelReport]:

@@ -125,3 +125,13 @@ def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path: Path) -> None
         return
     plot(reports, str(target), "run")
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_max_duration_stops_starting_requests(live_server, tmp_path: Path) -> None:
+    endpoint = ScriptedEndpoint()
+    with live_server(endpoint.app) as url:
+        result = _bench(url, tmp_path, "--concurrency", "1", "--warmup", "0", "--output-len", "40",
+                        "--max-duration", "0.2")
+    level = result["levels"][0]
+    assert 1 <= level["completed"] < 12 and level["errors"] == 0
+    assert endpoint.requests == level["completed"]
