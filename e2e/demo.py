@@ -7,10 +7,11 @@ not product: the cluster stays up afterwards (that is the point) unless ``--down
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,8 +29,10 @@ from e2e.helpers import Cluster, pod_ready
 REPO = Path(__file__).resolve().parents[1]
 CHART, EXAMPLE = REPO / "helm" / "kubeinfer", REPO / "crds" / "examples" / "embedded-model.yaml"
 RELEASE, SYSTEM_NS, CRD = "kubeinfer", "kubeinfer-system", "inferenceservices.kubeinfer.io"
+CLUSTER_ENV = ("KUBEINFER_CACHE", "KUBEINFER_CLUSTER_DIR", "KUBEINFER_CLUSTER_PORT_BASE", "KUBEINFER_CLUSTER_POD_CIDR")
 OPERATOR_PODS = f"app.kubernetes.io/component=operator,app.kubernetes.io/instance={RELEASE}"
-STAGES, DEGRADED_GRACE = 5, 90.0  # Degraded this long means waiting will not fix it
+STAGES, BUILD_HEARTBEAT = 5, 60.0
+DEGRADED_GRACE = 90.0  # Degraded this long means waiting will not fix it
 
 
 class StageFailed(RuntimeError):
@@ -76,14 +79,14 @@ def build_binaries() -> None:
         print(f"      Kubernetes binaries cached in {CACHE / 'bin'}")
         return
     print(f"      first run: building {', '.join(missing)} from the Go module proxy into {CACHE / 'bin'}\n"
-          f"      (~40 min on 2 cores, cached afterwards; build logs: {CACHE / 'build'}/<component>.log)")
+          f"      (~40 min on 2 cores, cached afterwards; build logs: {CACHE / 'build'}/<component>-<version>.log)")
+    start = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
         build = pool.submit(ensure_all)
-        start = time.monotonic()
-        while not build.done():
-            time.sleep(5)
-            if int(time.monotonic() - start) % 60 < 5:
-                print(f"      still building ({(time.monotonic() - start) / 60:.0f} min)", flush=True)
+        while wait([build], timeout=BUILD_HEARTBEAT).not_done:
+            logs = sorted((CACHE / "build").glob("*.log"), key=lambda p: p.stat().st_mtime)
+            print(f"      still building ({(time.monotonic() - start) / 60:.0f} min; now: {logs[-1] if logs else '?'})",
+                  flush=True)
         build.result()
 
 
@@ -101,14 +104,17 @@ def pod_logs(cfg: ClusterConfig, namespace: str) -> str:
     return "\n".join(f"--- {p} (last lines)\n" + "\n".join(p.read_text().splitlines()[-15:]) for p in logs)
 
 
+def pod_summary(pods: list[Any]) -> str:
+    return ", ".join(f"{p.metadata.name} {p.status.phase}{' Ready' if pod_ready(p) else ''}" for p in pods)
+
+
 def operator_state(kube: Cluster) -> tuple[bool, str]:
     deps = kube.apps.list_namespaced_deployment(SYSTEM_NS, label_selector=OPERATOR_PODS).items
-    pods = [f"{p.metadata.name} {p.status.phase}{' Ready' if pod_ready(p) else ''}"
-            for p in kube.pods(SYSTEM_NS, OPERATOR_PODS)]
+    pods = pod_summary(kube.pods(SYSTEM_NS, OPERATOR_PODS))
     done = bool(deps) and all(d.status.observed_generation == d.metadata.generation
                               and (d.status.updated_replicas or 0) == d.spec.replicas == (d.status.ready_replicas or 0)
                               and (d.status.replicas or 0) == d.spec.replicas for d in deps)
-    return done, f"operator pods: {', '.join(pods) or 'none yet'}"
+    return done, f"operator pods: {pods or 'none yet'}"
 
 
 def install_chart(kube: Cluster) -> None:
@@ -131,10 +137,9 @@ def service_state(kube: Cluster, namespace: str, name: str) -> tuple[bool, str]:
         if (datetime.now(timezone.utc) - since).total_seconds() > DEGRADED_GRACE:
             raise RuntimeError(f"Degraded ({degraded['reason']}): {degraded['message']}")
     status = obj.get("status") or {}
-    pods = [f"{p.metadata.name} {p.status.phase}{' Ready' if pod_ready(p) else ''}"
-            for p in kube.pods(namespace, status["selector"])] if status.get("selector") else []
+    pods = pod_summary(kube.pods(namespace, status["selector"])) if status.get("selector") else ""
     state = f"Ready={ready.get('status', '?')} {ready.get('reason', '')}: {ready.get('message', 'no status yet')}" \
-        + (f"; pods: {', '.join(pods)}" if pods else "")
+        + (f"; pods: {pods}" if pods else "")
     caught_up = status.get("observedGeneration") == obj["metadata"]["generation"]
     return ready.get("status") == "True" and caught_up, state
 
@@ -172,13 +177,14 @@ def chat(kube: Cluster, isvc: dict[str, Any], prompt: str) -> tuple[str, str, Pa
 
 def next_steps(cfg: ClusterConfig, isvc: dict[str, Any], base: str, model: str, log: Path) -> None:
     ns = isvc["metadata"]["namespace"]
+    env = "".join(f"{k}={os.environ[k]} " for k in CLUSTER_ENV if k in os.environ)  # a second cluster's
     body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}]}' % model
     print(f"""      export KUBECONFIG={cfg.kubeconfig}
       kubectl get kis -n {ns} -o wide
       curl -s {base}/chat/completions -H 'Content-Type: application/json' \\
         -d '{body}'
       pod log: {log}
-      tear down: make cluster-down""")
+      tear down: {env}make cluster-down""")
 
 
 def tear_down(cfg: ClusterConfig, kube: Cluster, started: bool, namespace: str, name: str) -> None:
