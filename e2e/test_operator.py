@@ -29,7 +29,7 @@ SIMULATED_IMAGE = "registry.example.com/simulated-engine:1"  # not ours: kwok ru
 def operator(cluster: Cluster) -> str:
     """The chart installed (or upgraded) once per module, watching the whole cluster."""
     cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-                 "--create-namespace", "--wait", "--timeout", "5m",
+                 "--create-namespace", "--reset-values", "--wait", "--timeout", "5m",
                  "--set", "operator.driftIntervalSeconds=15")
     return SYSTEM_NS
 

@@ -18,8 +18,9 @@ CRD = "inferenceservices.kubeinfer.io"
 
 
 def install(cluster: Cluster, chart: Path, *sets: str) -> None:
+    """Chart defaults plus `sets` (helm would otherwise reuse the last release's values)."""
     cluster.helm("upgrade", "--install", RELEASE, str(chart), "--namespace", SYSTEM_NS,
-                 "--create-namespace", "--wait", "--timeout", "5m",
+                 "--create-namespace", "--reset-values", "--wait", "--timeout", "5m",
                  *[arg for s in sets for arg in ("--set", s)])
 
 

@@ -35,7 +35,7 @@ def operator_rss_mib(cluster: Cluster) -> float | None:
 
 def test_hundred_services_reach_ready(cluster: Cluster, namespace: str) -> None:
     cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-                 "--create-namespace", "--wait", "--timeout", "5m")
+                 "--create-namespace", "--reset-values", "--wait", "--timeout", "5m")
     docs = [{"apiVersion": "kubeinfer.io/v1alpha1", "kind": "InferenceService",
              "metadata": {"name": f"svc-{i:03d}"},
              "spec": {"engine": {"image": "registry.example.com/simulated-engine:1", "device": "cpu"},
