@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 from kubeinfer.operator.autoscaler.policy import ScalingPolicy
 from kubeinfer.operator.autoscaler.state import Reading, ScalerState
 
-RUNNING = "vllm:num_requests_running"  # requests being decoded: their pod must not be cut
+RUNNING = "vllm:num_requests_running"  # a pod decoding requests is needed: a proposal floor
 MAX_READINGS = 720  # status.autoscaler.samples maxItems; 1 s intervals keep the newest 12 min
 
 
@@ -69,13 +69,16 @@ def decide(policy: ScalingPolicy, samples: Sequence[PodSample], state: ScalerSta
     needed = math.ceil(round(average / policy.target, 9))
     if held_requests > 0:
         needed = max(needed, 1)  # a held request needs one pod whatever the metric says
-    proposal = min(max(needed, policy.min_replicas), policy.max_replicas)
+    # Never propose fewer replicas than are decoding: with a shallow queue spread over busy
+    # pods the queue alone would propose too few, and the scale-down clock would run under load.
     busy = sum(1 for s in scraped if _gauge(s, RUNNING) > 0) + failures
-    desired, verdict, state = _pace(policy, state, current, proposal, now, busy, draining)
+    proposal = min(max(needed, busy, policy.min_replicas), policy.max_replicas)
+    desired, verdict, state = _pace(policy, state, current, proposal, now, draining)
     reason = (f"{policy.metric} {average:.2f} averaged over {len(readings)} samples "
               f"(now {load:.2f} from {len(scraped)}/{len(ready)} Ready pods, {failures} scrape "
-              f"failures, {held_requests} held) / target {policy.target:g} -> proposal "
-              f"{proposal} [{policy.min_replicas}..{policy.max_replicas}]; {verdict}")
+              f"failures, {held_requests} held) / target {policy.target:g} = {needed}, "
+              f"{busy} decoding -> proposal {proposal} [{policy.min_replicas}.."
+              f"{policy.max_replicas}]; {verdict}")
     return Decision(desired, replace(state, readings=readings, replicas=desired), reason,
                     average, proposal, failures, needed)
 
@@ -94,7 +97,7 @@ def _gauge(sample: PodSample, name: str) -> float:
 
 
 def _pace(policy: ScalingPolicy, state: ScalerState, current: int, proposal: int, now: float,
-          busy: int, draining: int) -> tuple[int, str, ScalerState]:
+          draining: int) -> tuple[int, str, ScalerState]:
     """Up at once within the step bound; down only after the delay, to the period's peak."""
     if current > policy.max_replicas or current < policy.min_replicas:
         clamped = min(max(current, policy.min_replicas), policy.max_replicas)
@@ -117,9 +120,5 @@ def _pace(policy: ScalingPolicy, state: ScalerState, current: int, proposal: int
                          f"{policy.scale_down_delay_seconds:g}s (peak {peak})"), state
     if draining:
         return current, f"keep {current}: {draining} pods still draining", state
-    desired = max(peak, busy, policy.min_replicas)
-    if desired >= current:
-        return current, f"keep {current}: {busy} replicas are decoding requests", state
-    return desired, (f"scale down {current} -> {desired} (every proposal for {lower_for:.0f}s "
-                     f"was <= {peak}, {busy} decoding)"), replace(state, below_since=None,
-                                                                  below_peak=None)
+    return peak, (f"scale down {current} -> {peak} (every proposal for {lower_for:.0f}s was "
+                  f"<= {peak})"), replace(state, below_since=None, below_peak=None)

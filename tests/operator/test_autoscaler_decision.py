@@ -128,7 +128,13 @@ def test_never_below_replicas_with_requests_in_flight() -> None:
     for _ in range(12):
         replay.tick(pods(0, 0, 0, running=1))  # nothing queued, but all three are decoding
     assert replay.replicas == 3
-    assert "decoding" in replay.tick(pods(0, 0, 0, running=1)).reason
+    decision = replay.tick(pods(0, 0, 0, running=1))
+    assert "3 decoding -> proposal 3" in decision.reason and decision.state.below_since is None
+    for _ in range(6):  # the decoding ends: only now does the 60 s scale-down clock start
+        replay.tick(pods(0, 0, 0))
+    assert replay.replicas == 3
+    replay.tick(pods(0, 0, 0))
+    assert replay.replicas == 1
 
 
 def test_no_further_step_down_while_removed_pods_still_drain() -> None:
