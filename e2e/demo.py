@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -99,9 +100,13 @@ def bring_up_cluster(cfg: ClusterConfig) -> bool:
     return seconds > 0
 
 
-def pod_logs(cfg: ClusterConfig, namespace: str) -> str:
-    logs = sorted((cfg.state_dir / "pods").glob(f"{namespace}_*/*.log"))
-    return "\n".join(f"--- {p} (last lines)\n" + "\n".join(p.read_text().splitlines()[-15:]) for p in logs)
+def pod_logs(cfg: ClusterConfig, namespace: str, lines: int = 15) -> str:
+    """The tail of every runner pod's log in ``namespace`` (the runner writes them; no kubelet here)."""
+    tails = []
+    for path in sorted((cfg.state_dir / "pods").glob(f"{namespace}_*/*.log")):
+        with open(path, errors="replace") as log:
+            tails.append(f"--- {path} (last {lines} lines)\n" + "".join(deque(log, maxlen=lines)))
+    return "".join(tails)
 
 
 def pod_summary(pods: list[Any]) -> str:
@@ -156,7 +161,9 @@ def apply_example(kube: Cluster, namespace: str, timeout: float) -> dict[str, An
 
 def chat(kube: Cluster, isvc: dict[str, Any], prompt: str) -> tuple[str, str, Path]:
     """(base URL, served model, pod log) after one chat completion through a Ready pod's loopback IP."""
-    pod = next(p for p in kube.pods(isvc["metadata"]["namespace"], isvc["status"]["selector"]) if pod_ready(p))
+    pod = next((p for p in kube.pods(isvc["metadata"]["namespace"], isvc["status"]["selector"]) if pod_ready(p)), None)
+    if pod is None:
+        raise RuntimeError(f"no Ready pod matches {isvc['status']['selector']}")
     port = next(p.container_port for c in pod.spec.containers for p in c.ports or [] if p.name == "http")
     base = f"http://{pod.status.pod_ip}:{port}/v1"
     with httpx.Client(trust_env=False) as http:  # loopback only: never through a configured proxy
@@ -199,36 +206,47 @@ def tear_down(cfg: ClusterConfig, kube: Cluster, started: bool, namespace: str, 
     print(f"\n--down: deleted {namespace}/{name}; left the cluster running ({why}); `make cluster-down` stops it")
 
 
+def describe(kube: Cluster, *what: str) -> str:
+    return kube.kubectl("describe", *what, check=False).stdout
+
+
+def run(args: argparse.Namespace, cfg: ClusterConfig) -> None:
+    with stage(1, "local Kubernetes cluster (build or reuse binaries, start or reuse)",
+               lambda: f"cluster logs: {cfg.state_dir / 'logs'}"):
+        build_binaries()
+        started = bring_up_cluster(cfg)
+    kube, ns = Cluster(cfg, cluster_mod.api_client(cfg), cfg.kubeconfig), args.namespace
+    with stage(2, "kubeinfer operator (Helm chart)",
+               lambda: describe(kube, "pods", "-n", SYSTEM_NS, "-l", OPERATOR_PODS) + pod_logs(cfg, SYSTEM_NS)):
+        install_chart(kube)
+    with stage(3, "InferenceService from the embedded-model example",
+               lambda: describe(kube, "inferenceservice", "-n", ns) + describe(kube, "pods", "-n", ns)
+               + pod_logs(cfg, ns)):
+        isvc = apply_example(kube, ns, args.timeout)
+    with stage(4, "chat completion (OpenAI API)", lambda: pod_logs(cfg, ns)):
+        base, model, log = chat(kube, isvc, args.prompt)
+    with stage(5, "query it again"):
+        next_steps(cfg, isvc, base, model, log)
+    if args.down:
+        tear_down(cfg, kube, started, ns, isvc["metadata"]["name"])
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m e2e.demo", description="Bring up the local cluster, install "
+                                     "the chart, serve the embedded model and send it a chat completion.")
     parser.add_argument("--namespace", default="default", help="where the example InferenceService goes")
     parser.add_argument("--prompt", default="Explain Kubernetes in one sentence.")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the model to be Ready")
     parser.add_argument("--down", action="store_true", help="stop the cluster afterwards (if this run started it)")
     args, cfg, start = parser.parse_args(argv), ClusterConfig(), time.monotonic()
-    describe = lambda *what: kube.kubectl("describe", *what, check=False).stdout  # noqa: E731
     try:
-        with stage(1, "local Kubernetes cluster (build or reuse binaries, start or reuse)",
-                   lambda: f"cluster logs: {cfg.state_dir / 'logs'}"):
-            build_binaries()
-            started = bring_up_cluster(cfg)
-        kube = Cluster(cfg, cluster_mod.api_client(cfg), cfg.kubeconfig)
-        with stage(2, "kubeinfer operator (Helm chart)", lambda: describe("pods", "-n", SYSTEM_NS, "-l", OPERATOR_PODS)
-                   + pod_logs(cfg, SYSTEM_NS)):
-            install_chart(kube)
-        with stage(3, "InferenceService from the embedded-model example",
-                   lambda: describe("inferenceservice", "-n", args.namespace) + describe("pods", "-n", args.namespace)
-                   + pod_logs(cfg, args.namespace)):
-            isvc = apply_example(kube, args.namespace, args.timeout)
-        with stage(4, "chat completion (OpenAI API)", lambda: pod_logs(cfg, args.namespace)):
-            base, model, log = chat(kube, isvc, args.prompt)
-        with stage(5, "query it again"):
-            next_steps(cfg, isvc, base, model, log)
-        if args.down:
-            tear_down(cfg, kube, started, args.namespace, isvc["metadata"]["name"])
+        run(args, cfg)
     except StageFailed as err:
         print(f"\nerror: {err}\n{err.details}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted; whatever started keeps running (`python -m e2e.cluster status`)", file=sys.stderr)
+        return 130
     print(f"\ndemo finished in {time.monotonic() - start:.0f} s")
     return 0
 
