@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -76,6 +77,10 @@ def wait_reporting(check: Callable[[], tuple[bool, str]], what: str, timeout: fl
 
 def build_binaries() -> None:
     missing = [c for c in BUILDERS if not (bin_dir(c) / ".built").exists()]
+    absent = [tool for tool in ["kubectl"] + ["go"] * bool(missing) if not shutil.which(tool)]
+    if absent:
+        raise RuntimeError(f"{' and '.join(absent)} not on PATH: the demo needs kubectl (1.32+) and, to build the "
+                           "cluster's binaries the first time, Go 1.24+")
     if not missing:
         print(f"      Kubernetes binaries cached in {CACHE / 'bin'}")
         return
@@ -211,7 +216,7 @@ def describe(kube: Cluster, *what: str) -> str:
 
 
 def run(args: argparse.Namespace, cfg: ClusterConfig) -> None:
-    with stage(1, "local Kubernetes cluster (build or reuse binaries, start or reuse)",
+    with stage(1, "local Kubernetes cluster",
                lambda: f"cluster logs: {cfg.state_dir / 'logs'}"):
         build_binaries()
         started = bring_up_cluster(cfg)
