@@ -11,6 +11,7 @@ import torch
 from ..model.forward_batch import ForwardBatch
 from ..parallel.plan import kv_heads_per_rank
 from .config import EngineConfig
+from .cpu_threads import limit_torch_threads
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -26,6 +27,8 @@ class ModelRunner:
     def __init__(self, loaded: "LoadedModel", config: EngineConfig) -> None:
         self.model = loaded.model
         self.device = loaded.device
+        if self.device.type == "cpu":
+            limit_torch_threads()
         self.dtype = loaded.dtype
         self.block_size = config.block_size
         mc = loaded.config
