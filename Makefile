@@ -29,3 +29,8 @@ cluster-status: venv
 	$(VENV)/bin/python -m e2e.cluster status
 test-e2e: venv
 	$(VENV)/bin/python -m pytest -q -m e2e e2e
+
+# The whole story on one machine: local cluster, Helm chart, the embedded model, a chat completion.
+.PHONY: demo
+demo: venv
+	$(VENV)/bin/python -m e2e.demo $(DEMO_ARGS)
