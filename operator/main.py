@@ -16,7 +16,8 @@ import kopf
 from prometheus_client import start_http_server
 
 from kubeinfer.operator import api
-from kubeinfer.operator.autoscaler import handlers as _autoscaler  # noqa: F401  registers its daemon
+from kubeinfer.operator.autoscaler.handlers import register as register_autoscaler
+from kubeinfer.operator.autoscaler.kube import KubeScaleApi
 from kubeinfer.operator.handlers import register
 from kubeinfer.operator.kube import Kube, KubeError, load_api_client
 from kubeinfer.operator.reconcile import Reconciler
@@ -81,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kube = Kube(load_api_client())
     config = OperatorConfig(engine_image=args.engine_image, cluster_domain=args.cluster_domain)
-    registry = kopf.get_default_registry()  # the autoscaler's daemon registered itself here
+    registry = kopf.get_default_registry()  # it carries kopf's default login handlers
     register(registry, Reconciler(kube, config), drift_seconds=args.drift_interval)
+    register_autoscaler(registry, KubeScaleApi(kube))
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.bind_address)
     if not args.standalone:

@@ -164,8 +164,9 @@ class AutoscalingSpec(Section):
     scale_down_delay_seconds: int = Field(
         300, ge=0, le=86400,
         description="Scale down only after proposals stayed lower for this long.")
-    max_scale_up_factor: float = Field(2.0, gt=1.0, le=100.0,
-                                       description="One step grows replicas at most this much.")
+    max_scale_up_factor: float = Field(
+        2.0, ge=1.0, le=100.0,
+        description="One step grows replicas at most this much (and always by at least 1).")
     activation_timeout_seconds: int = Field(
         120, ge=1, le=3600,
         description="At zero replicas, how long a request is held while a pod starts before "
