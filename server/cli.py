@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kubeinfer.server.api.serve", "Run the OpenAI-compatible server."),
     "bench": ("kubeinfer.server.bench.cli", "Load-test an OpenAI-compatible endpoint."),
     "operator": ("kubeinfer.operator.main", "Run the InferenceService operator (kopf)."),
+    "gateway": ("kubeinfer.operator.gateway.cli",
+                "Run an InferenceService's scale-from-zero gateway (holds requests while at 0)."),
     "bench-kernels": ("kubeinfer.kernels.bench", "Time the Triton kernels on a CUDA GPU."),
 }
 
