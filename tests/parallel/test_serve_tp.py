@@ -15,6 +15,7 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
+from helpers.serve_process import wait_until_ready
 
 SERVE = [sys.executable, "-m", "kubeinfer.server.cli", "serve", "--model", "embedded", "--dtype", "float32",
          "--device", "cpu", "--kv-cache-memory", "16Mi", "--max-model-len", "256", "--log-level", "info"]
@@ -39,16 +40,7 @@ def tp3_server() -> Iterator[tuple[subprocess.Popen, str]]:
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.5)
+        wait_until_ready(process, url, timeout=300)
         yield process, url
     finally:
         if process.poll() is None:

@@ -9,9 +9,9 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
+from helpers.serve_process import wait_until_ready
 
 TOKENS = 150
 
@@ -43,16 +43,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(tiny_model_path: str) -
          "--shutdown-timeout", "60", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
+        wait_until_ready(process, url, timeout=180)
         results: list[list[str]] = []
         started = [threading.Event() for _ in range(2)]
         threads = [threading.Thread(target=_stream, args=(url, event, results)) for event in started]
