@@ -74,8 +74,18 @@ class LocalContainer:
                 self.proc.wait()
         self.pid_file.unlink(missing_ok=True)
 
+    def _termination_message(self, code: int) -> str:
+        """FallbackToLogsOnError as the kubelet does it: the failed run's log tail (80 lines, 2 KiB)."""
+        if code == 0 or self.spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+            return ""
+        text = self.log_path.read_bytes()
+        run = text[text.rfind(b"\n--- ") + 1:].split(b"\n", 1)[-1]  # after this run's "--- starting" line
+        return b"\n".join(run.splitlines()[-80:])[-2048:].decode(errors="replace").strip()
+
     def _exited(self, code: int, reason: str) -> None:
         self.terminated = {"exitCode": code, "reason": reason, "startedAt": self.started_iso, "finishedAt": now_iso()}
+        if message := self._termination_message(code):
+            self.terminated["message"] = message
         self.last_state = {"terminated": self.terminated}
         self.proc = None
         self.pid_file.unlink(missing_ok=True)

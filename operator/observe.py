@@ -56,11 +56,17 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
                 # The engine's own last words (its log tail, via FallbackToLogsOnError) say
                 # why, e.g. a tensorParallelSize that does not divide the attention heads.
                 exit_code = f"exit code {last['exitCode']}" if "exitCode" in last else ""
-                detail = " ".join(filter(None, [exit_code, (last.get("message") or "").strip(),
+                detail = " ".join(filter(None, [exit_code, _last_words(last.get("message") or ""),
                                                 waiting.get("message", "")]))
                 problems.append((waiting["reason"], f"pod {name} container {cs['name']}: "
                                                     f"{waiting['reason']} {detail}".strip()))
     return problems
+
+
+def _last_words(message: str, lines: int = 3) -> str:
+    """The end of a termination message: a log tail's last lines hold the error (a traceback's last)."""
+    tail = [line.strip() for line in message.strip().splitlines() if line.strip()][-lines:]
+    return " | ".join(tail)[-500:]
 
 
 def deployment_problems(deployment: dict[str, Any]) -> list[tuple[str, str]]:
