@@ -15,6 +15,9 @@ from e2e.binaries import binary
 from e2e.config import ClusterConfig
 
 T = TypeVar("T")
+CHART = Path(__file__).resolve().parents[1] / "helm" / "kubeinfer"
+RELEASE, SYSTEM_NS = "kubeinfer", "kubeinfer-system"
+HELM_WAIT = 300  # seconds helm waits for the release's pods
 
 
 def wait_for(fetch: Callable[[], T | None], what: str, timeout: float = 60.0, interval: float = 0.5) -> T:
@@ -46,8 +49,9 @@ class Cluster:
     def apps(self) -> client.AppsV1Api:
         return client.AppsV1Api(self.api)
 
-    def _run(self, argv: list[str], stdin: str | None, check: bool) -> subprocess.CompletedProcess:
-        result = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120)
+    def _run(self, argv: list[str], stdin: str | None, check: bool,
+             timeout: float = 120) -> subprocess.CompletedProcess:
+        result = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
         if check and result.returncode:
             raise AssertionError(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stderr}{result.stdout}")
         return result
@@ -59,7 +63,26 @@ class Cluster:
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
 
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return self._run([str(binary("helm")), f"--kubeconfig={self.kubeconfig}", *args], None, check)
+        """helm may wait up to HELM_WAIT for pods (`--wait --timeout`), so allow it longer."""
+        return self._run([str(binary("helm")), f"--kubeconfig={self.kubeconfig}", *args], None,
+                         check, timeout=HELM_WAIT + 60)
+
+    def install_chart(self, *sets: str, chart: Path = CHART) -> None:
+        """`helm upgrade --install` the operator chart with its defaults plus `sets`.
+
+        Every e2e module installs the CRD this way, so the release owns it and the next
+        module's upgrade can adopt it; an upgrade another test session has in flight is
+        waited out rather than failing.
+        """
+        def upgrade() -> bool:
+            result = self.helm("upgrade", "--install", RELEASE, str(chart), "--namespace",
+                               SYSTEM_NS, "--create-namespace", "--reset-values", "--wait",
+                               "--timeout", f"{HELM_WAIT}s",
+                               *[arg for s in sets for arg in ("--set", s)], check=False)
+            assert result.returncode == 0 or "another operation" in result.stderr, \
+                f"helm upgrade --install failed:\n{result.stderr}{result.stdout}"
+            return result.returncode == 0
+        wait_for(upgrade, "helm upgrade of the operator chart", timeout=HELM_WAIT, interval=5)
 
     def pods(self, namespace: str, selector: str = "") -> list[client.V1Pod]:
         return self.core.list_namespaced_pod(namespace, label_selector=selector).items

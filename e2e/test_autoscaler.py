@@ -88,10 +88,9 @@ def env(local_cluster: Cluster) -> dict[str, str]:
 @pytest.fixture
 def operator(local_cluster: Cluster, namespace: str, env: dict[str, str],
              tmp_path: Path) -> Iterator[Background]:
-    crd = Path(__file__).resolve().parents[1] / "crds" / "inferenceservices.kubeinfer.io.yaml"
-    local_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    local_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                          "crd/inferenceservices.kubeinfer.io")
+    # The chart owns the CRD (so later modules can upgrade it); its operator is scaled to
+    # zero so only this test's process, which it restarts at will, acts on the namespace.
+    local_cluster.install_chart("replicaCount=0")
     process = Background([sys.executable, "-c", OPERATOR, namespace], tmp_path / "operator.log",
                          env)
     yield process

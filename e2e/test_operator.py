@@ -16,21 +16,18 @@ import pytest
 import yaml
 
 from e2e.config import ClusterConfig
-from e2e.helpers import Cluster, pod_ready, wait_for
+from e2e.helpers import SYSTEM_NS, Cluster, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
-CHART, EXAMPLES = REPO / "helm" / "kubeinfer", REPO / "crds" / "examples"
-RELEASE, SYSTEM_NS = "kubeinfer", "kubeinfer-system"
+EXAMPLES = REPO / "crds" / "examples"
 SIMULATED_IMAGE = "registry.example.com/simulated-engine:1"  # not ours: kwok runs its pods
 
 
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster) -> str:
     """The chart installed (or upgraded) once per module, watching the whole cluster."""
-    cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-                 "--create-namespace", "--reset-values", "--wait", "--timeout", "5m",
-                 "--set", "operator.driftIntervalSeconds=15")
+    cluster.install_chart("operator.driftIntervalSeconds=15")
     return SYSTEM_NS
 
 

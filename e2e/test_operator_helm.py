@@ -9,19 +9,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.helpers import Cluster, wait_for
+from e2e.helpers import CHART, RELEASE, SYSTEM_NS, Cluster, wait_for
 
 pytestmark = pytest.mark.e2e
-CHART = Path(__file__).resolve().parents[1] / "helm" / "kubeinfer"
-RELEASE, SYSTEM_NS = "kubeinfer", "kubeinfer-system"
 CRD = "inferenceservices.kubeinfer.io"
 
 
 def install(cluster: Cluster, chart: Path, *sets: str) -> None:
     """Chart defaults plus `sets` (helm would otherwise reuse the last release's values)."""
-    cluster.helm("upgrade", "--install", RELEASE, str(chart), "--namespace", SYSTEM_NS,
-                 "--create-namespace", "--reset-values", "--wait", "--timeout", "5m",
-                 *[arg for s in sets for arg in ("--set", s)])
+    cluster.install_chart(*sets, chart=chart)
 
 
 def crd_columns(cluster: Cluster) -> list[str]:

@@ -13,11 +13,9 @@ import pytest
 import yaml
 
 from e2e.config import ClusterConfig
-from e2e.helpers import Cluster, wait_for
+from e2e.helpers import SYSTEM_NS, Cluster, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-CHART = Path(__file__).resolve().parents[1] / "helm" / "kubeinfer"
-RELEASE, SYSTEM_NS = "kubeinfer", "kubeinfer-system"
 COUNT = 100
 
 
@@ -34,8 +32,7 @@ def operator_rss_mib(cluster: Cluster) -> float | None:
 
 
 def test_hundred_services_reach_ready(cluster: Cluster, namespace: str) -> None:
-    cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-                 "--create-namespace", "--reset-values", "--wait", "--timeout", "5m")
+    cluster.install_chart()
     docs = [{"apiVersion": "kubeinfer.io/v1alpha1", "kind": "InferenceService",
              "metadata": {"name": f"svc-{i:03d}"},
              "spec": {"engine": {"image": "registry.example.com/simulated-engine:1", "device": "cpu"},

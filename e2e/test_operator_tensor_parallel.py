@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from e2e.helpers import Cluster, pod_ready, wait_for
-from e2e.test_operator import (CHART, RELEASE, SYSTEM_NS, apply, condition, deployment,
-                               get_isvc, wait_condition)
+from e2e.helpers import SYSTEM_NS, Cluster, pod_ready, wait_for
+from e2e.test_operator import apply, condition, deployment, get_isvc, wait_condition
 
 pytestmark = pytest.mark.e2e
 TP_LOAD_TIMEOUT = 600  # three ranks each load a shard on a shared 2-core machine
@@ -24,15 +23,8 @@ TP_LOAD_TIMEOUT = 600  # three ranks each load a shard on a shared 2-core machin
 
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster) -> str:
-    """The chart installed (or upgraded) as e2e/test_operator.py does, so concurrent runs agree;
-    another run's upgrade in flight is waited out rather than failing the module."""
-    def upgrade() -> bool:
-        result = cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-                              "--create-namespace", "--reset-values", "--wait", "--timeout", "5m",
-                              "--set", "operator.driftIntervalSeconds=15", check=False)
-        assert result.returncode == 0 or "another operation" in result.stderr, result.stderr
-        return result.returncode == 0
-    wait_for(upgrade, "helm upgrade of the operator chart", timeout=300, interval=5)
+    """The chart installed (or upgraded) as e2e/test_operator.py does, so concurrent runs agree."""
+    cluster.install_chart("operator.driftIntervalSeconds=15")
     return SYSTEM_NS
 
 
