@@ -1,7 +1,9 @@
-"""Everything an InferenceService owns: Deployment, ClusterIP Service, PodDisruptionBudget.
+"""Everything an InferenceService owns: Deployment, ClusterIP Service, PodDisruptionBudget,
+and at `autoscaling.minReplicas: 0` the scale-from-zero gateway (operator/gateway/build.py).
 
 `desired_children` is the whole answer to "what should exist"; `stale_children` names what
-must go (the PDB once replicas drop to 1 or less, where it would block node drains).
+must go (the PDB once replicas drop to 1 or less, where it would block node drains; the
+gateway once the service can no longer scale to zero).
 """
 
 from __future__ import annotations
@@ -10,14 +12,18 @@ from typing import Any
 
 from kubeinfer.operator import api
 from kubeinfer.operator.build import deployment
+from kubeinfer.operator.gateway.build import (gateway_children, gateway_name, needs_gateway,
+                                              service_selector)
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
+
+GATEWAY_KINDS = ("Deployment", "RoleBinding", "Role", "ServiceAccount")  # deletion order
 
 
 def service(isvc: InferenceService) -> dict[str, Any]:
-    """ClusterIP Service on port 80 in front of the engines' http port."""
+    """ClusterIP Service on port 80 in front of the engines' (or the gateway's) http port."""
     return {
         "apiVersion": "v1", "kind": "Service", "metadata": isvc.metadata(),
-        "spec": {"type": "ClusterIP", "selector": isvc.selector_labels,
+        "spec": {"type": "ClusterIP", "selector": service_selector(isvc),
                  "ports": [{"name": "http", "port": api.SERVICE_PORT, "targetPort": "http",
                             "protocol": "TCP", "appProtocol": "http"}]},
     }
@@ -32,7 +38,11 @@ def pod_disruption_budget(isvc: InferenceService) -> dict[str, Any]:
 
 
 def desired_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[str, Any]]:
-    children = [deployment(isvc, config), service(isvc)]
+    """In apply order: the gateway exists before the Service is pointed at it."""
+    children = [deployment(isvc, config)]
+    if needs_gateway(isvc):
+        children += gateway_children(isvc, config)
+    children.append(service(isvc))
     if isvc.spec.replicas > 1:
         children.append(pod_disruption_budget(isvc))
     return children
@@ -40,4 +50,7 @@ def desired_children(isvc: InferenceService, config: OperatorConfig) -> list[dic
 
 def stale_children(isvc: InferenceService) -> list[tuple[str, str]]:
     """(kind, name) of children that must not exist for this spec."""
-    return [] if isvc.spec.replicas > 1 else [("PodDisruptionBudget", isvc.name)]
+    stale = [] if isvc.spec.replicas > 1 else [("PodDisruptionBudget", isvc.name)]
+    if not needs_gateway(isvc):
+        stale += [(kind, gateway_name(isvc)) for kind in GATEWAY_KINDS]
+    return stale

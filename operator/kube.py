@@ -19,6 +19,9 @@ COLLECTIONS = {
     "Service": "/api/v1/namespaces/{ns}/services",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "Pod": "/api/v1/namespaces/{ns}/pods",
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
     "Node": "/api/v1/nodes",  # cluster-scoped: the namespace is ignored
     api.KIND: f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{{ns}}/{api.PLURAL}",
 }
