@@ -1,6 +1,8 @@
 """Observed Deployment + pods → InferenceService status and conditions (pure).
 
-Ready means "at least one engine answers"; Progressing means "a rollout is in flight";
+Ready means "at least one engine answers" — or, behind the scale-from-zero gateway, "the
+Service answers": at zero replicas, and while a request wakes an engine once the model has
+been served before (the gateway holds it). Progressing means "a rollout is in flight";
 Degraded means "something needs a human" — a scheduler refusal, a crash loop, an image pull
 failure, a rejected apply — and its message says why in the cluster's own words.
 """
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from kubeinfer.operator.gateway.build import gateway_name, needs_gateway
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
 from kubeinfer.operator.status import Condition, InferenceServiceStatus
 
@@ -87,9 +90,10 @@ def rollout_in_flight(deployment: dict[str, Any], desired: int) -> bool:
         or status.get("availableReplicas", 0) < desired
 
 
-def conditions(isvc: InferenceService, seen: Observed, ready: int) -> list[tuple[str, bool, str, str]]:
+def conditions(isvc: InferenceService, seen: Observed, ready: int,
+               was_ready: bool = False) -> list[tuple[str, bool, str, str]]:
     """(type, status, reason, message) for Ready, Progressing and Degraded."""
-    desired, scaling = isvc.spec.replicas, isvc.spec.autoscaling
+    desired, gateway = isvc.spec.replicas, needs_gateway(isvc)
     problems = ([("ReconcileError", seen.error)] if seen.error else []) \
         + gpu_product_problems(isvc.spec.resources.gpu_product, seen.gpu_products) \
         + pod_problems(seen.pods)
@@ -97,11 +101,14 @@ def conditions(isvc: InferenceService, seen: Observed, ready: int) -> list[tuple
         problems += deployment_problems(seen.deployment)
     problem_text = "; ".join(dict.fromkeys(m for _, m in problems))[:MAX_MESSAGE]
     if desired == 0:
-        idle_ok = scaling.enabled and scaling.min_replicas == 0
-        ready_c = (idle_ok, "ScaledToZero", "no replicas while idle; a request scales it up"
-                   if idle_ok else "spec.replicas is 0")
+        ready_c = (gateway, "ScaledToZero",
+                   f"no replicas while idle; gateway {gateway_name(isvc)} holds the next "
+                   "request and scales up" if gateway else "spec.replicas is 0")
     elif ready > 0:
         ready_c = (True, "Available", f"{ready}/{desired} replicas ready")
+    elif gateway and was_ready and not problems:  # waking from zero: not an outage
+        ready_c = (True, "Activating", f"0/{desired} replicas ready; gateway "
+                                       f"{gateway_name(isvc)} holds requests until one is")
     else:
         reason = problems[0][0] if problems else "ReplicasNotReady"
         ready_c = (False, reason, f"0/{desired} replicas ready" +
@@ -126,8 +133,9 @@ def observe(isvc: InferenceService, seen: Observed, config: OperatorConfig,
     dep_status = (seen.deployment or {}).get("status") or {}
     ready = dep_status.get("readyReplicas", 0)
     before = {c.type: c for c in previous.conditions}
+    was_ready = "Ready" in before and before["Ready"].status == "True"
     new_conditions = []
-    for type_, ok, reason, message in conditions(isvc, seen, ready):
+    for type_, ok, reason, message in conditions(isvc, seen, ready, was_ready):
         status = "True" if ok else "False"
         old = before.get(type_)
         since = old.last_transition_time if old and old.status == status else now

@@ -8,6 +8,7 @@ stays short (the namespace comes from the downward API or the service-account mo
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -51,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
     from kubeinfer.operator.gateway.backends import KubeBackends
     from kubeinfer.operator.gateway.proxy import build_app
 
+    # uvicorn configures only its own loggers: show ours (wake-ups, API trouble) at the
+    # chosen level, and other libraries' (httpx logs every forwarded request) from warnings.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kubeinfer").setLevel(args.log_level.upper())
     backends = KubeBackends(KubeScaleApi(), args.namespace, args.inferenceservice)
     activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),
                           GatewayMetrics())
