@@ -91,6 +91,9 @@ def test_operator_gateway_holds_a_request_at_zero_and_wakes_an_engine(
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert "kubeinfer_gateway_activations_total 1.0" in metrics  # this request woke it
     assert 'kubeinfer_gateway_requests_total{code="200"} 1.0' in metrics
+    events = local_cluster.kubectl_json("get", "events", "-n", namespace, "--field-selector",
+                                        f"involvedObject.name={NAME}")["items"]
+    assert "NotReady" not in [e["reason"] for e in events]  # the gateway answered throughout
 
     local_cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest(1))
     wait_for(lambda: not gateway_objects(local_cluster, namespace), "the gateway deleted",
