@@ -19,8 +19,9 @@ COMPONENT = "app.kubernetes.io/component"
 
 
 def needs_gateway(isvc: InferenceService) -> bool:
-    scaling = isvc.spec.autoscaling
-    return scaling.enabled and scaling.min_replicas == 0
+    """`minReplicas: 0`, whoever scales: the built-in autoscaler, or KEDA/HPA/kubectl with
+    `enabled: false` — a request at zero replicas must be held and wake a pod either way."""
+    return isvc.spec.autoscaling.min_replicas == 0
 
 
 def gateway_name(isvc: InferenceService) -> str:

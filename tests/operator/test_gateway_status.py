@@ -56,3 +56,9 @@ def test_without_the_gateway_waking_is_not_ready() -> None:
     served = step(1, 1, InferenceServiceStatus(), spec=manual)
     assert ready(step(0, 0, served, spec=manual))[:2] == ("False", "ScaledToZero")
     assert ready(step(1, 0, served, spec=manual))[:2] == ("False", "ReplicasNotReady")
+
+
+def test_keda_scaling_to_zero_is_ready_behind_the_gateway() -> None:
+    keda = {"autoscaling": {"enabled": False, "minReplicas": 0}}
+    served = step(1, 1, InferenceServiceStatus(), spec=keda)
+    assert ready(step(0, 0, served, spec=keda))[:2] == ("True", "ScaledToZero")
