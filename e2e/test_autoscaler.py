@@ -1,7 +1,7 @@
 """The built-in autoscaler on the local cluster, with real engine pods under real load.
 
-An operator process (the reconciler plus the autoscaler daemon, as `kubeinfer operator` runs
-them) watches a fresh namespace; a `kubeinfer gateway` process on 127.0.0.1 spreads
+A `kubeinfer operator --namespace <ns> --standalone` process (the reconciler plus the
+autoscaler daemon) watches a fresh namespace; a `kubeinfer gateway` process on 127.0.0.1 spreads
 `kubeinfer bench serve` load over the Ready engine pods (their loopback IPs) and holds requests
 at zero replicas. Intervals and delays are seconds, not minutes, to fit a test run.
 """
@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -27,22 +26,6 @@ from e2e.helpers import Cluster, wait_for
 
 pytestmark = pytest.mark.e2e
 INTERVAL, WINDOW, DELAY = 5, 10, 40
-OPERATOR = textwrap.dedent("""
-    import logging, sys, kopf
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from kubeinfer.operator.autoscaler.handlers import register as register_autoscaler
-    from kubeinfer.operator.autoscaler.kube import KubeScaleApi
-    from kubeinfer.operator.handlers import register
-    from kubeinfer.operator.kube import Kube, load_api_client
-    from kubeinfer.operator.reconcile import Reconciler
-    from kubeinfer.operator.resource import OperatorConfig
-    kube = Kube(load_api_client())
-    registry = kopf.OperatorRegistry()
-    kopf.on.login(registry=registry)(kopf.login_via_client)  # a fresh registry has no login
-    register(registry, Reconciler(kube, OperatorConfig()), drift_seconds=60)
-    register_autoscaler(registry, KubeScaleApi(kube))
-    kopf.run(registry=registry, namespaces=[sys.argv[1]], clusterwide=False, standalone=True)
-""")
 
 
 def manifest(name: str, **autoscaling: Any) -> str:
@@ -91,8 +74,10 @@ def operator(local_cluster: Cluster, namespace: str, env: dict[str, str],
     # The chart owns the CRD (so later modules can upgrade it); its operator is scaled to
     # zero so only this test's process, which it restarts at will, acts on the namespace.
     local_cluster.install_chart("replicaCount=0")
-    process = Background([sys.executable, "-c", OPERATOR, namespace], tmp_path / "operator.log",
-                         env)
+    argv = [sys.executable, "-m", "kubeinfer.server.cli", "operator", "--namespace", namespace,
+            "--standalone", "--bind-address", "127.0.0.1", "--health-port", str(free_port()),
+            "--metrics-port", "0"]
+    process = Background(argv, tmp_path / "operator.log", env)
     yield process
     if process.process and process.process.poll() is not None:
         process.start()  # the autoscaler's kopf finalizer needs a live operator to go away
@@ -101,11 +86,15 @@ def operator(local_cluster: Cluster, namespace: str, env: dict[str, str],
     process.stop()
 
 
-def start_gateway(namespace: str, name: str, env: dict[str, str],
-                  log: Path) -> tuple[Background, str]:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+def start_gateway(namespace: str, name: str, env: dict[str, str],
+                  log: Path) -> tuple[Background, str]:
+    port = free_port()
     argv = [sys.executable, "-c", "import sys; from kubeinfer.operator.gateway import cli; "
             "import argparse; p = argparse.ArgumentParser(); cli.add_arguments(p); "
             "sys.exit(cli.run(p.parse_args(sys.argv[1:])))",
@@ -203,8 +192,9 @@ def test_queue_growth_scales_up_then_down_after_the_delay_across_an_operator_res
     load_ended = time.time()
     served = served_requests(local_cluster, namespace)
 
-    below = wait_for(lambda: next((r["belowSince"] for r in reversed(timeline.rows)
-                                   if r["belowSince"]), None), "the scale-down clock", timeout=120)
+    # The clock as it stands after the load (one may have started and reset during it).
+    below = wait_for(lambda: timeline.rows and timeline.rows[-1]["time"] > load_ended
+                     and timeline.rows[-1]["belowSince"], "the scale-down clock", timeout=120)
     below_since = _unix(below)
     time.sleep(max(0.0, below_since + DELAY / 2 - time.time()))
     operator.stop()  # restart mid-delay: the clock must continue from status, not restart

@@ -93,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger(__name__).info("watching %s for %s.%s (engine image %s, priority %d)",
                                      ",".join(args.namespace) or "all namespaces", api.PLURAL,
                                      api.GROUP, args.engine_image, priority)
+    # kopf makes peering mandatory whenever a peering name is passed, and then waits for the
+    # peering CRD forever, even with standalone=True: name it only when peering is wanted.
+    peering = {} if args.standalone else {"peering_name": args.peering_name}
     kopf.run(registry=registry, clusterwide=not args.namespace, namespaces=args.namespace,
-             standalone=args.standalone, priority=priority, peering_name=args.peering_name,
+             standalone=args.standalone, priority=priority, **peering,
              liveness_endpoint=f"http://{args.bind_address}:{args.health_port}/healthz")
     return 0
