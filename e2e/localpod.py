@@ -18,6 +18,8 @@ from e2e.podenv import ConfigError, command_line, container_env
 from e2e.podprocess import LocalContainer, now_iso
 from e2e.runner_rules import image_prefixes
 
+WILDCARDS = ("0.0.0.0", "::", "")
+
 
 @dataclass
 class Apiserver:
@@ -74,6 +76,8 @@ class LocalPod:
                 continue
             try:
                 env = {**base, **container_env(core, self.pod, container)}
+                if env.get("KUBEINFER_HOST") in WILDCARDS:  # one shared network namespace here:
+                    env["KUBEINFER_HOST"] = self.ip  # a wildcard would take every pod's port
             except ConfigError as err:
                 self.errors[container["name"]] = str(err)
                 continue

@@ -4,7 +4,8 @@ Test and demo infrastructure, not product. kwok only simulates pod status; for a
 bound to a local node, has its (loopback) pod IP and uses one of kubeinfer's images
 (``runner_rules``), this starts each container's command with its env, a bound service-account
 token and ``KUBERNETES_SERVICE_HOST/PORT`` of the local apiserver; sets ``KUBEINFER_HOST`` to the
-pod IP (unless the pod sets it) so ``kubeinfer serve`` binds there; restarts per restartPolicy;
+pod IP (also over a wildcard the pod sets: all pods share one network namespace here) so
+``kubeinfer serve`` binds there; restarts per restartPolicy;
 reflects probes into Ready/ContainersReady and containerStatuses; stops the process group when
 the pod goes away. Init containers and volumes are not run/mounted (init containers are
 reported Completed). Logs: ``<state>/pods/<namespace>_<pod>/<container>.log``.

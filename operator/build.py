@@ -40,12 +40,11 @@ def engine_args(isvc: InferenceService, model_path: str, served_name: str | None
 def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
     """Server flags as env vars (named by the flag table); the user's `engine.env` wins.
 
-    The server binds the pod IP rather than 0.0.0.0: Services and probes reach it there, and
-    pods that share one network namespace (the local dev cluster's runner) do not collide.
+    The server binds every address of its pod (as vLLM and KServe do), so Services, probes
+    and `kubectl port-forward` (which dials the pod's localhost) all reach it.
     """
-    pod_ip = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     ours: list[tuple[str, dict[str, Any]]] = [
-        ("HOME", {"value": "/tmp"}), (flag("host").env, pod_ip),
+        ("HOME", {"value": "/tmp"}), (flag("host").env, {"value": "0.0.0.0"}),
         (flag("port").env, {"value": str(api.HTTP_PORT)}),
         (flag("shutdown_timeout").env, {"value": str(isvc.spec.rollout.drain_seconds)})]
     merged = {name: {"name": name, **source} for name, source in ours}

@@ -48,9 +48,9 @@ def test_extra_args_come_last_and_server_flags_are_env() -> None:
     assert len(env) == len(container["env"])
 
 
-def test_server_binds_the_pod_ip() -> None:
+def test_server_binds_every_pod_address_so_port_forward_reaches_it() -> None:
     env = {e["name"]: e for e in engine()["env"]}
-    assert env["KUBEINFER_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["KUBEINFER_HOST"] == {"name": "KUBEINFER_HOST", "value": "0.0.0.0"}
 
 
 def test_gpu_limit_is_the_tensor_parallel_size_with_shm() -> None:
