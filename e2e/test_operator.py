@@ -55,7 +55,7 @@ def wait_condition(cluster: Cluster, namespace: str, name: str, kind: str, statu
     def check() -> dict[str, Any] | None:
         obj = get_isvc(cluster, namespace, name)
         cond = condition(obj, kind)
-        caught_up = generation is None or obj["status"].get("observedGeneration") == generation
+        caught_up = generation is None or (obj.get("status") or {}).get("observedGeneration") == generation
         return obj if cond.get("status") == status and caught_up else None
     return wait_for(check, f"{namespace}/{name} {kind}={status}", timeout=timeout, interval=1)
 
@@ -136,6 +136,7 @@ def test_deleting_the_service_removes_every_child(cluster: Cluster, operator: st
     ("negative", {"replicas": -1}, "should be greater than or equal to 0"),
     ("scheme", {"model": {"source": "s3://bucket/llama"}}, "model.source must be 'embedded'"),
     ("x" * 51, {}, "metadata.name must be at most 50 characters"),
+    ("chat-gateway", {}, "metadata.name must not end in '-gateway'"),
 ])
 def test_invalid_manifests_are_refused(cluster: Cluster, operator: str, namespace: str,
                                        name: str, spec: dict, message: str) -> None:

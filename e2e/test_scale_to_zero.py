@@ -9,17 +9,15 @@ which is what the Service's endpoints would be.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from e2e.helpers import Cluster, pod_ready, wait_for
+from e2e.helpers import SYSTEM_NS, Cluster, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
-CHART = Path(__file__).resolve().parents[1] / "helm" / "kubeinfer"
-RELEASE, SYSTEM_NS, NAME = "kubeinfer", "kubeinfer-system", "idle"
+NAME = "idle"
 ENGINES = f"app.kubernetes.io/component=engine,kubeinfer.io/inferenceservice={NAME}"
 GATEWAYS = f"app.kubernetes.io/component=gateway,kubeinfer.io/inferenceservice={NAME}"
 
@@ -27,9 +25,7 @@ GATEWAYS = f"app.kubernetes.io/component=gateway,kubeinfer.io/inferenceservice={
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster) -> str:
     """The chart as test_operator.py installs it (same values, so either may run first)."""
-    cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-                 "--create-namespace", "--reset-values", "--wait", "--timeout", "5m",
-                 "--set", "operator.driftIntervalSeconds=15")
+    cluster.install_chart("operator.driftIntervalSeconds=15")
     return SYSTEM_NS
 
 

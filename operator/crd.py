@@ -29,6 +29,9 @@ NAME_RULES = rules(
     ("self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
      "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
      "with a letter), because it names the Service"),
+    ("!self.metadata.name.endsWith('-gateway')",
+     "metadata.name must not end in '-gateway': the scale-from-zero gateway of the "
+     "InferenceService named without that suffix uses those names"),
 )
 PRINTER_COLUMNS = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
