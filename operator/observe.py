@@ -9,7 +9,7 @@ failure, a rejected apply — and its message says why in the cluster's own word
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -31,6 +31,7 @@ class Observed:
     applied_generation: int | None  # the spec generation whose children were applied
     error: str | None = None  # why applying failed, if it did
     gpu_products: list[str] | None = None  # node GPU products, looked up when pods are stuck
+    gateway_pods: list[dict[str, Any]] = field(default_factory=list)  # at minReplicas 0
 
 
 def gpu_product_problems(wanted: str | None, available: list[str] | None) -> list[tuple[str, str]]:
@@ -72,6 +73,11 @@ def _last_words(message: str, lines: int = 3) -> str:
     return " | ".join(tail)[-500:]
 
 
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 def deployment_problems(deployment: dict[str, Any]) -> list[tuple[str, str]]:
     problems = []
     for cond in (deployment.get("status") or {}).get("conditions") or []:
@@ -96,17 +102,22 @@ def conditions(isvc: InferenceService, seen: Observed, ready: int,
     desired, gateway = isvc.spec.replicas, needs_gateway(isvc)
     problems = ([("ReconcileError", seen.error)] if seen.error else []) \
         + gpu_product_problems(isvc.spec.resources.gpu_product, seen.gpu_products) \
-        + pod_problems(seen.pods)
+        + pod_problems(seen.pods) + pod_problems(seen.gateway_pods)
+    gateway_up = gateway and any(pod_ready(p) for p in seen.gateway_pods)
     if seen.deployment is not None:
         problems += deployment_problems(seen.deployment)
     problem_text = "; ".join(dict.fromkeys(m for _, m in problems))[:MAX_MESSAGE]
-    if desired == 0:
+    if desired == 0 and gateway and not gateway_up:  # nothing would answer the next request
+        ready_c = (False, "GatewayNotReady", f"no replicas while idle and gateway "
+                   f"{gateway_name(isvc)} has no Ready pod" +
+                   (f": {problem_text}" if problem_text else ""))
+    elif desired == 0:
         ready_c = (gateway, "ScaledToZero",
                    f"no replicas while idle; gateway {gateway_name(isvc)} holds the next "
                    "request and scales up" if gateway else "spec.replicas is 0")
     elif ready > 0:
         ready_c = (True, "Available", f"{ready}/{desired} replicas ready")
-    elif gateway and was_ready and not problems:  # waking from zero: not an outage
+    elif gateway_up and was_ready and not problems:  # waking from zero: not an outage
         ready_c = (True, "Activating", f"0/{desired} replicas ready; gateway "
                                        f"{gateway_name(isvc)} holds requests until one is")
     else:

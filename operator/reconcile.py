@@ -15,9 +15,9 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
-from kubeinfer.operator import api
 from kubeinfer.operator.children import desired_children, stale_children
 from kubeinfer.operator.events import Event, transition_events
+from kubeinfer.operator.gateway.build import gateway_selector, needs_gateway
 from kubeinfer.operator.kube import Kube, KubeError
 from kubeinfer.operator.metrics import RECONCILE_SECONDS, RECONCILES
 from kubeinfer.operator.build import GPU_PRODUCT_LABEL
@@ -80,9 +80,11 @@ class Reconciler:
             except KubeError as exc:
                 error = f"applying children failed: {exc.message}"
         pods = self.kube.list("Pod", isvc.namespace, isvc.selector)
+        gateway_pods = self.kube.list("Pod", isvc.namespace, gateway_selector(isvc)) \
+            if needs_gateway(isvc) else []
         seen = Observed(deployment=self.kube.get("Deployment", isvc.namespace, isvc.name),
                         pods=pods, applied_generation=applied, error=error,
-                        gpu_products=self._gpu_products(isvc, pods))
+                        gpu_products=self._gpu_products(isvc, pods), gateway_pods=gateway_pods)
         status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
         self._write(isvc.uid, isvc.namespace, isvc.name, status)
         return transition_events(previous.conditions, status.conditions)

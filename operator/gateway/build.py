@@ -32,6 +32,11 @@ def gateway_selector_labels(isvc: InferenceService) -> dict[str, str]:
     return {api.INSTANCE_LABEL: isvc.name, COMPONENT: "gateway"}
 
 
+def gateway_selector(isvc: InferenceService) -> str:
+    """The gateway pods as a label selector string, for listing them."""
+    return ",".join(f"{k}={v}" for k, v in sorted(gateway_selector_labels(isvc).items()))
+
+
 def service_selector(isvc: InferenceService) -> dict[str, str]:
     """Pods behind the InferenceService's Service: the gateway when it can scale to zero."""
     return gateway_selector_labels(isvc) if needs_gateway(isvc) else isvc.selector_labels

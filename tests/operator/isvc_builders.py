@@ -44,3 +44,8 @@ def crashing_pod() -> dict[str, Any]:
         {"name": "engine", "state": {"waiting": {"reason": "CrashLoopBackOff",
                                                  "message": "back-off 40s restarting"}},
          "lastState": {"terminated": {"exitCode": 1, "message": "heads not divisible by tp"}}}]}}
+
+
+def ready_pod(name: str = "chat-gateway-abc") -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": "True"}]}}

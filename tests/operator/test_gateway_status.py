@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from isvc_builders import CONFIG, crashing_pod, deployment_with, make_isvc
+from isvc_builders import CONFIG, crashing_pod, deployment_with, make_isvc, ready_pod
 
 from kubeinfer.operator.events import transition_events
 from kubeinfer.operator.observe import Observed, observe
@@ -15,8 +15,10 @@ ZERO = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}}
 
 
 def step(replicas: int, ready: int, previous: InferenceServiceStatus, pods: list | None = None,
-         spec: dict | None = None) -> InferenceServiceStatus:
-    seen = Observed(deployment_with(replicas, ready), pods or [], applied_generation=1)
+         spec: dict | None = None, gateway: list | None = None) -> InferenceServiceStatus:
+    """One observation; the gateway has one Ready pod unless `gateway` says otherwise."""
+    seen = Observed(deployment_with(replicas, ready), pods or [], applied_generation=1,
+                    gateway_pods=[ready_pod()] if gateway is None else gateway)
     return observe(make_isvc({**(spec or ZERO), "replicas": replicas}), seen, CONFIG, previous,
                    NOW)
 
@@ -62,3 +64,18 @@ def test_keda_scaling_to_zero_is_ready_behind_the_gateway() -> None:
     keda = {"autoscaling": {"enabled": False, "minReplicas": 0}}
     served = step(1, 1, InferenceServiceStatus(), spec=keda)
     assert ready(step(0, 0, served, spec=keda))[:2] == ("True", "ScaledToZero")
+
+
+def test_idle_without_a_ready_gateway_is_not_ready_and_says_why() -> None:
+    served = step(1, 1, InferenceServiceStatus())
+    crashing = step(0, 0, served, gateway=[crashing_pod()])
+    assert ready(crashing)[:2] == ("False", "GatewayNotReady")
+    assert "gateway chat-gateway has no Ready pod" in ready(crashing)[2]
+    assert "CrashLoopBackOff" in ready(crashing)[2]
+    degraded = next(c for c in crashing.conditions if c.type == "Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "CrashLoopBackOff")
+
+
+def test_waking_without_a_ready_gateway_is_not_activating() -> None:
+    idle = step(0, 0, step(1, 1, InferenceServiceStatus()))
+    assert ready(step(1, 0, idle, gateway=[]))[:2] == ("False", "ReplicasNotReady")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from isvc_builders import CONFIG, crashing_pod, deployment_with, make_isvc, pending_pod
+from isvc_builders import CONFIG, crashing_pod, deployment_with, make_isvc, pending_pod, ready_pod
 
 from kubeinfer.operator.events import transition_events
 from kubeinfer.operator.observe import Observed, observe
@@ -95,7 +95,9 @@ def test_scaled_to_zero() -> None:
     seen = Observed(deployment_with(0, 0), [], applied_generation=1)
     assert conds(status_of({"replicas": 0}, seen))["Ready"] == ("False", "ScaledToZero")
     idle = {"replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0}}
-    assert conds(status_of(idle, seen))["Ready"] == ("True", "ScaledToZero")
+    with_gateway = Observed(deployment_with(0, 0), [], applied_generation=1,
+                            gateway_pods=[ready_pod()])
+    assert conds(status_of(idle, with_gateway))["Ready"] == ("True", "ScaledToZero")
 
 
 def test_transition_time_kept_while_status_holds() -> None:
