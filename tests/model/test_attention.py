@@ -41,6 +41,8 @@ def _caches():
     [(9, 1), (0, 1), (30, 1), (4, 1)],        # decode-only
     [(0, 7), (13, 1), (5, 6), (22, 1)],       # prefills, a chunk after a cached prefix, decodes
     [(17, 5)],                               # one chunk on top of a cached prefix
+    [(13, 1), (22, 1), (0, 9)],              # the scheduler's order: decodes, then a fresh prefill
+    [(13, 1), (3, 4), (20, 6)],              # decodes, then chunks padded apart from them
 ])
 def test_matches_reference_and_stores_kv(seqs):
     batch, tables = _batch(seqs)
