@@ -1,5 +1,9 @@
-"""A linear layer holding several checkpoint matrices stacked on the output dimension.
+"""Linear layers: oneDNN-prepacked bf16 weights on CPU, and merged q/k/v and gate/up matrices.
 
+`F.linear` on a CPU bf16 weight makes oneDNN reorder the whole weight into its blocked (AMX /
+AVX512-BF16) layout on every call; at decode batch sizes that reorder costs as much as the
+GEMM. `pack()` reorders once after loading and drops the plain copy (no doubled memory);
+measured on SmolLM2 shapes at 32 rows, the packed GEMMs are 20-40% faster, bit-identical.
 q/k/v and gate/up run as one GEMM each (fewer, larger matmuls are faster on CPU and GPU);
 the loader copies each checkpoint matrix into its row range.
 """
@@ -8,9 +12,43 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
-class MergedLinear(nn.Linear):
+def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN packing helps bf16 on CPUs with native bf16; float32 stays on MKL's sgemm."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An opaque oneDNN copy of `weight [out, in]` for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` over a `pack_weight` result; `x` is [rows, in]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs on a prepacked weight once `pack()` was called (CPU bf16 only)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Reorder the weight for oneDNN and free the plain one; weights cannot be reloaded after."""
+        if self.packed is None and can_pack(self.weight):
+            self.packed = pack_weight(self.weight)
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = output_sizes

@@ -18,7 +18,7 @@ from kubeinfer.kernels import ops
 from .attention import AttentionBackend
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
-from .linear import MergedLinear
+from .linear import Linear, MergedLinear, can_pack, pack_weight, packed_linear
 from .mlp import SwiGLUMLP
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
@@ -63,8 +63,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
+                                                                      bias=False)
+        self.packed_tied_head: torch.Tensor | None = None
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
@@ -77,8 +78,22 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos_sin, kv_cache, batch)
         # Only the rows that need logits go through the final norm and the (large) lm_head.
         x = self.model.norm(x[batch.logits_indices] + residual[batch.logits_indices])
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        if self.lm_head is not None:
+            return self.lm_head(x).float()
+        if self.packed_tied_head is not None:
+            return packed_linear(x, self.packed_tied_head).float()
+        return F.linear(x, self.model.embed_tokens.weight).float()
+
+    @torch.no_grad()
+    def pack_weights(self) -> None:
+        """Prepack every GEMM weight for oneDNN where that is faster (CPU bf16, see linear.py).
+        Call once after `load_weights`: packed layers cannot be reloaded."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        embedding = self.model.embed_tokens.weight
+        if self.lm_head is None and self.packed_tied_head is None and can_pack(embedding):
+            self.packed_tied_head = pack_weight(embedding)   # a copy: the embedding lookup needs the plain table
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

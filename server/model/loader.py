@@ -112,6 +112,7 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
     model.model.rotary_emb.reset_inv_freq(torch_device)
     model.load_weights((name, tensor.to(torch_device)) for name, tensor in checkpoint.weights(torch_dtype))
     model.requires_grad_(False).eval()
+    model.pack_weights()
     logger.info("loaded %d tensors as %s on %s in %.2fs (total %.2fs)", checkpoint.num_tensors,
                 str(torch_dtype).removeprefix("torch."), torch_device, time.perf_counter() - stage,
                 time.perf_counter() - start)

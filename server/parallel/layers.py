@@ -11,12 +11,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..model.linear import Linear
 
-class RowParallelLinear(nn.Linear):
+
+class RowParallelLinear(Linear):
     """o_proj / down_proj over this rank's input features; one all-reduce sums the partial outputs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = super().forward(x)
         dist.all_reduce(out)
         return out
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..model.attention import get_attention_backend
 from ..model.forward_batch import ForwardBatch
+from ..model.linear import Linear
 from ..model.llama import LlamaForCausalLM
 from .layers import RowParallelLinear, VocabParallelEmbedding
 from .plan import ShardPlan
@@ -33,7 +33,7 @@ class TensorParallelLlama(LlamaForCausalLM):
         hidden = local.hidden_size
         self.model.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, hidden, plan.vocab_start)
         if self.lm_head is not None:
-            self.lm_head = nn.Linear(hidden, plan.vocab_per_rank, bias=False)
+            self.lm_head = Linear(hidden, plan.vocab_per_rank, bias=False)
         for layer in self.model.layers:
             layer.self_attn.o_proj = RowParallelLinear(plan.num_heads * local.head_dim, hidden, bias=False)
             layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, hidden, bias=False)
@@ -64,4 +64,5 @@ def load_shard(source: Path, plan: ShardPlan, dtype: torch.dtype, device: torch.
     model.model.rotary_emb.reset_inv_freq(device)
     model.load_weights((name, tensor.to(device)) for name, tensor in sharded_weights(source, plan, dtype))
     model.requires_grad_(False).eval()
+    model.pack_weights()
     return model
