@@ -34,11 +34,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -59,12 +54,19 @@ class RotaryEmbedding(nn.Module):
         return self._table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, 1, head_dim] for `positions` [T]; computed once per step, shared by all layers."""
+        """cos and signed sin [T, 1, head_dim] for `positions` [T], once per step for all layers.
+
+        The sin's first half is negated, folding `rotate_half`'s negation into the table."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[..., :freqs.shape[1]].neg_()
+        return emb.cos().to(dtype), sin.to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` [T, heads, head_dim]."""
-        return x * cos + _rotate_half(x) * sin
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` [T, heads, head_dim] as transformers' `x * cos + rotate_half(x) * sin` (same
+        products, the sign moved into the table: bit-identical) in four ops instead of six; no
+        addcmul, whose single rounding would differ from transformers' in bf16."""
+        swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)   # (x2, x1)
+        return swapped.mul_(signed_sin).add_(x * cos)

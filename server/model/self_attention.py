@@ -14,7 +14,7 @@ from kubeinfer.kernels import ops
 from .attention import AttentionBackend
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
-from .linear import MergedLinear
+from .linear import Linear, MergedLinear
 from .rotary import RotaryEmbedding
 
 
@@ -28,18 +28,21 @@ class SelfAttention(nn.Module):
         self.backend = backend
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
         if isinstance(cos_sin, torch.Tensor):   # Triton: the cos|sin table, indexed by position in-kernel
+            q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
             q, k = ops.apply_rotary(q, k, batch.positions, cos_sin, inplace=True)
-        else:
-            q, k = RotaryEmbedding.apply(q, *cos_sin), RotaryEmbedding.apply(k, *cos_sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        else:   # q and k heads rotated together: one set of ops instead of two
+            qk_heads = self.num_heads + self.num_kv_heads
+            qk = qkv[:, :qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
+            q, k = RotaryEmbedding.apply(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, -self.num_kv_heads * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
