@@ -121,6 +121,8 @@ def pod_summary(pods: list[Any]) -> str:
 def operator_state(kube: Cluster) -> tuple[bool, str]:
     deps = kube.apps.list_namespaced_deployment(SYSTEM_NS, label_selector=OPERATOR_PODS).items
     pods = pod_summary(kube.pods(SYSTEM_NS, OPERATOR_PODS))
+    if any(d.spec.replicas == 0 for d in deps):
+        return False, f"the operator Deployment is scaled to 0 (chart value replicaCount); pods: {pods or 'none'}"
     done = bool(deps) and all(d.status.observed_generation == d.metadata.generation
                               and (d.status.updated_replicas or 0) == d.spec.replicas == (d.status.ready_replicas or 0)
                               and (d.status.replicas or 0) == d.spec.replicas for d in deps)

@@ -85,6 +85,7 @@ def operator(local_cluster: Cluster, namespace: str, env: dict[str, str],
     local_cluster.kubectl("delete", "inferenceservices", "--all", "-n", namespace, "--wait",
                           "--timeout=120s", check=False)
     process.stop()
+    local_cluster.install_chart()  # the chart's operator back, for the modules after this one
 
 
 def free_port() -> int:
