@@ -94,11 +94,11 @@ def main() -> None:
     for batch_size in (int(c) for c in args.concurrency.split(",")):
         reports.append(run_level(model, prompts, batch_size, args.output_len, args.max_duration))
         print(f"  batch {batch_size}: {reports[-1].output_throughput:.1f} out tok/s", file=sys.stderr, flush=True)
+        if args.json_path:  # after every level: a slow sweep that is cut short keeps what it measured
+            with open(args.json_path, "w") as handle:
+                json.dump({"label": label, "config": vars(args), "levels": [r.to_json() for r in reports]}, handle,
+                          indent=2)
     print(format_table(reports))
-    if args.json_path:
-        with open(args.json_path, "w") as handle:
-            json.dump({"label": label, "config": vars(args), "levels": [r.to_json() for r in reports]}, handle,
-                      indent=2)
 
 
 if __name__ == "__main__":
