@@ -7,8 +7,7 @@ table into a padded `[S, max_seq_len, kv_heads, d]` tensor; queries are padded t
 and padding (and, for Mistral, the sliding window); and a single `scaled_dot_product_attention`
 call (GQA via `enable_gqa`) does the math. Two common shapes skip work: a lone prefill without
 cached prefix attends causally over its own k/v (no cache read), and decode-only batches need no
-query padding. A step mixing both runs them as two such calls, so decodes are never padded to
-a prefill chunk's length.
+query padding.
 Measured with tests/model/bench_attention.py: `index_select` gathers 2-5x faster than advanced
 indexing, and `enable_gqa` beats expanding K/V to all heads by 2-10x.
 """
@@ -34,47 +33,26 @@ class AttentionBackend(Protocol):
 
 
 @dataclass
-class _Group:
-    """Sequences attended together in one padded SDPA call, with their index tensors."""
-
-    rows: slice | torch.Tensor        # their tokens' rows in the flat batch
-    num_seqs: int
-    max_query_len: int
-    max_seq_len: int
-    context_blocks: torch.Tensor      # [S * blocks_per_seq] block ids, int64
-    key_mask: torch.Tensor            # [S, 1, max_query_len, max_seq_len] bool, True = attend
-    query_index: torch.Tensor | None  # [T] flat index into the padded [S * max_query_len] queries
-    self_causal: bool                 # one sequence, no cached prefix: causal over its own k/v
-
-
-@dataclass
 class _StepLayout:
     """Index tensors derived once per ForwardBatch and shared by every layer of the step."""
 
     store_slots: torch.Tensor          # slots to write (the -1 entries removed)
     store_rows: torch.Tensor | None    # rows of k/v to write; None = all rows
-    groups: list[_Group]               # decodes and prefill chunks apart: padding never mixes them
+    context_blocks: torch.Tensor       # [S * blocks_per_seq] block ids, int64
+    key_mask: torch.Tensor             # [S, 1, max_query_len, max_seq_len] bool, True = attend
+    query_index: torch.Tensor | None   # [T] flat index into the padded [S * max_query_len] queries
+    self_causal: bool                  # one sequence, no cached prefix: causal over its own k/v
 
 
-def _rows(seqs: list[int], starts: list[int], query_lens: list[int], device: torch.device) -> slice | torch.Tensor:
-    rows = [row for i in seqs for row in range(starts[i], starts[i] + query_lens[i])]
-    if rows == list(range(rows[0], rows[-1] + 1)):
-        return slice(rows[0], rows[-1] + 1)
-    return torch.tensor(rows, device=device)
-
-
-def _group(batch: ForwardBatch, seqs: list[int], block_size: int, sliding_window: int | None,
-           all_valid: bool) -> _Group:
+def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None) -> _StepLayout:
     device = batch.input_ids.device
-    query_lens_cpu = [batch.query_lens_cpu[i] for i in seqs]
-    seq_lens_cpu = [batch.seq_lens_cpu[i] for i in seqs]
-    num_seqs, max_q, max_len = len(seqs), max(query_lens_cpu), max(seq_lens_cpu)
-    whole = num_seqs == batch.num_seqs
-    index = None if whole else torch.tensor(seqs, device=device)
-    seq_lens = batch.seq_lens if whole else batch.seq_lens.index_select(0, index)
-    seq_lens = seq_lens.to(dtype=torch.int64)
-    query_lens = torch.tensor(query_lens_cpu, device=device, dtype=torch.int64)
-    key_pos = torch.arange(max_len, device=device)
+    valid = batch.slot_mapping >= 0
+    all_valid = bool(valid.all())
+    blocks_per_seq = -(-batch.max_seq_len // block_size)
+    num_seqs, max_q = batch.num_seqs, batch.max_query_len
+    seq_lens = batch.seq_lens.to(device=device, dtype=torch.int64)
+    query_lens = torch.tensor(batch.query_lens_cpu, device=device, dtype=torch.int64)
+    key_pos = torch.arange(batch.max_seq_len, device=device)
     query_pos = torch.arange(max_q, device=device)
     # Query i of a sequence with context L and q new tokens sees keys j <= L - q + i (and j < L).
     last_visible = (seq_lens - query_lens)[:, None] + query_pos[None, :]
@@ -83,35 +61,17 @@ def _group(batch: ForwardBatch, seqs: list[int], block_size: int, sliding_window
         key_mask &= key_pos[None, None, :] > last_visible[:, :, None] - sliding_window
     query_index = None
     if max_q > 1:
-        num_tokens = sum(query_lens_cpu)
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens)
-        starts = torch.cumsum(query_lens, 0) - query_lens
-        query_index = seq_of_token * max_q + torch.arange(num_tokens, device=device) - starts[seq_of_token]
-    tables = batch.block_tables if whole else batch.block_tables.index_select(0, index)
-    starts_cpu = [0]
-    for length in batch.query_lens_cpu:
-        starts_cpu.append(starts_cpu[-1] + length)
-    return _Group(
-        rows=_rows(seqs, starts_cpu, batch.query_lens_cpu, device),
-        num_seqs=num_seqs, max_query_len=max_q, max_seq_len=max_len,
-        context_blocks=tables[:, :-(-max_len // block_size)].to(torch.int64).reshape(-1),
-        key_mask=key_mask[:, None],
-        query_index=query_index,
-        self_causal=(num_seqs == 1 and query_lens_cpu[0] == seq_lens_cpu[0] and all_valid
-                     and (sliding_window is None or max_len <= sliding_window)),
-    )
-
-
-def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None) -> _StepLayout:
-    valid = batch.slot_mapping >= 0
-    all_valid = bool(valid.all())
-    decodes = [i for i, n in enumerate(batch.query_lens_cpu) if n == 1]
-    prefills = [i for i, n in enumerate(batch.query_lens_cpu) if n > 1]
-    parts = [part for part in (decodes, prefills) if part]
+        starts = batch.query_start_loc.to(device=device, dtype=torch.int64)
+        query_index = seq_of_token * max_q + torch.arange(batch.num_tokens, device=device) - starts[seq_of_token]
     return _StepLayout(
         store_slots=batch.slot_mapping if all_valid else batch.slot_mapping[valid],
         store_rows=None if all_valid else valid.nonzero().squeeze(1),
-        groups=[_group(batch, part, block_size, sliding_window, all_valid) for part in parts],
+        context_blocks=batch.block_tables[:, :blocks_per_seq].to(torch.int64).reshape(-1),
+        key_mask=key_mask[:, None],
+        query_index=query_index,
+        self_causal=(num_seqs == 1 and batch.query_lens_cpu[0] == batch.seq_lens_cpu[0] and all_valid
+                     and (sliding_window is None or batch.max_seq_len <= sliding_window)),
     )
 
 
@@ -120,8 +80,6 @@ class TorchAttention:
 
     Index tensors are derived on the first layer of a step and reused by the others, keyed on
     the ForwardBatch object: the engine builds a new ForwardBatch per step (never mutates one).
-    A step mixing decodes and prefill chunks runs two SDPA calls (decodes, then the chunks):
-    padding every decode to the longest chunk's length would multiply the attention work by it.
     """
 
     def __init__(self, sliding_window: int | None = None) -> None:
@@ -135,41 +93,24 @@ class TorchAttention:
             self._batch, self._layout = batch, _layout(batch, k_cache.shape[1], self.sliding_window)
         layout = self._layout
         self._store(k, v, k_cache, v_cache, layout)
-        if len(layout.groups) == 1:
-            return self._attend(q, k, v, k_cache, v_cache, layout.groups[0], scale)
-        outs = [self._attend(_take(q, g.rows), _take(k, g.rows), _take(v, g.rows), k_cache, v_cache, g, scale)
-                for g in layout.groups]
-        if all(isinstance(g.rows, slice) for g in layout.groups) and layout.groups[0].rows.start == 0:
-            return torch.cat(outs)   # the scheduler's order: decodes first, then prefill chunks
-        out = q.new_empty(q.shape)
-        for group, part in zip(layout.groups, outs):
-            rows = group.rows
-            if isinstance(rows, slice):
-                out[rows] = part
-            else:
-                out.index_copy_(0, rows, part)
-        return out
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, group: _Group, scale: float) -> torch.Tensor:
-        if group.self_causal:
+        if layout.self_causal:
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                  v.transpose(0, 1)[None], is_causal=True, scale=scale,
                                                  enable_gqa=True)
             return out[0].transpose(0, 1)
-        num_seqs, max_q, max_len = group.num_seqs, group.max_query_len, group.max_seq_len
+        num_seqs, max_q, max_len = batch.num_seqs, batch.max_query_len, batch.max_seq_len
         heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-        keys = self._gather(k_cache, group.context_blocks, num_seqs, max_len)
-        values = self._gather(v_cache, group.context_blocks, num_seqs, max_len)
-        if group.query_index is None:   # decode-only: one query per sequence, already in order
+        keys = self._gather(k_cache, layout, num_seqs, max_len)
+        values = self._gather(v_cache, layout, num_seqs, max_len)
+        if layout.query_index is None:   # decode-only: one query per sequence, already in order
             queries = q[:, None]
         else:
-            queries = q.new_zeros(num_seqs * max_q, heads, head_dim).index_copy_(0, group.query_index, q)
+            queries = q.new_zeros(num_seqs * max_q, heads, head_dim).index_copy_(0, layout.query_index, q)
             queries = queries.view(num_seqs, max_q, heads, head_dim)
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=group.key_mask,
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=layout.key_mask,
                                              scale=scale, enable_gqa=heads != kv_heads)
         out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, head_dim)
-        return out if group.query_index is None else out.index_select(0, group.query_index)
+        return out if layout.query_index is None else out.index_select(0, layout.query_index)
 
     @staticmethod
     def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -180,15 +121,11 @@ class TorchAttention:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, layout.store_slots, v)
 
     @staticmethod
-    def _gather(cache: torch.Tensor, context_blocks: torch.Tensor, num_seqs: int, max_len: int) -> torch.Tensor:
+    def _gather(cache: torch.Tensor, layout: _StepLayout, num_seqs: int, max_len: int) -> torch.Tensor:
         """[S, kv_heads, max_len, d] contexts read from the paged cache through the block tables."""
-        context = cache.index_select(0, context_blocks)
+        context = cache.index_select(0, layout.context_blocks)
         context = context.view(num_seqs, -1, *cache.shape[2:])[:, :max_len]
         return context.transpose(1, 2)
-
-
-def _take(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
-    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
 def get_attention_backend(device: torch.device, sliding_window: int | None = None) -> AttentionBackend:
