@@ -2,8 +2,10 @@
 
 `F.linear` on a CPU bf16 weight makes oneDNN reorder the whole weight into its blocked (AMX /
 AVX512-BF16) layout on every call; at decode batch sizes that reorder costs as much as the
-GEMM. `pack()` reorders once after loading and drops the plain copy (no doubled memory);
-measured on SmolLM2 shapes at 32 rows, the packed GEMMs are 20-40% faster, bit-identical.
+GEMM. `pack()` reorders once after loading; measured on SmolLM2 shapes at 32 rows, the packed
+GEMMs are 20-40% faster and bit-identical to `F.linear`. A single row keeps `F.linear` on the
+plain weight (torch's gemv: different rounding from oneDNN's, and the transformers reference
+uses it), so the plain copy stays: packing costs one extra copy of the weights in memory.
 q/k/v and gate/up run as one GEMM each (fewer, larger matmuls are faster on CPU and GPU);
 the loader copies each checkpoint matrix into its row range.
 """
@@ -37,13 +39,12 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Reorder the weight for oneDNN and free the plain one; weights cannot be reloaded after."""
+        """Reorder the weight for oneDNN (after loading: reloading weights would not update it)."""
         if self.packed is None and can_pack(self.weight):
             self.packed = pack_weight(self.weight)
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] > 1:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 

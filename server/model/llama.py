@@ -80,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x[batch.logits_indices] + residual[batch.logits_indices])
         if self.lm_head is not None:
             return self.lm_head(x).float()
-        if self.packed_tied_head is not None:
+        if self.packed_tied_head is not None and x.shape[0] > 1:   # one row: F.linear, see linear.py
             return packed_linear(x, self.packed_tied_head).float()
         return F.linear(x, self.model.embed_tokens.weight).float()
 
