@@ -17,12 +17,12 @@ from pydantic import ValidationError
 
 from kubeinfer.operator.children import desired_children, stale_children
 from kubeinfer.operator.events import Event, transition_events
-from kubeinfer.operator.gateway.build import gateway_selector, needs_gateway
+from kubeinfer.operator.gateway.build import gateway_selector_labels, needs_gateway
 from kubeinfer.operator.kube import Kube, KubeError
 from kubeinfer.operator.metrics import RECONCILE_SECONDS, RECONCILES
 from kubeinfer.operator.build import GPU_PRODUCT_LABEL
 from kubeinfer.operator.observe import Observed, observe, pod_problems
-from kubeinfer.operator.resource import InferenceService, OperatorConfig
+from kubeinfer.operator.resource import InferenceService, OperatorConfig, label_selector
 from kubeinfer.operator.status import Condition, InferenceServiceStatus
 
 
@@ -80,7 +80,8 @@ class Reconciler:
             except KubeError as exc:
                 error = f"applying children failed: {exc.message}"
         pods = self.kube.list("Pod", isvc.namespace, isvc.selector)
-        gateway_pods = self.kube.list("Pod", isvc.namespace, gateway_selector(isvc)) \
+        gateway_pods = self.kube.list("Pod", isvc.namespace,
+                                      label_selector(gateway_selector_labels(isvc.name))) \
             if needs_gateway(isvc) else []
         seen = Observed(deployment=self.kube.get("Deployment", isvc.namespace, isvc.name),
                         pods=pods, applied_generation=applied, error=error,

@@ -9,6 +9,16 @@ from kubeinfer.operator import api
 from kubeinfer.operator.spec import InferenceServiceSpec
 
 
+def engine_selector_labels(name: str) -> dict[str, str]:
+    """Immutable Deployment selector of an InferenceService's engines: never add labels here."""
+    return {api.INSTANCE_LABEL: name, "app.kubernetes.io/component": "engine"}
+
+
+def label_selector(labels: Mapping[str, str]) -> str:
+    """`labels` as a label-selector string (`k=v,k=v`), for list calls and status.selector."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     """Operator-wide settings the builders need (from `kubeinfer operator` flags)."""
@@ -35,12 +45,11 @@ class InferenceService:
 
     @property
     def selector_labels(self) -> dict[str, str]:
-        """Immutable Deployment selector: never add labels here once released."""
-        return {api.INSTANCE_LABEL: self.name, "app.kubernetes.io/component": "engine"}
+        return engine_selector_labels(self.name)
 
     @property
     def selector(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in sorted(self.selector_labels.items()))
+        return label_selector(self.selector_labels)
 
     @property
     def labels(self) -> dict[str, str]:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from kubeinfer.operator import api
 from kubeinfer.operator.kube import Kube, KubeError, load_api_client
+from kubeinfer.operator.resource import engine_selector_labels, label_selector
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -36,7 +37,7 @@ def engine_selector(isvc: dict[str, Any]) -> str:
     """The scale subresource's selector (status.selector), else the operator's engine labels."""
     name = isvc["metadata"]["name"]
     return (isvc.get("status") or {}).get("selector") or \
-        f"app.kubernetes.io/component=engine,{api.INSTANCE_LABEL}={name}"
+        label_selector(engine_selector_labels(name))
 
 
 class KubeScaleApi:

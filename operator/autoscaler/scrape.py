@@ -17,6 +17,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubeinfer.operator.autoscaler.decision import PodSample
+from kubeinfer.operator.observe import pod_ready
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 8000  # `kubeinfer serve --port` default, used when the pod names no port
@@ -38,10 +39,8 @@ def pod_targets(pods: Iterable[Mapping[str, Any]], path: str = "/metrics") -> li
     for pod in pods:
         status = pod.get("status") or {}
         ip = status.get("podIP")
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in status.get("conditions") or [])
         url = f"http://{ip}:{_port(pod)}{path}" if ip else None
-        targets.append(PodTarget(pod["metadata"]["name"], url, ready,
+        targets.append(PodTarget(pod["metadata"]["name"], url, pod_ready(pod),
                                  bool(pod["metadata"].get("deletionTimestamp"))))
     return targets
 

@@ -14,13 +14,14 @@ from typing import Any
 
 import httpx
 
-from kubeinfer.operator import api
 from kubeinfer.operator.autoscaler import metrics
 from kubeinfer.operator.autoscaler.decision import RUNNING, Decision, decide
 from kubeinfer.operator.autoscaler.kube import Conflict, ScaleApi, engine_selector
 from kubeinfer.operator.autoscaler.policy import ScalingPolicy
 from kubeinfer.operator.autoscaler.scrape import pod_targets, scrape
 from kubeinfer.operator.autoscaler.state import ScalerState
+from kubeinfer.operator.gateway.build import gateway_selector_labels
+from kubeinfer.operator.resource import label_selector
 
 log = logging.getLogger(__name__)
 HELD_GAUGE = "kubeinfer_gateway_held_requests"
@@ -76,7 +77,7 @@ async def run_tick(kube: ScaleApi, http: httpx.AsyncClient, namespace: str, name
 async def held_requests(kube: ScaleApi, http: httpx.AsyncClient, namespace: str, name: str,
                         timeout: float) -> int:
     """Requests waiting in the scale-from-zero gateway's pods; an unreachable gateway adds 0."""
-    selector = f"app.kubernetes.io/component=gateway,{api.INSTANCE_LABEL}={name}"
+    selector = label_selector(gateway_selector_labels(name))
     samples = await scrape(http, pod_targets(await kube.list_pods(namespace, selector)),
                            (HELD_GAUGE,), timeout)
     return int(sum(s.gauges[HELD_GAUGE] for s in samples if s.gauges is not None))

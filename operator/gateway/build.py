@@ -28,18 +28,14 @@ def gateway_name(isvc: InferenceService) -> str:
     return f"{isvc.name}-gateway"
 
 
-def gateway_selector_labels(isvc: InferenceService) -> dict[str, str]:
-    return {api.INSTANCE_LABEL: isvc.name, COMPONENT: "gateway"}
-
-
-def gateway_selector(isvc: InferenceService) -> str:
-    """The gateway pods as a label selector string, for listing them."""
-    return ",".join(f"{k}={v}" for k, v in sorted(gateway_selector_labels(isvc).items()))
+def gateway_selector_labels(name: str) -> dict[str, str]:
+    """The gateway pods of InferenceService `name` (never matches its engines' selector)."""
+    return {api.INSTANCE_LABEL: name, COMPONENT: "gateway"}
 
 
 def service_selector(isvc: InferenceService) -> dict[str, str]:
     """Pods behind the InferenceService's Service: the gateway when it can scale to zero."""
-    return gateway_selector_labels(isvc) if needs_gateway(isvc) else isvc.selector_labels
+    return gateway_selector_labels(isvc.name) if needs_gateway(isvc) else isvc.selector_labels
 
 
 def gateway_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[str, Any]]:
@@ -85,7 +81,7 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
         "spec": {
-            "replicas": 1, "selector": {"matchLabels": gateway_selector_labels(isvc)},
+            "replicas": 1, "selector": {"matchLabels": gateway_selector_labels(isvc.name)},
             "template": {
                 "metadata": {"labels": meta["labels"], "annotations": annotations},
                 "spec": {"serviceAccountName": meta["name"], "enableServiceLinks": False,
