@@ -24,13 +24,17 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An opaque oneDNN copy of `weight [out, in]` for `packed_linear`."""
+    """An opaque oneDNN copy of `weight [out, in]` for `linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` over a `pack_weight` result; `x` is [rows, in]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, on the `pack_weight` copy when there is one and `x` [rows, in]
+    has more than one row (a single row stays on torch's gemv, see the module docstring)."""
+    if packed is not None and x.shape[0] > 1:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
@@ -44,9 +48,7 @@ class Linear(nn.Linear):
             self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > 1:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.packed, self.bias)
 
 
 class MergedLinear(Linear):

@@ -11,14 +11,13 @@ from typing import Iterable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from kubeinfer.kernels import ops
 
 from .attention import AttentionBackend
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
-from .linear import Linear, MergedLinear, can_pack, pack_weight, packed_linear
+from .linear import Linear, MergedLinear, can_pack, linear, pack_weight
 from .mlp import SwiGLUMLP
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
@@ -80,9 +79,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x[batch.logits_indices] + residual[batch.logits_indices])
         if self.lm_head is not None:
             return self.lm_head(x).float()
-        if self.packed_tied_head is not None and x.shape[0] > 1:   # one row: F.linear, see linear.py
-            return packed_linear(x, self.packed_tied_head).float()
-        return F.linear(x, self.model.embed_tokens.weight).float()
+        return linear(x, self.model.embed_tokens.weight, self.packed_tied_head).float()
 
     @torch.no_grad()
     def pack_weights(self) -> None:
