@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as Q
 
-from .gguf_reader import GGUFTensor
+from .gguf_reader import QUANT_SIZES, GGUFTensor
+from .gguf_reader import QType as Q
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -61,8 +61,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale[:, :, None] * q).reshape(n, 256)
 
 
-_QUANTIZED = {Q.Q8_0: (_q8_0, 34), Q.Q4_0: (_q4_0, 18), Q.Q4_1: (_q4_1, 20), Q.Q4_K: (_q4_k, 144),
-              Q.Q6_K: (_q6_k, 210)}
+_QUANTIZED = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k}
 _PLAIN = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 SUPPORTED_TYPES = tuple(_PLAIN) + tuple(_QUANTIZED)
 
@@ -73,8 +72,7 @@ def dequantize(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
     if tensor.qtype in _PLAIN:
         values = raw.view(_PLAIN[tensor.qtype])
     elif tensor.qtype in _QUANTIZED:
-        kernel, block_bytes = _QUANTIZED[tensor.qtype]
-        values = kernel(raw.reshape(-1, block_bytes))
+        values = _QUANTIZED[tensor.qtype](raw.reshape(-1, QUANT_SIZES[tensor.qtype][1]))
     else:
         supported = ", ".join(t.name for t in SUPPORTED_TYPES)
         raise ValueError(f"GGUF tensor {tensor.name}: quantization {tensor.qtype.name} is not supported "

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader, quants
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 from kubeinfer.server.model.gguf_checkpoint import hf_name, unpermute_rope_rows
-from kubeinfer.server.model.gguf_dequant import dequantize
-from kubeinfer.server.model.gguf_reader import GGUFFile, GGUFTensor
+from kubeinfer.server.model.gguf_dequant import SUPPORTED_TYPES, dequantize
+from kubeinfer.server.model.gguf_reader import QUANT_SIZES, GGUFFile, GGUFTensor, QType
+from kubeinfer.server.model.gguf_tokenizer import _byte_spelling, tokenizer_from_gguf
 from kubeinfer.server.model.loader import embedded_model_path
 
 # byte offsets of the fp16 scale fields in each block, filled with sane values (random bytes can be NaN)
@@ -86,3 +87,38 @@ def test_not_a_gguf_file_is_rejected(tmp_path):
     bogus.write_bytes(b"NOPE" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF v2/v3 file"):
         GGUFFile(bogus)
+
+
+def test_own_type_table_matches_gguf():
+    """The reader carries its own ids and block sizes so that serving does not import `gguf`."""
+    assert set(SUPPORTED_TYPES) == set(QType)
+    for qtype in QType:
+        assert int(qtype) == int(Q[qtype.name]) and QUANT_SIZES[qtype] == GGML_QUANT_SIZES[Q[qtype.name]]
+
+
+def test_reader_sizes_other_types_and_dequantize_names_them(tmp_path):
+    path = tmp_path / "mixed.gguf"
+    writer = GGUFWriter(path, "llama")
+    block_size, type_size = GGML_QUANT_SIZES[Q.Q5_0]
+    writer.add_tensor("a", np.zeros((2, 64 // block_size * type_size), dtype=np.uint8), raw_dtype=Q.Q5_0)
+    writer.add_tensor("b", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = GGUFFile(path).tensors
+    assert tensors["a"].qtype == Q.Q5_0 and tensors["a"].shape == (2, 64)
+    assert dequantize(tensors["b"], torch.float32).tolist() == list(range(8))
+    with pytest.raises(ValueError, match="Q5_0 is not supported"):
+        dequantize(tensors["a"], torch.float32)
+
+
+def test_tokens_spelled_outside_the_byte_alphabet_are_respelled():
+    """A converter that wrote raw UTF-8 ("€") instead of GPT-2's byte spelling: the vocabulary gets
+    the byte spelling, so the token is still found."""
+    spelling = _byte_spelling()
+    tokens = [spelling[b] for b in range(256)] + ["€", "-]^\\"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": []}
+    vocab = tokenizer_from_gguf(meta).get_vocab()
+    assert vocab["".join(spelling[b] for b in "€".encode())] == 256
+    assert vocab["-]^\\"] == 257 and all(vocab[spelling[b]] == b for b in range(256))
