@@ -31,14 +31,13 @@ class Checkpoint:
 
 
 @contextmanager
-def loading_threads(numel: int) -> Iterator[None]:
-    """One intra-op thread while a small tensor is converted and copied in. NOTE: every elementwise
-    op ends in a thread barrier; on small tensors that costs more than it saves, and on an
-    oversubscribed host each barrier can wait a whole scheduler slice. Loading the embedded model
-    on our shared 2-core box (load average ~15): 34 s with 2 threads throughout, 2-3 s with this.
-    Weight streams yield inside this context, so the consumer's copy runs under it too."""
+def one_intra_op_thread() -> Iterator[None]:
+    """Run torch ops on one intra-op thread. NOTE: every parallel op ends in a thread barrier;
+    on small tensors that costs more than it saves, and on an oversubscribed host each barrier
+    can wait a whole scheduler slice (oneDNN's weight prepack: ~8 ms a matrix with 2 threads on
+    our busy 2-core box, 0.5-1.3 ms with one)."""
     threads = torch.get_num_threads()
-    if numel >= PARALLEL_MIN_NUMEL or threads == 1:
+    if threads == 1:
         yield
         return
     torch.set_num_threads(1)
@@ -46,3 +45,16 @@ def loading_threads(numel: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@contextmanager
+def loading_threads(numel: int) -> Iterator[None]:
+    """One intra-op thread while a small tensor is converted and copied in (see `one_intra_op_thread`).
+    Loading the embedded model on our shared 2-core box (load average ~15): 34 s with 2 threads
+    throughout, 2-3 s with this. Weight streams yield inside this context, so the consumer's copy
+    runs under it too."""
+    if numel >= PARALLEL_MIN_NUMEL:
+        yield
+        return
+    with one_intra_op_thread():
+        yield
