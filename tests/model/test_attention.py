@@ -43,15 +43,18 @@ def _caches():
     [(17, 5)],                               # one chunk on top of a cached prefix
     [(13, 1), (22, 1), (0, 9)],              # the scheduler's order: decodes, then a fresh prefill
     [(13, 1), (3, 4), (20, 6)],              # decodes, then chunks padded apart from them
+    [(3, 4), (13, 1), (20, 6), (40, 1)],     # decodes between chunks: rows are not contiguous
 ])
-def test_matches_reference_and_stores_kv(seqs):
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["torch", "cpu-kernel"])
+def test_matches_reference_and_stores_kv(seqs, decode_kernel):
     batch, tables = _batch(seqs)
     generator = torch.Generator().manual_seed(2)
     q = torch.randn(batch.num_tokens, HEADS, HEAD_DIM, generator=generator)
     k = torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM, generator=generator)
     v = torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM, generator=generator)
     k_cache, v_cache = _caches()
-    out = TorchAttention().forward(q, k, v, k_cache, v_cache, batch, HEAD_DIM ** -0.5)
+    out = TorchAttention(decode_kernel=decode_kernel).forward(q, k, v, k_cache, v_cache, batch,
+                                                              HEAD_DIM ** -0.5)
     assert torch.equal(k_cache.view(-1, KV_HEADS, HEAD_DIM)[batch.slot_mapping], k)
     assert torch.equal(v_cache.view(-1, KV_HEADS, HEAD_DIM)[batch.slot_mapping], v)
     expected = _reference(q, k_cache, v_cache, seqs, tables, HEAD_DIM ** -0.5)

@@ -1,0 +1,119 @@
+/* Paged-attention decode for CPUs: one query token per sequence, K/V read in place from the
+ * paged cache through the block table (no gathered copy), float32 math, OpenMP over
+ * (sequence, KV head) so the query heads sharing a KV head (GQA) read each K/V row once.
+ *
+ * Layouts (all contiguous): q and out [S, H, D]; k_cache and v_cache [NB, BS, KH, D];
+ * block_tables [S, MB] int32; seq_lens [S] int32. A sequence attends to its keys
+ * [max(0, len - window), len) (window <= 0: all). Exact two-pass softmax, the same math as
+ * kernels/attention_ref.py; compiled and loaded by kernels/paged_decode_cpu.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (isnan(f)) return 0x7FC0;
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+#define MAX_GROUP 32  /* query heads per KV head */
+#define MAX_HEAD_DIM 256
+
+/* e^x for x <= 0 (scores minus their maximum): Cephes' expf polynomial, ~1 ulp, written so
+ * the compiler vectorises the loop calling it (libm's expf is scalar: 3 calls per key cost
+ * more than the dot products). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                      \
+int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,          \
+         const int32_t *seq_lens, T *out, int num_seqs, int num_heads, int num_kv_heads,        \
+         int head_dim, int block_size, int max_blocks, float scale, int window) {               \
+    const int group = num_heads / num_kv_heads;                                                 \
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads) return 1;     \
+    int64_t keys = 0;  /* threads only for real work: an idle thread's wake-up costs more */   \
+    for (int s = 0; s < num_seqs; s++) keys += seq_lens[s];                                     \
+    const int parallel = keys * num_kv_heads >= 4096;                                           \
+    int failed = 0;                                                                             \
+    _Pragma("omp parallel for schedule(dynamic, 1) if(parallel)")                              \
+    for (int task = 0; task < num_seqs * num_kv_heads; task++) {                                \
+        const int s = task / num_kv_heads, kh = task % num_kv_heads;                            \
+        const int len = seq_lens[s];                                                            \
+        const int first = (window > 0 && len > window) ? len - window : 0;                      \
+        const int count = len - first;                                                          \
+        const int32_t *table = block_tables + (int64_t)s * max_blocks;                          \
+        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];     \
+        float best[MAX_GROUP], total[MAX_GROUP];                                                \
+        float *scores = malloc(sizeof(float) * (size_t)(count > 0 ? count : 1) * group);        \
+        if (!scores) { failed = 1; continue; }                                                  \
+        for (int g = 0; g < group; g++) {                                                       \
+            const T *qrow = q + ((int64_t)s * num_heads + kh * group + g) * head_dim;           \
+            for (int d = 0; d < head_dim; d++) { qf[g][d] = LOAD(qrow[d]) * scale; acc[g][d] = 0.f; } \
+            best[g] = -INFINITY;                                                                \
+            total[g] = 0.f;                                                                     \
+        }                                                                                       \
+        for (int j = 0; j < count; j++) {  /* scores [group][count] and their maxima */         \
+            const int pos = first + j;                                                          \
+            const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size; \
+            const T *krow = k_cache + (slot * num_kv_heads + kh) * head_dim;                    \
+            for (int d = 0; d < head_dim; d++) row[d] = LOAD(krow[d]);                          \
+            for (int g = 0; g < group; g++) {                                                   \
+                float dot = 0.f;                                                                \
+                for (int d = 0; d < head_dim; d++) dot += qf[g][d] * row[d];                    \
+                scores[(int64_t)g * count + j] = dot;                                           \
+                best[g] = dot > best[g] ? dot : best[g];                                        \
+            }                                                                                   \
+        }                                                                                       \
+        for (int g = 0; g < group; g++) {  /* softmax weights, unnormalised */                  \
+            float *w = scores + (int64_t)g * count, sum = 0.f;                                  \
+            for (int j = 0; j < count; j++) { w[j] = exp_nonpositive(w[j] - best[g]); sum += w[j]; } \
+            total[g] = sum;                                                                     \
+        }                                                                                       \
+        for (int j = 0; j < count; j++) {  /* weights times V */                                \
+            const int pos = first + j;                                                          \
+            const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size; \
+            const T *vrow = v_cache + (slot * num_kv_heads + kh) * head_dim;                    \
+            for (int d = 0; d < head_dim; d++) row[d] = LOAD(vrow[d]);                          \
+            for (int g = 0; g < group; g++) {                                                   \
+                const float w = scores[(int64_t)g * count + j];                                 \
+                for (int d = 0; d < head_dim; d++) acc[g][d] += w * row[d];                     \
+            }                                                                                   \
+        }                                                                                       \
+        for (int g = 0; g < group; g++) {                                                       \
+            T *orow = out + ((int64_t)s * num_heads + kh * group + g) * head_dim;               \
+            const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;                            \
+            for (int d = 0; d < head_dim; d++) orow[d] = STORE(acc[g][d] * inv);                \
+        }                                                                                       \
+        free(scores);                                                                           \
+    }                                                                                           \
+    return failed ? 2 : 0;                                                                      \
+}
+
+#define IDENTITY(x) (x)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_DECODE(paged_decode_f32, float, IDENTITY, IDENTITY)

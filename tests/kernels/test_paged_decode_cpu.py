@@ -1,0 +1,58 @@
+"""The CPU decode kernel (C, via ctypes) against the torch reference over the same paged cache.
+
+Unowned cache slots hold NaN (see paged_batches.py), so a read past a sequence's end or through
+a wrong block-table entry poisons the output.
+"""
+
+import pytest
+import torch
+from paged_batches import BATCH_KINDS, make_paged_batch
+
+from kubeinfer.kernels import paged_decode_cpu
+from kubeinfer.kernels.attention_ref import paged_attention_ref
+
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}   # bf16: one rounding of the output
+DECODES = BATCH_KINDS["decode"] + [(1, 0), (1, 200), (1, 16), (1, 17)]
+
+
+def _check(batch, sliding_window=None) -> None:
+    scale = batch.q.shape[-1] ** -0.5
+    got = paged_decode_cpu.paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                        batch.seq_lens, scale, sliding_window)
+    want = paged_attention_ref(*batch.args(), scale, sliding_window=sliding_window)
+    tol = TOLERANCES[batch.q.dtype]
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_builds_on_this_machine():
+    """CI has a C compiler: the fast path must be the one the tests and benchmarks run."""
+    assert paged_decode_cpu.available(torch.bfloat16) and paged_decode_cpu.available(torch.float32)
+    assert not paged_decode_cpu.available(torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 8), (32, 4), (14, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 1), (80, 32)])
+def test_matches_reference(heads, head_dim, block_size, dtype):
+    _check(make_paged_batch(DECODES, *heads, head_dim, block_size, dtype))
+
+
+@pytest.mark.parametrize("window", [1, 10, 16, 500])
+def test_sliding_window(window):
+    _check(make_paged_batch(DECODES, 8, 2, 64, 16, torch.float32, seed=3), sliding_window=window)
+
+
+def test_queries_may_be_strided_views():
+    """The model hands over q as a view into its fused qkv projection."""
+    batch = make_paged_batch(DECODES, 8, 2, 64, 16, torch.float32, seed=5)
+    qkv = torch.randn(batch.q.shape[0], 12 * 64)
+    qkv[:, :512] = batch.q.flatten(1)
+    batch.q = qkv[:, :512].view(-1, 8, 64)
+    _check(batch)
+
+
+def test_refuses_shapes_beyond_its_limits():
+    batch = make_paged_batch(DECODES[:1], 64, 1, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="refused the shapes"):
+        _check(batch)
