@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .argmax import argmax_rows
 from .outputs import Logprob
 from .sequence import Sequence
 
@@ -43,7 +44,7 @@ class Sampler:
         logits = self._mask_stops_before_min_tokens(logits, seqs)
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample(logits, seqs, greedy)
         token_list = tokens.tolist()
@@ -122,9 +123,9 @@ class Sampler:
         for row, seq in enumerate(seqs):
             if seq.params.seed is not None and not greedy[row]:
                 noise[row].exponential_(generator=self._seeded_generator(seq))
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = argmax_rows(probs / noise)
         greedy_mask = torch.tensor(greedy, device=self.device)
-        return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy_mask, argmax_rows(logits), sampled)
 
     def _seeded_generator(self, seq: Sequence) -> torch.Generator:
         generator = self.seeded.get(id(seq))
