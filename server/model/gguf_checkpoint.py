@@ -6,14 +6,15 @@ layout (pairs interleaved instead of halves); we undo that so weights match tran
 
 from __future__ import annotations
 
-import math
 import re
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from .checkpoint import Checkpoint, loading_threads
+from .checkpoint import Checkpoint, one_intra_op_thread
 from .config import ModelConfig
 from .gguf_dequant import dequantize
 from .gguf_reader import GGUFFile
@@ -29,6 +30,7 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
 # GGUF `general.sampling.*` keys (recent converters) -> our generation default names
 _SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "penalty_repeat": "repetition_penalty"}
+LOAD_WORKERS = 4   # at most this many dequantizing threads
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
@@ -69,14 +71,25 @@ def read_gguf_file(path: Path) -> Checkpoint:
                 if f"general.sampling.{key}" in meta}
     permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
 
+    def convert(name: str, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+        value = dequantize(gguf.tensors[name], torch.float32 if name == "rope_freqs.weight" else dtype)
+        kind = name.split(".")[2] if name.startswith("blk.") else ""
+        if config.architecture == "llama" and kind in permuted_heads:
+            value = unpermute_rope_rows(value, permuted_heads[kind])
+        return hf_name(name), value
+
     def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in gguf.tensors.items():
-            with loading_threads(math.prod(tensor.shape)):
-                value = dequantize(tensor, torch.float32 if name == "rope_freqs.weight" else dtype)
-                kind = name.split(".")[2] if name.startswith("blk.") else ""
-                if config.architecture == "llama" and kind in permuted_heads:
-                    value = unpermute_rope_rows(value, permuted_heads[kind])
-                yield hf_name(name), value
+        """Tensors in file order, dequantized a few ahead by one worker per core, each on one
+        intra-op thread (torch kernels release the GIL; no thread barriers, see `one_intra_op_thread`)."""
+        workers = max(1, min(LOAD_WORKERS, torch.get_num_threads()))
+        with one_intra_op_thread(), ThreadPoolExecutor(workers, thread_name_prefix="kubeinfer-gguf") as pool:
+            ahead: deque[Future[tuple[str, torch.Tensor]]] = deque()
+            for name in gguf.tensors:
+                ahead.append(pool.submit(convert, name, dtype))
+                if len(ahead) > 2 * workers:
+                    yield ahead.popleft().result()
+            while ahead:
+                yield ahead.popleft().result()
 
     return Checkpoint(config=config, tokenizer=tokenizer, generation_defaults=defaults,
                       name=_QUANT_SUFFIX.sub("", path.stem), num_tensors=len(gguf.tensors), weights=weights)
