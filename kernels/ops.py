@@ -1,5 +1,8 @@
 """The kernel API the model calls: tensors in, tensors out, Triton on CUDA, torch elsewhere.
 
+On CPU, RMSNorm and SiLU-and-mul run the fused C kernels of `fused_cpu` when they could be
+built (backend "auto"); "torch" forces the pure-torch references everywhere.
+
 `KUBEINFER_KERNEL_BACKEND` (auto | triton | torch) or the `use_backend` context manager
 override the choice, e.g. to run the Triton path under TRITON_INTERPRET=1 on a CPU.
 Triton modules are imported on first use, so CPU-only callers never import triton.
@@ -14,6 +17,7 @@ from functools import lru_cache
 
 import torch
 
+from kubeinfer.kernels import fused_cpu
 from kubeinfer.kernels.activation_ref import silu_and_mul_ref
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
@@ -46,6 +50,11 @@ def use_backend(name: str) -> Iterator[None]:
 def uses_triton(tensor: torch.Tensor) -> bool:
     """Whether ops on `tensor` run the Triton kernels under the current backend setting."""
     return _backend == "triton" or (_backend == "auto" and tensor.is_cuda)
+
+
+def _cpu_kernels(tensor: torch.Tensor) -> bool:
+    """Whether the fused C kernels (`fused_cpu`) take this op: CPU tensors unless "torch" is forced."""
+    return _backend != "torch" and fused_cpu.available(tensor)
 
 
 @lru_cache(maxsize=None)
@@ -115,6 +124,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of `x`; with `residual`, (normed(x + residual), x + residual)."""
     if not uses_triton(x):
+        if _cpu_kernels(x):
+            return fused_cpu.rms_norm(x, weight, eps, residual)
         return rms_norm_ref(x, weight, eps, residual)
     from kubeinfer.kernels.rms_norm import rms_norm as norm
     return norm(x, weight, eps, residual)
@@ -132,6 +143,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for `x [..., 2I]` holding gate|up."""
     if not uses_triton(x):
+        if _cpu_kernels(x):
+            return fused_cpu.silu_and_mul(x)
         return silu_and_mul_ref(x)
     from kubeinfer.kernels.activation import silu_and_mul as fused
     return fused(x)

@@ -5,7 +5,7 @@
  * Layouts (all contiguous): q and out [S, H, D]; k_cache and v_cache [NB, BS, KH, D];
  * block_tables [S, MB] int32; seq_lens [S] int32. A sequence attends to its keys
  * [max(0, len - window), len) (window <= 0: all). Exact two-pass softmax, the same math as
- * kernels/attention_ref.py; compiled and loaded by kernels/paged_decode_cpu.py.
+ * kernels/attention_ref.py; built by kernels/cpu_build.py, called by paged_decode_cpu.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,8 +52,9 @@ static inline float exp_nonpositive(float x) {
 
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                      \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,          \
-         const int32_t *seq_lens, T *out, int num_seqs, int num_heads, int num_kv_heads,        \
-         int head_dim, int block_size, int max_blocks, float scale, int window) {               \
+         const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,                  \
+         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,        \
+         int64_t window, float scale) {                                                         \
     const int group = num_heads / num_kv_heads;                                                 \
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads) return 1;     \
     int64_t keys = 0;  /* threads only for real work: an idle thread's wake-up costs more */   \

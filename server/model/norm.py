@@ -20,13 +20,4 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`."""
-        if ops.uses_triton(x):   # one fused pass over x and residual
-            return ops.rms_norm(x, self.weight, self.eps, residual)
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(dtype)
-        return out if residual is None else (out, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual)

@@ -1,0 +1,80 @@
+"""Build and load the plain-C CPU kernels of this folder (`*_cpu.c`), once per machine.
+
+Why C on the CPU path: torch's CPU ops cost 5-20 us each in dispatch and threading, and the
+engine's per-layer glue (norms, activation, paged attention) is dozens of them per layer. These
+files include no torch headers, so a build takes ~1 s with the system C compiler (no
+multi-minute C++ extension build). The shared object is cached under
+`$KUBEINFER_CACHE_DIR/kernels` (default `~/.cache/kubeinfer/kernels`), keyed on the source,
+flags, compiler and the CPU's feature flags (-march=native code only runs on the same features).
+It links the OpenMP runtime torch has already loaded (`libgomp.so.1`), so `torch.set_num_threads`
+governs these kernels too. Without a compiler `load` returns None and callers keep torch;
+`KUBEINFER_CPU_KERNELS=0` forces that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared",
+          "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KUBEINFER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kubeinfer")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+
+
+def _build(source: Path, compiler: str) -> Path:
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, *CFLAGS, _cpu_flags()]).encode()).hexdigest()
+    target = cache_dir() / f"{source.stem}-{key[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *CFLAGS, str(source), "-o", str(built), "-lm"],
+                           check=True, capture_output=True, text=True)
+            built.replace(target)   # atomic: concurrent builders never load a half-written file
+        log.info("built CPU kernels %s", target)
+    return target
+
+
+@cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled `kernels/<name>.c`, or None (logged once) if it cannot be built here."""
+    if os.environ.get("KUBEINFER_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: CPU kernels %s unavailable, using the slower torch ops", name)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.c"), compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        log.warning("CPU kernels %s unavailable (%s): using torch ops", name, getattr(error, "stderr", "") or error)
+        return None
+
+
+def bind(library: ctypes.CDLL, name: str, pointers: int, ints: int, floats: int = 0) -> ctypes._CFuncPtr:
+    """`library.name` typed as (pointers..., int64 ints..., floats...) -> int status."""
+    function = getattr(library, name)
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * ints + [ctypes.c_float] * floats
+    return function

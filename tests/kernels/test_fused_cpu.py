@@ -1,0 +1,68 @@
+"""The fused C RMSNorm and SiLU-and-mul against their torch references (HF's rounding).
+
+bf16: the C kernels round at the same points as the references, so outputs agree exactly
+except where float32 sums of squares or exp differ in their last bit and that moves a bf16
+rounding: a small fraction of the elements, each by at most two bf16 ulps (one rounding of the
+normalised value, carried through the product with the weight).
+"""
+
+import pytest
+import torch
+
+from kubeinfer.kernels import fused_cpu
+from kubeinfer.kernels.activation_ref import silu_and_mul_ref
+from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
+
+
+def _random(*shape, dtype, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def _assert_close_to_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return
+    differ = got != want
+    assert differ.float().mean() < 0.01, f"{int(differ.sum())} of {got.numel()} elements differ"
+    two_ulps = want.float().abs().clamp(min=1e-30) * 2 ** -6   # bf16 keeps 8 significant bits
+    assert ((got.float() - want.float()).abs() <= two_ulps).all()
+
+
+def test_available_for_cpu_float32_and_bfloat16_only():
+    assert fused_cpu.available(torch.zeros(1)) and fused_cpu.available(torch.zeros(1, dtype=torch.bfloat16))
+    assert not fused_cpu.available(torch.zeros(1, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 576), (64, 4096), (3, 7)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, rows, hidden, with_residual):
+    x = _random(rows, hidden, dtype=dtype, seed=1, scale=3.0)
+    weight = _random(hidden, dtype=dtype, seed=2)
+    residual = _random(rows, hidden, dtype=dtype, seed=3) if with_residual else None
+    x_before = x.clone()
+    got = fused_cpu.rms_norm(x, weight, 1e-5, residual)
+    want = rms_norm_ref(x, weight, 1e-5, residual)
+    assert torch.equal(x, x_before)   # inputs untouched
+    if with_residual:
+        assert torch.equal(got[1], want[1])   # the rounded sum is exact
+        got, want = got[0], want[0]
+    _assert_close_to_rounding(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (33, 1536), (2, 5)])
+def test_silu_and_mul_matches_reference(dtype, rows, inter):
+    x = _random(rows, 2 * inter, dtype=dtype, seed=4, scale=4.0)
+    _assert_close_to_rounding(fused_cpu.silu_and_mul(x), silu_and_mul_ref(x))
+
+
+def test_silu_extremes():
+    x = torch.tensor([[-100.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    torch.testing.assert_close(fused_cpu.silu_and_mul(x), silu_and_mul_ref(x), atol=1e-6, rtol=1e-6)
+
+
+def test_strided_input_is_accepted():
+    x = _random(8, 1200, dtype=torch.bfloat16, seed=5)[:, 100:1124]
+    _assert_close_to_rounding(fused_cpu.silu_and_mul(x), silu_and_mul_ref(x))
