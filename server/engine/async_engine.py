@@ -47,7 +47,7 @@ class AsyncEngine:
         self.generation_defaults = engine.generation_defaults
         self._inbox: "queue.SimpleQueue[tuple[str, Request | str]]" = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _snapshot and _num_pending_adds
+        self._lock = threading.Lock()  # guards _snapshot, _num_pending_adds and _stopped
         self._num_pending_adds = 0
         self._snapshot = engine.stats()
         self._wake = threading.Event()
@@ -73,10 +73,12 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
         request = self.engine.make_request(request_id, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        with self._lock:
+        with self._lock:   # against shutdown: an add queued before the stop is drained, none after
+            if self._stopped:
+                raise EngineDeadError("the engine is shut down")
+            self._streams[request_id] = stream
             self._num_pending_adds += 1
-        self._inbox.put(("add", request))
+            self._inbox.put(("add", request))
         self._wake.set()
         finished = False
         try:
@@ -114,7 +116,8 @@ class AsyncEngine:
         return len(self._streams)
 
     async def shutdown(self) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 

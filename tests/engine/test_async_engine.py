@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kubeinfer.server.engine.async_engine import AsyncEngine
+from kubeinfer.server.engine.async_engine import AsyncEngine, EngineDeadError
 from kubeinfer.server.engine.config import EngineConfig
 from kubeinfer.server.engine.llm_engine import LLMEngine
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -96,3 +96,12 @@ async def test_shutdown_ends_open_streams_with_abort(tiny_qwen2):
     rest = [o async for o in stream]
     assert not first.finished and rest[-1].outputs[0].finish_reason == "abort"
     assert not engine.is_alive()
+
+
+async def test_generate_after_shutdown_fails_at_once(tiny_qwen2):
+    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory=4 << 20), tiny_qwen2[0]))
+    await engine.shutdown()
+    stream = engine.generate("late", [5] * 4, SamplingParams(max_tokens=2))
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await asyncio.wait_for(anext(stream), timeout=5)
+    assert engine.num_unfinished_requests == 0
