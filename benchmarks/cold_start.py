@@ -5,7 +5,10 @@ venv's `kubeinfer serve` on 127.0.0.1 and a free port, polls /ready, streams one
 /v1/completions request, then sends SIGTERM and waits for the exit. Stages come from the
 server's own log lines (the loader logs one line per stage with its timing), timed on arrival:
 
-    python benchmarks/cold_start.py --runs 5 [--importtime] [-- extra serve flags]
+    python benchmarks/cold_start.py --runs 5 [--importtime] [--log] [-- extra serve flags]
+
+A fresh pod also compiles the CPU C kernels at its first request (cached per machine): point
+KUBEINFER_CACHE_DIR at an empty directory to include that in the first run.
 """
 
 from __future__ import annotations
