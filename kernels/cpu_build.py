@@ -20,11 +20,15 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+KERNELS = ("paged_decode_cpu", "fused_cpu")
+_LOCKS = {name: threading.Lock() for name in KERNELS}
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
@@ -56,9 +60,14 @@ def _build(source: Path, compiler: str) -> Path:
     return target
 
 
-@cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled `kernels/<name>.c`, or None (logged once) if it cannot be built here."""
+    with _LOCKS[name]:   # a caller and `start_building`'s thread never compile the same file twice
+        return _load(name)
+
+
+@cache
+def _load(name: str) -> ctypes.CDLL | None:
     if os.environ.get("KUBEINFER_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -70,6 +79,17 @@ def load(name: str) -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as error:
         log.warning("CPU kernels %s unavailable (%s): using torch ops", name, getattr(error, "stderr", "") or error)
         return None
+
+
+@cache
+def start_building() -> None:
+    """Build (or find) every CPU kernel in background threads, the compilers in parallel. Engines
+    call this before loading the model, so a fresh pod compiles while it loads weights instead of
+    on its first request (~1-2 s here); `load` then waits for a build still running."""
+    pool = ThreadPoolExecutor(len(KERNELS), thread_name_prefix="kubeinfer-cc")
+    for name in KERNELS:
+        pool.submit(load, name)
+    pool.shutdown(wait=False)
 
 
 def bind(library: ctypes.CDLL, name: str, pointers: int, ints: int, floats: int = 0) -> ctypes._CFuncPtr:

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from ..model.attention import get_attention_backend
 from ..model.forward_batch import ForwardBatch
 from ..model.linear import Linear
+from ..model.checkpoint import one_intra_op_thread
 from ..model.llama import LlamaForCausalLM
+from ..model.loader import uninitialized_modules
 from .layers import RowParallelLinear, VocabParallelEmbedding
 from .plan import ShardPlan
 from .step_broadcast import send_step
@@ -57,12 +59,13 @@ class TensorParallelLlama(LlamaForCausalLM):
 
 
 def load_shard(source: Path, plan: ShardPlan, dtype: torch.dtype, device: torch.device) -> TensorParallelLlama:
-    """Build this rank's model on the meta device and stream in only its slices of the weights."""
-    with torch.device("meta"):
+    """Build this rank's model uninitialised and stream in only its slices of the weights (the
+    single-process loader's steps: see `load_model`)."""
+    with uninitialized_modules(device, dtype):
         model = TensorParallelLlama(plan, device).to(dtype)
-    model.to_empty(device=device)
     model.model.rotary_emb.reset_inv_freq(device)
     model.load_weights((name, tensor.to(device)) for name, tensor in sharded_weights(source, plan, dtype))
     model.requires_grad_(False).eval()
-    model.pack_weights()
+    with one_intra_op_thread():
+        model.pack_weights()
     return model
