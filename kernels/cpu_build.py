@@ -5,8 +5,8 @@ engine's per-layer glue (norms, activation, paged attention) is dozens of them p
 files include no torch headers, so a build takes ~1 s with the system C compiler (no
 multi-minute C++ extension build). The shared object is cached under
 `$KUBEINFER_CACHE_DIR/kernels` (default `~/.cache/kubeinfer/kernels`), keyed on the source,
-flags, compiler and the CPU's feature flags (-march=native code only runs on the same features).
-It links the OpenMP runtime torch has already loaded (`libgomp.so.1`), so `torch.set_num_threads`
+the headers it may include (`cpu_math.h`), flags, compiler and the CPU's feature flags
+(-march=native code only runs on the same features). It links the OpenMP runtime torch has already loaded (`libgomp.so.1`), so `torch.set_num_threads`
 governs these kernels too. Without a compiler `load` returns None and callers keep torch;
 `KUBEINFER_CPU_KERNELS=0` forces that.
 """
@@ -47,7 +47,8 @@ def _cpu_flags() -> str:
 
 
 def _build(source: Path, compiler: str) -> Path:
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, *CFLAGS, _cpu_flags()]).encode()).hexdigest()
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, *CFLAGS, _cpu_flags()]).encode()).hexdigest()
     target = cache_dir() / f"{source.stem}-{key[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -6,42 +6,7 @@
  * Sums of squares are float32 in a different order than torch's (last-bit differences).
  * Built by kernels/cpu_build.py, called by kernels/fused_cpu.py; all tensors contiguous rows.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (isnan(f)) return 0x7FC0;
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
-
-/* e^x for x <= 0: Cephes' expf polynomial (~1 ulp), vectorisable unlike libm's expf. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "cpu_math.h"
 
 /* x / (1 + e^-x), with the exponent kept non-positive on both signs. */
 static inline float silu(float x) {

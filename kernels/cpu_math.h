@@ -1,0 +1,43 @@
+/* Float helpers shared by the CPU kernels of this folder (included, not compiled alone). */
+#ifndef KUBEINFER_CPU_MATH_H
+#define KUBEINFER_CPU_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (isnan(f)) return 0x7FC0;
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+/* e^x for x <= 0: Cephes' expf polynomial, ~1 ulp, written so the compiler vectorises the
+ * loops calling it (libm's expf is scalar and would cost more than the dot products). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#endif
