@@ -57,6 +57,9 @@ def _build(source: Path, compiler: str) -> Path:
             subprocess.run([compiler, *CFLAGS, str(source), "-o", str(built), "-lm"],
                            check=True, capture_output=True, text=True)
             built.replace(target)   # atomic: concurrent builders never load a half-written file
+        for stale in target.parent.glob(f"{source.stem}-*.so"):   # older sources' builds
+            if stale != target:
+                stale.unlink(missing_ok=True)   # a process that loaded it keeps its mapping
         log.info("built CPU kernels %s", target)
     return target
 
