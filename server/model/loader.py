@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -114,6 +114,18 @@ def uninitialized_modules(device: torch.device, dtype: torch.dtype) -> Iterator[
         torch.set_default_dtype(default_dtype)
 
 
+def fill_model(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> float:
+    """Stream checkpoint tensors into a model built under `uninitialized_modules`, freeze it and
+    prepack its GEMM weights (the steps every loader shares); returns the prepack's seconds."""
+    model.model.rotary_emb.reset_inv_freq(device)   # float32 again after the model's .to(dtype)
+    model.load_weights((name, tensor.to(device)) for name, tensor in weights)
+    model.requires_grad_(False).eval()
+    start = time.perf_counter()
+    with one_intra_op_thread():   # ~120 small reorders: 0.1 s instead of ~1 s of thread barriers
+        model.pack_weights()
+    return time.perf_counter() - start
+
+
 def read_checkpoint(source: str) -> Checkpoint:
     path = embedded_model_path() if source == "embedded" else Path(source).expanduser()
     if path.is_dir():
@@ -136,14 +148,10 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
     stage = time.perf_counter()
     with uninitialized_modules(torch_device, torch_dtype):
         model = LlamaForCausalLM(config, get_attention_backend(torch_device, config.sliding_window)).to(torch_dtype)
-    model.model.rotary_emb.reset_inv_freq(torch_device)   # float32 again after .to(torch_dtype)
     built = time.perf_counter()
-    model.load_weights((name, tensor.to(torch_device)) for name, tensor in checkpoint.weights(torch_dtype))
-    model.requires_grad_(False).eval()
-    weighted = time.perf_counter()
-    with one_intra_op_thread():   # ~120 small reorders: 0.1 s instead of ~1 s of thread barriers
-        model.pack_weights()
+    pack_seconds = fill_model(model, checkpoint.weights(torch_dtype), torch_device)
     end = time.perf_counter()
+    weighted = end - pack_seconds
     logger.info("loaded %d tensors as %s on %s in %.2fs (build %.2fs, weights %.2fs, prepack %.2fs; total %.2fs)",
                 checkpoint.num_tensors, str(torch_dtype).removeprefix("torch."), torch_device, end - stage,
                 built - stage, weighted - built, end - weighted, end - start)

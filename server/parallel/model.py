@@ -16,9 +16,8 @@ import torch.distributed as dist
 from ..model.attention import get_attention_backend
 from ..model.forward_batch import ForwardBatch
 from ..model.linear import Linear
-from ..model.checkpoint import one_intra_op_thread
 from ..model.llama import LlamaForCausalLM
-from ..model.loader import uninitialized_modules
+from ..model.loader import fill_model, uninitialized_modules
 from .layers import RowParallelLinear, VocabParallelEmbedding
 from .plan import ShardPlan
 from .step_broadcast import send_step
@@ -63,9 +62,5 @@ def load_shard(source: Path, plan: ShardPlan, dtype: torch.dtype, device: torch.
     single-process loader's steps: see `load_model`)."""
     with uninitialized_modules(device, dtype):
         model = TensorParallelLlama(plan, device).to(dtype)
-    model.model.rotary_emb.reset_inv_freq(device)
-    model.load_weights((name, tensor.to(device)) for name, tensor in sharded_weights(source, plan, dtype))
-    model.requires_grad_(False).eval()
-    with one_intra_op_thread():
-        model.pack_weights()
+    fill_model(model, sharded_weights(source, plan, dtype), device)
     return model
