@@ -4,6 +4,7 @@ and consumer cancellation aborting the request and freeing its blocks."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -105,3 +106,29 @@ async def test_generate_after_shutdown_fails_at_once(tiny_qwen2):
     with pytest.raises(EngineDeadError, match="shut down"):
         await asyncio.wait_for(anext(stream), timeout=5)
     assert engine.num_unfinished_requests == 0
+
+
+async def test_builds_and_steps_on_one_thread(tiny_qwen2):
+    """Torch work must stay on one thread (a second OpenMP team slows each step 2-3x)."""
+    threads = []
+
+    def build() -> LLMEngine:
+        threads.append(threading.current_thread())
+        return LLMEngine(EngineConfig(kv_cache_memory=4 << 20), tiny_qwen2[0])
+
+    engine = AsyncEngine(build)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        outputs = [o async for o in engine.generate("t", [5, 6, 7], params)]
+        assert len(outputs[-1].outputs[0].token_ids) == 3
+        assert threads == [engine._thread]
+    finally:
+        await engine.shutdown()
+
+
+def test_a_failed_build_raises_from_the_constructor():
+    def build() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(build)
