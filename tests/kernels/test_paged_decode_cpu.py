@@ -38,9 +38,11 @@ def test_matches_reference(heads, head_dim, block_size, dtype):
     _check(make_paged_batch(DECODES, *heads, head_dim, block_size, dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 10, 16, 500])
-def test_sliding_window(window):
-    _check(make_paged_batch(DECODES, 8, 2, 64, 16, torch.float32, seed=3), sliding_window=window)
+def test_sliding_window(window, dtype):
+    """A window starts keys mid-block: partial runs before and after the 16-key tiles."""
+    _check(make_paged_batch(DECODES, 8, 2, 64, 16, dtype, seed=3), sliding_window=window)
 
 
 def test_queries_may_be_strided_views():
