@@ -1,11 +1,15 @@
-/* Fused CPU elementwise kernels: RMSNorm (+ residual add) and SiLU-and-mul, one pass each.
+/* Fused CPU elementwise kernels, one pass each: RMSNorm (+ residual add), SiLU-and-mul, the
+ * rotary embedding of q and k in place, and the KV-cache store.
  *
  * They round exactly where the torch references do (kernels/rms_norm_ref.py,
- * activation_ref.py, i.e. Hugging Face's modules in bf16): the residual sum, the normalised
- * value and the SiLU output are each rounded to the model dtype before the next product.
+ * activation_ref.py, rotary_ref.rotate_signed_ref, i.e. Hugging Face's modules in bf16): the
+ * residual sum, the normalised value, the SiLU output and each rotary product are rounded to the
+ * model dtype before the next operation.
  * Sums of squares are float32 in a different order than torch's (last-bit differences).
  * Built by kernels/cpu_build.py, called by kernels/fused_cpu.py; all tensors contiguous rows.
  */
+#include <string.h>
+
 #include "cpu_math.h"
 
 /* x / (1 + e^-x), with the exponent kept non-positive on both signs. */
@@ -63,3 +67,41 @@ DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16, BF16_ROUN
 DEFINE_RMS_NORM(rms_norm_f32, float, ID, ID, ID)
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_float, float_to_bf16, BF16_ROUND)
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, ID, ID, ID)
+
+/* x [rows, heads, head_dim] (rows `row_stride` elements apart, heads contiguous) rotated in place:
+ * x' = round(round(x * cos) + round(swap(x) * sin)), swap = (x2, x1) of the two halves, with
+ * cos and the signed sin (first half negated) [rows, head_dim] per row. */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND)                                              \
+int NAME(T *x, const T *cos, const T *sin, int64_t rows, int64_t row_stride, int64_t heads,    \
+         int64_t head_dim) {                                                                   \
+    const int64_t half = head_dim / 2;                                                         \
+    _Pragma("omp parallel for if(rows * heads * head_dim >= PARALLEL_ELEMENTS)")             \
+    for (int64_t r = 0; r < rows; r++) {                                                       \
+        const T *c = cos + r * head_dim, *s = sin + r * head_dim;                              \
+        for (int64_t h = 0; h < heads; h++) {                                                  \
+            T *v = x + r * row_stride + h * head_dim;                                          \
+            for (int64_t i = 0; i < half; i++) {                                               \
+                const float x1 = LOAD(v[i]), x2 = LOAD(v[i + half]);                           \
+                v[i] = STORE(ROUND(x1 * LOAD(c[i])) + ROUND(x2 * LOAD(s[i])));                 \
+                v[i + half] = STORE(ROUND(x2 * LOAD(c[i + half])) + ROUND(x1 * LOAD(s[i + half]))); \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    return 0;                                                                                  \
+}
+
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_float, float_to_bf16, BF16_ROUND)
+DEFINE_ROTARY(rotary_f32, float, ID, ID, ID)
+
+/* Row t of k and v (`row_bytes` each, rows `row_stride` bytes apart) to slot slots[t] of the
+ * caches (slot s at byte s * row_bytes); slots < 0 are skipped. Any dtype: rows are copied. */
+int store_kv(const char *k, const char *v, const int64_t *slots, char *k_cache, char *v_cache,
+             int64_t rows, int64_t row_stride, int64_t row_bytes) {
+    _Pragma("omp parallel for if(rows * row_bytes >= 8 * PARALLEL_ELEMENTS)")
+    for (int64_t t = 0; t < rows; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row_bytes, k + t * row_stride, (size_t)row_bytes);
+        memcpy(v_cache + slots[t] * row_bytes, v + t * row_stride, (size_t)row_bytes);
+    }
+    return 0;
+}

@@ -1,7 +1,7 @@
 """The kernel API the model calls: tensors in, tensors out, Triton on CUDA, torch elsewhere.
 
-On CPU, RMSNorm and SiLU-and-mul run the fused C kernels of `fused_cpu` when they could be
-built (backend "auto"); "torch" forces the pure-torch references everywhere.
+On CPU, RMSNorm, SiLU-and-mul and the rotary embedding run the fused C kernels of `fused_cpu`
+when they could be built (backend "auto"); "torch" forces the pure-torch references everywhere.
 
 `KUBEINFER_KERNEL_BACKEND` (auto | triton | torch) or the `use_backend` context manager
 override the choice, e.g. to run the Triton path under TRITON_INTERPRET=1 on a CPU.
@@ -23,7 +23,7 @@ from kubeinfer.kernels.attention_ref import paged_attention_ref
 from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
 from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
 from kubeinfer.kernels.rope_cache import build_rope_cache, cos_sin_table
-from kubeinfer.kernels.rotary_ref import apply_rotary_ref
+from kubeinfer.kernels.rotary_ref import apply_rotary_ref, rotate_signed_ref
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("KUBEINFER_KERNEL_BACKEND", "auto")
@@ -31,7 +31,8 @@ if _backend not in BACKENDS:
     raise ValueError(f"KUBEINFER_KERNEL_BACKEND={_backend!r}; expected one of {', '.join(BACKENDS)}")
 
 __all__ = ["build_rope_cache", "cos_sin_table", "paged_attention", "triton_paged_attention", "store_kv_cache",
-           "rms_norm", "apply_rotary", "silu_and_mul", "use_backend", "uses_triton"]
+           "rms_norm", "apply_rotary", "rotate_signed", "silu_and_mul", "use_backend", "uses_triton",
+           "uses_cpu_kernels"]
 
 
 @contextmanager
@@ -52,8 +53,8 @@ def uses_triton(tensor: torch.Tensor) -> bool:
     return _backend == "triton" or (_backend == "auto" and tensor.is_cuda)
 
 
-def _cpu_kernels(tensor: torch.Tensor) -> bool:
-    """Whether the fused C kernels (`fused_cpu`) take this op: CPU tensors unless "torch" is forced."""
+def uses_cpu_kernels(tensor: torch.Tensor) -> bool:
+    """Whether the fused C kernels (`fused_cpu`) take ops on `tensor`: CPU tensors unless "torch" is forced."""
     return _backend != "torch" and fused_cpu.available(tensor)
 
 
@@ -124,7 +125,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of `x`; with `residual`, (normed(x + residual), x + residual)."""
     if not uses_triton(x):
-        if _cpu_kernels(x):
+        if uses_cpu_kernels(x):
             return fused_cpu.rms_norm(x, weight, eps, residual)
         return rms_norm_ref(x, weight, eps, residual)
     from kubeinfer.kernels.rms_norm import rms_norm as norm
@@ -140,10 +141,18 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     return rotate(q, k, positions, cos_sin_cache, inplace)
 
 
+def rotate_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`rotate_signed_ref` (transformers' rotary and roundings, per-token tables); the CPU kernel
+    rotates `x [T, heads, D]` in place, so use the returned tensor, not `x`."""
+    if uses_cpu_kernels(x) and fused_cpu.rows_of_heads(x):
+        return fused_cpu.rotate_in_place(x, cos, signed_sin)
+    return rotate_signed_ref(x, cos, signed_sin)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for `x [..., 2I]` holding gate|up."""
     if not uses_triton(x):
-        if _cpu_kernels(x):
+        if uses_cpu_kernels(x):
             return fused_cpu.silu_and_mul(x)
         return silu_and_mul_ref(x)
     from kubeinfer.kernels.activation import silu_and_mul as fused

@@ -1,4 +1,5 @@
-"""Pure-torch rotary embedding (HF rotate_half convention), the reference for `rotary.py`."""
+"""Pure-torch rotary embeddings (HF rotate_half convention): the float32 reference for the
+Triton `rotary.py`, and HF's own bf16 rounding for the CPU path (`rotate_signed_ref`)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,12 @@ def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
     q.copy_(q_rot)
     k.copy_(k_rot)
     return q, k
+
+
+def rotate_signed_ref(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin` for `x [T, heads, D]` and per-token cos and
+    sin `[T, 1, D]` whose first half is negated (folding rotate_half's sign into the table): the
+    same products and roundings in the model dtype, bit-identical, in four ops instead of six; no
+    addcmul, whose single rounding would differ from transformers' in bf16."""
+    swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)   # (x2, x1)
+    return swapped.mul_(signed_sin).add_(x * cos)

@@ -62,11 +62,3 @@ class RotaryEmbedding(nn.Module):
         sin = emb.sin()
         sin[..., :freqs.shape[1]].neg_()
         return emb.cos().to(dtype), sin.to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` [T, heads, head_dim] as transformers' `x * cos + rotate_half(x) * sin` (same
-        products, the sign moved into the table: bit-identical) in four ops instead of six; no
-        addcmul, whose single rounding would differ from transformers' in bf16."""
-        swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)   # (x2, x1)
-        return swapped.mul_(signed_sin).add_(x * cos)

@@ -15,7 +15,6 @@ from .attention import AttentionBackend
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .linear import Linear, MergedLinear
-from .rotary import RotaryEmbedding
 
 
 class SelfAttention(nn.Module):
@@ -42,7 +41,7 @@ class SelfAttention(nn.Module):
         else:   # q and k heads rotated together: one set of ops instead of two
             qk_heads = self.num_heads + self.num_kv_heads
             qk = qkv[:, :qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
-            q, k = RotaryEmbedding.apply(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = ops.rotate_signed(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, -self.num_kv_heads * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -1,4 +1,5 @@
-"""The fused C RMSNorm and SiLU-and-mul against their torch references (HF's rounding).
+"""The fused C kernels against their torch references: RMSNorm, SiLU-and-mul and the rotary
+embedding (HF's rounding), and the KV-cache store.
 
 bf16: the C kernels round at the same points as the references, so outputs agree exactly
 except where float32 sums of squares or exp differ in their last bit and that moves a bf16
@@ -11,7 +12,9 @@ import torch
 
 from kubeinfer.kernels import fused_cpu
 from kubeinfer.kernels.activation_ref import silu_and_mul_ref
+from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
 from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
+from kubeinfer.kernels.rotary_ref import rotate_signed_ref
 
 
 def _random(*shape, dtype, seed=0, scale=1.0):
@@ -66,3 +69,44 @@ def test_silu_extremes():
 def test_strided_input_is_accepted():
     x = _random(8, 1200, dtype=torch.bfloat16, seed=5)[:, 100:1124]
     _assert_close_to_rounding(fused_cpu.silu_and_mul(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 12, 64), (40, 12, 64), (300, 40, 128), (3, 2, 6)])
+def test_rotary_in_place_matches_reference(dtype, tokens, heads, head_dim):
+    """Rotates q and k heads inside the fused qkv rows (a strided view), leaving v alone; bf16 is
+    bit-identical (every product rounded), float32 within one rounding (the compiler may fuse a
+    product and the sum into one FMA)."""
+    qkv = _random(tokens, (heads + 3) * head_dim, dtype=dtype, seed=5, scale=2.0)
+    cos = _random(tokens, 1, head_dim, dtype=dtype, seed=6).clamp(-1, 1)
+    sin = _random(tokens, 1, head_dim, dtype=dtype, seed=7).clamp(-1, 1)
+    before = qkv.clone()
+    qk = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    want = rotate_signed_ref(qk.clone(), cos, sin)
+    got = fused_cpu.rotate_in_place(qk, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, heads * head_dim:], before[:, heads * head_dim:])
+
+
+def test_rotary_refuses_heads_that_are_not_rows():
+    x = torch.zeros(4, 64, 3, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous heads"):
+        fused_cpu.rotate_in_place(x, torch.zeros(4, 1, 3), torch.zeros(4, 1, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_reference_and_skips_negative_slots(dtype):
+    tokens, kv_heads, head_dim, blocks, block_size = 37, 3, 64, 9, 16
+    qkv = _random(tokens, (6 + 2 * kv_heads) * head_dim, dtype=dtype, seed=8)
+    k = qkv[:, 6 * head_dim:(6 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (6 + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(9))[:tokens]
+    slots[::5] = -1
+    caches = [_random(blocks, block_size, kv_heads, head_dim, dtype=dtype, seed=s) for s in (10, 11)]
+    want = [c.clone() for c in caches]
+    fused_cpu.store_kv(k, v, *caches, slots)
+    store_kv_cache_ref(k, v, *want, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
