@@ -1,9 +1,11 @@
 """Turn a batch of logits into next tokens, all rows at once.
 
 Penalties, min_tokens masking, temperature, top-k, top-p and min-p are tensor ops over the
-whole batch. Randomness uses the exponential-race trick (argmax of probs / Exp(1) noise is a
-sample from probs): unseeded rows draw their noise from one engine generator in a single
-call, seeded rows from their own `torch.Generator` so a request replays exactly.
+whole batch. Randomness is inverse-transform sampling: one uniform number per row, found among
+the row's cumulative probabilities by binary search. (The exponential race, argmax of probs /
+Exp(1) noise, draws one number per vocabulary entry: 63 ms a step at 32 rows x 49,152 on CPU,
+as long as the forward pass; this takes ~1 ms.) Unseeded rows draw from one engine generator
+in a single call, seeded rows from their own `torch.Generator` so a request replays exactly.
 Logprobs are computed from the raw model logits, before any processing, as vLLM does by
 default: they describe the model, not the sampling knobs.
 """
@@ -119,11 +121,11 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             floor = self._column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        uniform = torch.rand(len(seqs), 1, generator=self.generator, device=self.device)
         for row, seq in enumerate(seqs):
             if seq.params.seed is not None and not greedy[row]:
-                noise[row].exponential_(generator=self._seeded_generator(seq))
-        sampled = argmax_rows(probs / noise)
+                uniform[row] = torch.rand(1, generator=self._seeded_generator(seq), device=self.device)
+        sampled = _inverse_transform(probs, uniform)
         greedy_mask = torch.tensor(greedy, device=self.device)
         return torch.where(greedy_mask, argmax_rows(logits), sampled)
 
@@ -155,6 +157,17 @@ class Sampler:
             values = top.values[j, :want].tolist() if top is not None else []
             result[row] = (ids, values, float(chosen_lp[j]), int(ranks[j]))
         return result
+
+
+def _inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds `uniform [rows, 1]` times the
+    row's total (rows need not sum to 1). Zero-probability tokens add nothing to the cumulative
+    sum, so they are never the first to exceed it; the target stays below the total even when
+    the product rounds up."""
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target, right=True).squeeze(1)
 
 
 def to_logprob_dict(entry: tuple[list[int], list[float], float, int], sampled: int,

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kubeinfer.server.engine.sampler import Sampler
+from kubeinfer.server.engine.sampler import Sampler, _inverse_transform
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Request, Sequence
 
@@ -97,3 +97,11 @@ def test_logprobs_are_raw_log_softmax_with_the_sampled_token():
     assert math.isclose(sampled_lp, float(reference[token]), abs_tol=1e-5)
     assert rank == int((reference > reference[token]).sum()) + 1
     assert out.logprobs[1] is None
+
+
+def test_inverse_transform_never_lands_on_a_zero_probability_token():
+    """At both ends of the uniform range, masked tokens (probability 0) before, between and after
+    the allowed ones are never chosen, and rows need not sum to 1 (min_p leaves them short)."""
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.3, 0.0, 0.0]] * 3)
+    uniform = torch.tensor([[0.0], [0.3], [1.0 - 2 ** -24]])
+    assert _inverse_transform(probs, uniform).tolist() == [1, 1, 3]
