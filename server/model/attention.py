@@ -7,8 +7,10 @@ path: K/V of each sequence's context are gathered from the paged cache by its bl
 a padded `[S, max_seq_len, kv_heads, d]` tensor; queries are padded to
 `[S, max_query_len, heads, d]`; one boolean mask encodes causality against the cached prefix
 and padding (and, for Mistral, the sliding window); and a single `scaled_dot_product_attention`
-call (GQA via `enable_gqa`) does the math. A lone prefill without cached prefix attends causally
-over its own k/v (no cache read), and decode-only batches need no query padding. K/V of the step
+call (GQA via `enable_gqa`) does the math. A prefill without cached prefix attends causally over
+its own k/v instead, one `is_causal` SDPA call per sequence: no cache read, no padding and no
+mask, and half the scores (a masked call computes the upper triangle too): 4 x 544-token
+prompts 7.9 ms a layer instead of 11.7 ms. Decode-only batches need no query padding. K/V of the step
 are stored first: rows copied by the C kernel of `fused_cpu`, else one `index_copy_` over
 `slot_mapping`.
 Measured with tests/model/bench_attention.py: `index_select` gathers 2-5x faster than advanced
@@ -48,7 +50,6 @@ class _PaddedGroup:
     context_blocks: torch.Tensor       # [S * blocks_per_seq] block ids, int64
     key_mask: torch.Tensor             # [S, 1, max_query_len, max_seq_len] bool, True = attend
     query_index: torch.Tensor | None   # [T] flat index into the padded [S * max_query_len] queries
-    self_causal: bool                  # one sequence, no cached prefix: causal over its own k/v
 
 
 @dataclass
@@ -67,6 +68,7 @@ class _StepLayout:
     store_slots: torch.Tensor          # slots to write (the -1 entries removed)
     store_rows: torch.Tensor | None    # rows of k/v to write; None = all rows
     decode: _DecodeGroup | None
+    fresh: list[slice]                 # rows of each prefill without cached prefix: causal over its own k/v
     padded: _PaddedGroup | None
 
 
@@ -83,7 +85,7 @@ def _subset(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 
 def _padded_group(batch: ForwardBatch, seqs: list[int], starts: list[int], block_size: int,
-                  sliding_window: int | None, all_valid: bool) -> _PaddedGroup:
+                  sliding_window: int | None) -> _PaddedGroup:
     device = batch.input_ids.device
     query_lens_cpu = [batch.query_lens_cpu[i] for i in seqs]
     seq_lens_cpu = [batch.seq_lens_cpu[i] for i in seqs]
@@ -111,8 +113,6 @@ def _padded_group(batch: ForwardBatch, seqs: list[int], starts: list[int], block
         context_blocks=tables[:, :-(-max_len // block_size)].to(torch.int64).reshape(-1),
         key_mask=key_mask[:, None],
         query_index=query_index,
-        self_causal=(num_seqs == 1 and query_lens_cpu[0] == seq_lens_cpu[0] and all_valid
-                     and (sliding_window is None or max_len <= sliding_window)),
     )
 
 
@@ -132,13 +132,21 @@ def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
     starts = [0]
     for length in batch.query_lens_cpu:
         starts.append(starts[-1] + length)
-    decodes = [i for i, n in enumerate(batch.query_lens_cpu) if n == 1] if decode_kernel else []
-    rest = [i for i, n in enumerate(batch.query_lens_cpu) if not (decode_kernel and n == 1)]
+    decodes, fresh, rest = [], [], []
+    for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
+        if decode_kernel and query_len == 1:
+            decodes.append(i)
+        elif (query_len == seq_len and all_valid   # the cache holds nothing else it could attend to
+              and (sliding_window is None or seq_len <= sliding_window)):
+            fresh.append(slice(starts[i], starts[i] + query_len))
+        else:
+            rest.append(i)
     return _StepLayout(
         store_slots=batch.slot_mapping if all_valid else batch.slot_mapping[valid],
         store_rows=None if all_valid else valid.nonzero().squeeze(1),
         decode=_decode_group(batch, decodes, starts) if decodes else None,
-        padded=_padded_group(batch, rest, starts, block_size, sliding_window, all_valid) if rest else None,
+        fresh=fresh,
+        padded=_padded_group(batch, rest, starts, block_size, sliding_window) if rest else None,
     )
 
 
@@ -170,15 +178,29 @@ class TorchAttention:
         layout = self._layout
         self._store(k, v, k_cache, v_cache, batch.slot_mapping, layout)
         decode, padded = layout.decode, layout.padded
-        if decode is None:
-            return self._padded(q, k, v, k_cache, v_cache, padded, scale)
-        if padded is None:
+        if padded is None and not layout.fresh:
             return self._decode(q, k_cache, v_cache, decode, scale)
+        if decode is None and not layout.fresh:
+            return self._padded(q, k, v, k_cache, v_cache, padded, scale)
+        if decode is None and padded is None and len(layout.fresh) == 1:
+            return self._causal(q, k, v, scale)
         out = torch.empty_like(q)
-        out[decode.rows] = self._decode(q[decode.rows], k_cache, v_cache, decode, scale)
-        out[padded.rows] = self._padded(q[padded.rows], k[padded.rows], v[padded.rows], k_cache, v_cache,
-                                        padded, scale)
+        if decode is not None:
+            out[decode.rows] = self._decode(q[decode.rows], k_cache, v_cache, decode, scale)
+        for rows in layout.fresh:
+            out[rows] = self._causal(q[rows], k[rows], v[rows], scale)
+        if padded is not None:
+            out[padded.rows] = self._padded(q[padded.rows], k[padded.rows], v[padded.rows], k_cache, v_cache,
+                                            padded, scale)
         return out
+
+    @staticmethod
+    def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One sequence's whole prompt attending causally over its own k/v."""
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 group: _DecodeGroup, scale: float) -> torch.Tensor:
@@ -187,11 +209,6 @@ class TorchAttention:
 
     def _padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, group: _PaddedGroup, scale: float) -> torch.Tensor:
-        if group.self_causal:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                 v.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                                 enable_gqa=True)
-            return out[0].transpose(0, 1)
         num_seqs, max_q, max_len = group.num_seqs, group.max_query_len, group.max_seq_len
         heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
         keys = self._gather(k_cache, group, num_seqs, max_len)

@@ -37,13 +37,14 @@ def _caches():
 
 
 @pytest.mark.parametrize("seqs", [
-    [(0, 11)],                               # lone prefill, no prefix: the causal fast path
+    [(0, 11)],                               # lone prefill, no prefix: causal over its own k/v
     [(9, 1), (0, 1), (30, 1), (4, 1)],        # decode-only
     [(0, 7), (13, 1), (5, 6), (22, 1)],       # prefills, a chunk after a cached prefix, decodes
     [(17, 5)],                               # one chunk on top of a cached prefix
     [(13, 1), (22, 1), (0, 9)],              # the scheduler's order: decodes, then a fresh prefill
     [(13, 1), (3, 4), (20, 6)],              # decodes, then chunks padded apart from them
     [(3, 4), (13, 1), (20, 6), (40, 1)],     # decodes between chunks: rows are not contiguous
+    [(0, 7), (0, 12), (13, 1), (0, 3)],      # fresh prefills, each causal on its own, and a decode
 ])
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["torch", "cpu-kernel"])
 def test_matches_reference_and_stores_kv(seqs, decode_kernel):
