@@ -82,14 +82,18 @@ class Scheduler:
                 self._add(out, seq, num_new)
                 scheduled.add(id(seq))
                 budget -= num_new
-        while (self.waiting and budget > 0 and not preempted
+        position = 0  # into self.waiting: requests deferred this step keep their place
+        while (position < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs
                and len(out.scheduled) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[position]
             cached = self.kv.match_prefix(seq)
             if self._next_block_in_flight(seq, out):
-                self.kv.free(seq)  # wait one step and reuse it instead of computing it twice
-                break
+                # Wait one step and reuse that block instead of computing it twice; requests
+                # behind it with other prefixes go ahead (fuller prefill steps, fewer of them).
+                self.kv.free(seq)
+                position += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate_slots(seq, num_new):
                 self.kv.free(seq)  # give back the matched prefix; retry next step
@@ -97,7 +101,7 @@ class Scheduler:
             self.kv.record_lookup(seq.num_tokens, cached)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.num_cached_tokens = cached
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             if seq.request.metrics.first_scheduled_time is None:

@@ -170,6 +170,26 @@ def test_shared_prefix_is_computed_once():
     assert kv.prefix_cache_hits == 16 and kv.prefix_cache_queries == 17 + 18
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    """The second request of a prefix waits one step for the first's blocks; a request with
+    another prefix behind it is not held up."""
+    kv = KVCacheManager(64, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    prefix_a, prefix_b = [1, 2, 0, 1] * 4, [2, 2, 1, 0] * 4
+    requests = [Request(rid, prefix + [tail], SamplingParams(max_tokens=2), frozenset(), 256)
+                for rid, prefix, tail in [("a1", prefix_a, 0), ("a2", prefix_a, 1), ("b1", prefix_b, 2)]]
+    for request in requests:
+        sched.add_request(request)
+    out = sched.schedule()
+    assert [(i.seq.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("a1", 17), ("b1", 17)]
+    sched.update(out)
+    for item in out.scheduled:
+        item.seq.token_ids.append(0)
+    out = sched.schedule()
+    assert ("a2", 1) in [(i.seq.request.request_id, i.num_new_tokens) for i in out.scheduled]
+    assert requests[1].num_cached_tokens == 16
+
+
 def test_newest_request_is_preempted_when_blocks_run_out():
     kv = KVCacheManager(4, BS, enable_prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=16)
