@@ -28,8 +28,10 @@ def _free_port() -> int:
 
 
 def _workers(pid: int) -> list[int]:
-    """Child processes started by multiprocessing's spawn (the TP workers)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    """Child processes started by multiprocessing's spawn (the TP workers), from any of the
+    server's threads (the engine thread starts them)."""
+    children = [child for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
     return [int(child) for child in children if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
