@@ -82,17 +82,23 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
-    config = DatasetConfig(name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
-                           output_len=args.output_len, num_groups=args.num_groups, prefix_len=args.prefix_len)
-    prompts = [request.prompt for request in build_dataset(config)]
-    assert all(isinstance(p, list) and len(p) == len(prompts[0]) for p in prompts), "static batches need equal lengths"
+    def prompts_for(concurrency: int) -> list[list[int]]:
+        """The prompts `kubeinfer bench serve` sends at this level (seed 0 + concurrency)."""
+        config = DatasetConfig(name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
+                               output_len=args.output_len, num_groups=args.num_groups, prefix_len=args.prefix_len,
+                               seed=concurrency)
+        prompts = [request.prompt for request in build_dataset(config)]
+        assert all(isinstance(p, list) and len(p) == len(prompts[0]) for p in prompts), "static batches need equal lengths"
+        return prompts
+
+    prompts = prompts_for(0)
     run_batch(model, prompts[:2], 8)  # warm-up, like the bench's warm-up requests
     label = args.label or f"transformers {args.dataset}"
     print(f"{label}: {len(prompts)} prompts, input {len(prompts[0])}, output {args.output_len}, "
           f"{args.threads} threads", flush=True)
     reports = []
     for batch_size in (int(c) for c in args.concurrency.split(",")):
-        reports.append(run_level(model, prompts, batch_size, args.output_len, args.max_duration))
+        reports.append(run_level(model, prompts_for(batch_size), batch_size, args.output_len, args.max_duration))
         print(f"  batch {batch_size}: {reports[-1].output_throughput:.1f} out tok/s", file=sys.stderr, flush=True)
         if args.json_path:  # after every level: a slow sweep that is cut short keeps what it measured
             with open(args.json_path, "w") as handle:

@@ -1,8 +1,10 @@
 """`kubeinfer bench serve`: load-test any OpenAI-compatible endpoint (kubeinfer, vLLM,
 llama.cpp's llama-server) with a concurrency sweep and/or Poisson arrivals.
 
-Every level is bounded by --num-prompts and --max-duration; the same seeded dataset is
-replayed at every level so levels and engines compare like for like.
+Every level is bounded by --num-prompts and --max-duration. Each level draws its own seeded
+prompts (seed + concurrency), the same for every engine: replaying one set at every level let
+the later levels hit the prefix cache of the engines that have one, so their TTFT measured a
+cache hit, not a prefill.
 """
 
 from __future__ import annotations
@@ -95,10 +97,12 @@ async def run_level(client: httpx.AsyncClient, url: str, bodies: list[dict], hea
 
 async def _bench(args: argparse.Namespace) -> list[LevelReport]:
     low, high = (int(part) for part in args.token_range.split(","))
-    dataset = build_dataset(DatasetConfig(
-        name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        prompt_format=args.prompt_format, token_low=low, token_high=high, num_groups=args.num_groups,
-        prefix_len=args.prefix_len, seed=args.seed))
+    def dataset(seed: int) -> list[BenchRequest]:
+        return build_dataset(DatasetConfig(
+            name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
+            output_len=args.output_len, prompt_format=args.prompt_format, token_low=low, token_high=high,
+            num_groups=args.num_groups, prefix_len=args.prefix_len, seed=seed))
+
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base_url = args.base_url.rstrip("/")
     endpoint = args.endpoint or ("/v1/chat/completions" if args.dataset == "chat" else "/v1/completions")
@@ -106,12 +110,12 @@ async def _bench(args: argparse.Namespace) -> list[LevelReport]:
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10.0), limits=limits) as client:
         model = args.model or await _pick_model(client, base_url, headers)
-        bodies = [request.body(model, args.ignore_eos) for request in dataset]
         warmup = [BenchRequest("Hello", None, 1, 8).body(model, False) for _ in range(args.warmup)]
         await run_level(client, base_url + endpoint, warmup, headers, 1, float("inf"), args.max_duration,
                         args.seed, False)
         reports = []
         for level in levels:
+            bodies = [request.body(model, args.ignore_eos) for request in dataset(args.seed + level)]
             results, duration = await run_level(client, base_url + endpoint, bodies, headers, level,
                                                  args.request_rate, args.max_duration, args.seed,
                                                  not args.no_progress)
