@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# kubeinfer and vLLM up at once, benchmarked in alternation: on a host whose speed drifts by a
+# third within minutes (see BENCHMARKS.md), back-to-back pairs give the steadier ratio.
+# Each round: random 128/128 at c=32, then shared-prefix 512+32/128 at c=16, on kubeinfer then
+# vLLM, with the round's seed for both. Needs `benchmarks/peers.sh install` first.
+#
+#   benchmarks/alternate.sh [rounds]    # default 3; ~3 min to start vLLM, ~1 min a round
+set -euo pipefail
+ROUNDS="${1:-3}"
+PY="${KUBEINFER_PYTHON:-$HOME/.cache/kubeinfer/venv-bootstrap/bin/python}"
+PEERS="${KUBEINFER_PEERS:-$HOME/.cache/kubeinfer/peers}"
+HF_DIR="$PEERS/smollm2-hf"
+HOST=127.0.0.1
+LOGS="${TMPDIR:-/tmp}"
+THREADS="${THREADS:-$(nproc)}"
+
+"$PY" -m kubeinfer.server.cli serve --model "$HF_DIR" --served-model-name smollm2 --host $HOST --port 8801 \
+  --kv-cache-memory 4GiB --max-num-seqs 64 --enable-prefix-caching --log-level warning > "$LOGS/alternate-kubeinfer.log" 2>&1 &
+VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=4 VLLM_HOST_IP=$HOST \
+  "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name smollm2 \
+  --host $HOST --port 8802 --dtype bfloat16 --enable-prefix-caching --max-model-len 2048 --max-num-seqs 64 \
+  > "$LOGS/alternate-vllm.log" 2>&1 &
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+for port in 8801 8802; do
+  for _ in $(seq 400); do curl -sf "http://$HOST:$port/v1/models" > /dev/null && break; sleep 1; done
+done
+
+bench() {  # port seed dataset-flags...
+  local port="$1" seed="$2"; shift 2
+  "$PY" -m kubeinfer.server.cli bench serve --base-url "http://$HOST:$port" --num-prompts 32 --max-duration 60 \
+    --seed "$seed" --no-progress "$@" | tail -1
+}
+for round in $(seq "$ROUNDS"); do
+  for port in 8801 8802; do
+    name=$([[ $port == 8801 ]] && echo kubeinfer || echo vllm)
+    echo "round $round $name $(date -u +%T)"
+    echo "  random c=32:  $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 32)"
+    echo "  shared c=16:  $(bench $port $((round * 100)) --dataset shared-prefix --num-groups 4 --prefix-len 512 \
+      --input-len 32 --output-len 128 --concurrency 16)"
+  done
+done
