@@ -77,6 +77,12 @@ def test_sweep_reports_every_level_and_respects_concurrency(live_server, tmp_pat
         assert level["output_throughput"] > 0 and level["ttft_ms"]["p50"] <= level["e2e_ms"]["p99"]
         assert level["itl_ms"]["p50"] > 0 and level["tpot_ms"]["p99"] > 0
     assert endpoint.max_in_flight == 3
+    # Each level sends its own prompts (else the second would hit the server's prefix cache),
+    # the seeded ones every engine gets at that level.
+    level_prompts = [[tuple(b["prompt"]) for b in endpoint.bodies[1 + 12 * i:13 + 12 * i]] for i in range(2)]
+    assert not set(level_prompts[0]) & set(level_prompts[1])
+    assert sorted(level_prompts[1]) == sorted(tuple(r.prompt) for r in build_dataset(DatasetConfig(
+        name="random", num_prompts=12, input_len=8, output_len=5, seed=3)))
     body = endpoint.bodies[-1]
     assert body["model"] == "scripted" and body["ignore_eos"] is True and body["stream"] is True
     assert len(body["prompt"]) == 8 and all(isinstance(t, int) for t in body["prompt"])
