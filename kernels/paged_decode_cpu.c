@@ -16,6 +16,16 @@
 #define MAX_GROUP 32  /* query heads per KV head */
 #define MAX_HEAD_DIM 256
 
+/* Keys [first, first + count) of one block-table walk: calls BODY with `row` at each key. */
+#define FOR_EACH_ROW(T, cache, row, BODY)                                                          \
+    for (int j = 0; j < count;) {                                                               \
+        const int pos = first + j;                                                              \
+        const int offset = pos % block_size;                                                    \
+        const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j; \
+        const T *row = cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride; \
+        for (int t = 0; t < run; t++, j++, row += kv_stride) { BODY }                           \
+    }
+
 /* One (sequence, KV head): its `group` query heads against keys [first, first + count).
  * Always inlined with a literal head_dim where it is common, so the row loops unroll. Keys are
  * walked block by block: no division per key. */
@@ -33,39 +43,27 @@ static inline __attribute__((always_inline)) void NAME(                         
         }                                                                                       \
         best[g] = -INFINITY;                                                                    \
     }                                                                                           \
-    for (int j = 0; j < count;) {  /* scores [group][count] and their maxima */                 \
-        const int pos = first + j;                                                              \
-        const int offset = pos % block_size;                                                    \
-        const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j; \
-        const T *krow = k_cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride; \
-        for (int t = 0; t < run; t++, j++, krow += kv_stride) {                                 \
-            for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(krow[d]);                      \
-            for (int g = 0; g < group; g++) {                                                   \
-                float dot = 0.f;                                                                \
-                for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * row[d];                \
-                scores[(int64_t)g * count + j] = dot;                                           \
-                best[g] = dot > best[g] ? dot : best[g];                                        \
-            }                                                                                   \
+    FOR_EACH_ROW(T, k_cache, krow, {  /* scores [group][count] and their maxima */           \
+        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(krow[d]);                          \
+        for (int g = 0; g < group; g++) {                                                       \
+            float dot = 0.f;                                                                    \
+            for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * row[d];                    \
+            scores[(int64_t)g * count + j] = dot;                                               \
+            best[g] = dot > best[g] ? dot : best[g];                                            \
         }                                                                                       \
-    }                                                                                           \
+    })                                                                                          \
     for (int g = 0; g < group; g++) {  /* softmax weights, unnormalised */                      \
         float *w = scores + (int64_t)g * count, sum = 0.f;                                      \
         for (int j = 0; j < count; j++) { w[j] = exp_nonpositive(w[j] - best[g]); sum += w[j]; } \
         total[g] = sum;                                                                         \
     }                                                                                           \
-    for (int j = 0; j < count;) {  /* weights times V */                                        \
-        const int pos = first + j;                                                              \
-        const int offset = pos % block_size;                                                    \
-        const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j; \
-        const T *vrow = v_cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride; \
-        for (int t = 0; t < run; t++, j++, vrow += kv_stride) {                                 \
-            for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(vrow[d]);                      \
-            for (int g = 0; g < group; g++) {                                                   \
-                const float w = scores[(int64_t)g * count + j];                                 \
-                for (int64_t d = 0; d < head_dim; d++) acc[g][d] += w * row[d];                 \
-            }                                                                                   \
+    FOR_EACH_ROW(T, v_cache, vrow, {  /* weights times V */                                  \
+        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(vrow[d]);                          \
+        for (int g = 0; g < group; g++) {                                                       \
+            const float w = scores[(int64_t)g * count + j];                                     \
+            for (int64_t d = 0; d < head_dim; d++) acc[g][d] += w * row[d];                     \
         }                                                                                       \
-    }                                                                                           \
+    })                                                                                          \
     for (int g = 0; g < group; g++) {                                                           \
         const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;                                \
         for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = STORE(acc[g][d] * inv);  \
@@ -113,16 +111,6 @@ DEFINE_TASK(attend_f32, float, IDENTITY, IDENTITY)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-
-/* Keys [first, first + count) of one block-table walk: calls BODY with `row` at each key. */
-#define FOR_EACH_ROW(cache, row, BODY)                                                          \
-    for (int j = 0; j < count;) {                                                               \
-        const int pos = first + j;                                                              \
-        const int offset = pos % block_size;                                                    \
-        const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j; \
-        const uint16_t *row = cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride; \
-        for (int t = 0; t < run; t++, j++, row += kv_stride) { BODY }                           \
-    }
 
 static inline __m512 bf16x16_to_float(const uint16_t *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)x)), 16));
@@ -205,7 +193,7 @@ static inline __attribute__((always_inline)) void weighted_values_bf16(
     __m512 acc[4][MAX_HEAD_DIM / 16];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < LANES; c++) acc[g][c] = _mm512_setzero_ps();
-    FOR_EACH_ROW(v_cache, vrow, {
+    FOR_EACH_ROW(uint16_t, v_cache, vrow, {
         __m512 vf[MAX_HEAD_DIM / 16];
         for (int c = 0; c < LANES; c++) vf[c] = bf16x16_to_float(vrow + c * 16);
         for (int g = 0; g < G; g++) {
