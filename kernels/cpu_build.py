@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("paged_decode_cpu", "fused_cpu")
+KERNELS = ("paged_decode_cpu", "fused_cpu", "quant_linear_cpu")
 _LOCKS = {name: threading.Lock() for name in KERNELS}
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]

@@ -16,6 +16,7 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -41,6 +42,8 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"quantization must be auto or none, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 

@@ -41,7 +41,7 @@ class LLMEngine:
         if loaded is None:
             from ..model.loader import load_model
 
-            loaded = load_model(config.model, config.dtype, config.device)
+            loaded = load_model(config.model, config.dtype, config.device, config.quantization)
         self.config = config
         self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -13,6 +13,8 @@ from .tokenizer import Tokenizer
 
 # Weights in transformers naming (`model.layers.0.self_attn.q_proj.weight`), converted to the given dtype.
 WeightStream = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
+# transformers name -> (GGUF type name, raw blocks uint8 [rows, blocks per row, block bytes])
+QuantizedBlocks = dict[str, tuple[str, torch.Tensor]]
 
 PARALLEL_MIN_NUMEL = 1 << 24   # tensors smaller than this load on one intra-op thread
 
@@ -28,6 +30,8 @@ class Checkpoint:
     name: str
     num_tensors: int
     weights: WeightStream
+    # GGUF matrices in a type the CPU quantized-linear kernel reads, filled as `weights` streams
+    quantized: QuantizedBlocks = field(default_factory=dict)
 
 
 @contextmanager

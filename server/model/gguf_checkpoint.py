@@ -12,9 +12,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
-from .checkpoint import Checkpoint, one_intra_op_thread
+from kubeinfer.kernels.quant_linear_cpu import BLOCK_BYTES
+
+from .checkpoint import Checkpoint, QuantizedBlocks, one_intra_op_thread
 from .config import ModelConfig
 from .gguf_dequant import dequantize
 from .gguf_reader import GGUFFile
@@ -70,12 +73,20 @@ def read_gguf_file(path: Path) -> Checkpoint:
     defaults = {ours: meta[f"general.sampling.{key}"] for key, ours in _SAMPLING_KEYS.items()
                 if f"general.sampling.{key}" in meta}
     permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    quantized: QuantizedBlocks = {}
 
     def convert(name: str, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
-        value = dequantize(gguf.tensors[name], torch.float32 if name == "rope_freqs.weight" else dtype)
+        tensor = gguf.tensors[name]
+        value = dequantize(tensor, torch.float32 if name == "rope_freqs.weight" else dtype)
         kind = name.split(".")[2] if name.startswith("blk.") else ""
-        if config.architecture == "llama" and kind in permuted_heads:
+        unpermute = config.architecture == "llama" and kind in permuted_heads
+        if unpermute:
             value = unpermute_rope_rows(value, permuted_heads[kind])
+        if tensor.qtype.name in BLOCK_BYTES and len(tensor.shape) == 2:   # the raw blocks too (a view)
+            blocks = torch.from_numpy(np.ascontiguousarray(tensor.data))
+            blocks = blocks.reshape(tensor.shape[0], -1, BLOCK_BYTES[tensor.qtype.name])
+            quantized[hf_name(name)] = (tensor.qtype.name,
+                                        unpermute_rope_rows(blocks, permuted_heads[kind]) if unpermute else blocks)
         return hf_name(name), value
 
     def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,4 +103,5 @@ def read_gguf_file(path: Path) -> Checkpoint:
                 yield ahead.popleft().result()
 
     return Checkpoint(config=config, tokenizer=tokenizer, generation_defaults=defaults,
-                      name=_QUANT_SUFFIX.sub("", path.stem), num_tensors=len(gguf.tensors), weights=weights)
+                      name=_QUANT_SUFFIX.sub("", path.stem), num_tensors=len(gguf.tensors), weights=weights,
+                      quantized=quantized)

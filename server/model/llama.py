@@ -12,9 +12,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from kubeinfer.kernels import ops
+from kubeinfer.kernels import ops, quant_linear_cpu
+from kubeinfer.kernels.quant_linear_cpu import QuantizedWeight
 
 from .attention import AttentionBackend
+from .checkpoint import QuantizedBlocks
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .linear import Linear, MergedLinear, can_pack, linear, pack_weight
@@ -65,6 +67,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
                                                                       bias=False)
         self.packed_tied_head: torch.Tensor | None = None
+        self.quantized_tied_head: QuantizedWeight | None = None
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
@@ -79,7 +82,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x[batch.logits_indices] + residual[batch.logits_indices])
         if self.lm_head is not None:
             return self.lm_head(x).float()
-        return linear(x, self.model.embed_tokens.weight, self.packed_tied_head).float()
+        return linear(x, self.model.embed_tokens.weight, self.packed_tied_head,
+                      quantized=self.quantized_tied_head).float()
 
     @torch.no_grad()
     def pack_weights(self) -> None:
@@ -91,6 +95,20 @@ class LlamaForCausalLM(nn.Module):
         embedding = self.model.embed_tokens.weight
         if self.lm_head is None and self.packed_tied_head is None and can_pack(embedding):
             self.packed_tied_head = pack_weight(embedding)   # a copy: the embedding lookup needs the plain table
+
+    @torch.no_grad()
+    def quantize_weights(self, blocks: QuantizedBlocks) -> int:
+        """Give every Linear (and the tied lm_head) the kernel form of its checkpoint matrices
+        when all of them are in one type `quant_linear_cpu` reads; returns how many got one."""
+        count = 0
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                module.quantized = _quantized([blocks.get(f"{source}.weight") for source in _sources(name, module)])
+                count += module.quantized is not None
+        if self.lm_head is None:
+            self.quantized_tied_head = _quantized([blocks.get("model.embed_tokens.weight")])
+            count += self.quantized_tied_head is not None
+        return count
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -135,3 +153,23 @@ class LlamaForCausalLM(nn.Module):
         if name not in params:
             raise ValueError(f"checkpoint has an unexpected weight {name!r} for a Llama-family model")
         return params[name]
+
+
+def _sources(name: str, module: Linear) -> list[str]:
+    """The checkpoint modules a Linear holds: its own name, or a merged module's projections in shard order."""
+    if not isinstance(module, MergedLinear):
+        return [name]
+    parent, _, merged = name.rpartition(".")
+    shards = sorted((shard, proj) for proj, (target, shard) in PACKED_MODULES.items() if target == merged)
+    return [f"{parent}.{proj}" for _, proj in shards]
+
+
+def _quantized(parts: list[tuple[str, torch.Tensor] | None]) -> QuantizedWeight | None:
+    """The kernel form of these row blocks stacked, if all are there, of one type, and packable."""
+    if not parts or any(part is None for part in parts) or len({qtype for qtype, _ in parts}) > 1:
+        return None
+    qtype = parts[0][0]
+    blocks = torch.cat([part[1] for part in parts]) if len(parts) > 1 else parts[0][1]
+    if not quant_linear_cpu.can_pack(qtype, blocks.shape[0], 32 * blocks.shape[1]):
+        return None
+    return quant_linear_cpu.pack(qtype, blocks)

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kubeinfer.kernels import quant_linear_cpu
+
 from .attention import get_attention_backend
 from .checkpoint import Checkpoint, one_intra_op_thread
 from .config import ModelConfig
@@ -136,7 +138,10 @@ def read_checkpoint(source: str) -> Checkpoint:
                             "or a .gguf file")
 
 
-def load_model(source: str = "embedded", dtype: str = "auto", device: str = "auto") -> LoadedModel:
+def load_model(source: str = "embedded", dtype: str = "auto", device: str = "auto",
+               quantization: str = "auto") -> LoadedModel:
+    """Build the model of `source` on `device` in `dtype`; with quantization 'auto', GGUF matrices
+    in a type `quant_linear_cpu` reads keep that form too (CPU, bf16, kernel available)."""
     start = time.perf_counter()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -155,6 +160,12 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
     logger.info("loaded %d tensors as %s on %s in %.2fs (build %.2fs, weights %.2fs, prepack %.2fs; total %.2fs)",
                 checkpoint.num_tensors, str(torch_dtype).removeprefix("torch."), torch_device, end - stage,
                 built - stage, weighted - built, end - weighted, end - start)
+    if (quantization == "auto" and checkpoint.quantized and torch_device.type == "cpu"
+            and torch_dtype == torch.bfloat16 and quant_linear_cpu.available()):
+        stage = time.perf_counter()
+        count = model.quantize_weights(checkpoint.quantized)
+        logger.info("%d linear layers keep their GGUF quantization for decode (%.2fs)", count,
+                    time.perf_counter() - stage)
     config.eos_token_ids = checkpoint.tokenizer.eos_token_ids
     return LoadedModel(model=model, config=config, tokenizer=checkpoint.tokenizer,
                        generation_defaults=checkpoint.generation_defaults, name=checkpoint.name,

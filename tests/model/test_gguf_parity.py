@@ -12,9 +12,14 @@ import pytest
 import torch
 from helpers.paged import PagedRunner
 
+from kubeinfer.kernels import quant_linear_cpu
+from kubeinfer.server.model.linear import Linear
 from kubeinfer.server.model.loader import embedded_model_path, load_model
 
 FP32_ATOL = 2e-3
+# bf16 quantized vs dequantized weights: outputs of each linear are rounded to bf16 after float32
+# sums in another order, and a flipped last bit propagates; measured max |diff| 0.59 over 7 rows
+BF16_SUM_ORDER_ATOL = 1.0
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
@@ -77,3 +82,31 @@ def test_bfloat16_tracks_float32(ours):
     assert half.dtype == torch.float32 and bf16.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert (half - full).abs().max().item() <= 1.5
     assert half.argmax(-1).tolist() == full.argmax(-1).tolist()
+
+
+@pytest.mark.skipif(not quant_linear_cpu.available(), reason="needs a CPU with AVX512-BF16")
+def test_bfloat16_decode_runs_on_the_gguf_quants_with_the_same_weights():
+    """quantization=auto keeps each Q4_1/Q8_0 matrix as its GGUF quants (q/k un-permuted, q/k/v and
+    gate/up stacked in shard order) standing for exactly the bf16 weights; prefill and decode give
+    the greedy tokens of the dequantized model, logits apart only by float32 summation order."""
+    quantized = load_model("embedded", dtype="bfloat16", device="cpu")
+    dense = load_model("embedded", dtype="bfloat16", device="cpu", quantization="none")
+    linears = [module for module in quantized.model.modules() if isinstance(module, Linear)]
+    assert len(linears) == 4 * 30 and quantized.model.quantized_tied_head is not None
+    for module in linears:
+        assert torch.equal(quant_linear_cpu.unpack(module.quantized), module.weight)
+    assert torch.equal(quant_linear_cpu.unpack(quantized.model.quantized_tied_head),
+                       quantized.model.model.embed_tokens.weight)
+    assert dense.model.quantized_tied_head is None
+    assert all(module.quantized is None for module in dense.model.modules() if isinstance(module, Linear))
+
+    prompt = quantized.tokenizer.encode(quantized.tokenizer.apply_chat_template(MESSAGES))
+    runs = []
+    for loaded in (quantized, dense):
+        runner = PagedRunner(loaded.model, block_size=16, num_blocks=16)
+        logits = [runner.step([("a", prompt)])]
+        for _ in range(6):
+            logits.append(runner.step([("a", [int(logits[-1].argmax())])]))
+        runs.append(torch.cat(logits))
+    assert runs[0].argmax(-1).tolist() == runs[1].argmax(-1).tolist()
+    assert (runs[0] - runs[1]).abs().max().item() <= BF16_SUM_ORDER_ATOL
