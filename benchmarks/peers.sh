@@ -20,7 +20,7 @@ NUM_PROMPTS="${NUM_PROMPTS:-64}"
 MAX_DURATION="${MAX_DURATION:-600}"     # seconds per level before no new request starts
 HOST=127.0.0.1
 PORT="${PORT:-8765}"
-HF_DIR="$PEERS/smollm2-hf"              # the GGUF dequantized once; kubeinfer and vLLM load it
+HF_DIR="$PEERS/smollm2-hf"              # the GGUF dequantized once (bf16); vLLM and transformers load it
 # No AMX: GCC 12 drops the stores that fill ggml's on-stack AMX tile config, so the AMX Q4_1
 # matmul faults (SIGSEGV/SIGILL) on the first graph; see benchmarks/README.md.
 LLAMA_BUILD="$PEERS/llama.cpp-build-noamx"
@@ -133,7 +133,9 @@ serve_and_bench() {  # name, then the server command
 
 run_engine() {
   case "$1" in
-    kubeinfer) serve_and_bench kubeinfer "$PY" -m kubeinfer.server.cli serve --model "$HF_DIR" \
+    # kubeinfer and llama-server load the GGUF itself: its bf16 dequantization is bit-identical to
+    # $HF_DIR's weights (tests/model/test_gguf_parity.py), and kubeinfer decodes on the Q4_1 quants
+    kubeinfer) serve_and_bench kubeinfer "$PY" -m kubeinfer.server.cli serve --model "$GGUF" \
                  --served-model-name smollm2 --host "$HOST" --port "$PORT" --kv-cache-memory 4GiB \
                  --max-num-seqs 64 --enable-prefix-caching --log-level warning ;;
     vllm) VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=4 VLLM_HOST_IP=$HOST \
