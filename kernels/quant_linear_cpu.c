@@ -9,7 +9,7 @@
  * q has at most 8 bits, d is fp16) and rounded to bf16 to nearest even, as the torch loader
  * does; only the float32 summation order differs from a bf16 GEMM.
  *
- * Packed layout (kernels/quant_linear_cpu.py packs it from GGUF blocks): the weight [N, K] is
+ * Packed layout (`quant_pack` makes it from GGUF blocks at load time): the weight [N, K] is
  * cut into tiles of 16 output rows x 32 inputs (one GGUF block per row). A tile's 16 "pair rows"
  * r hold, for n = 0..15, the weights (n, 2r) and (n, 2r + 1): exactly one row of the B operand
  * of AMX's TDPBF16PS and one zmm of an AVX512-BF16 dot product. Per tile:
@@ -28,7 +28,7 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__F16C__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -268,6 +268,47 @@ int quant_unpack_bf16(const uint8_t *packed, uint16_t *weight, int64_t n, int64_
     return OK;
 #else
     (void)packed; (void)weight; (void)n; (void)k; (void)kind;
+    return UNSUPPORTED;
+#endif
+}
+
+/* GGUF blocks [n, k/32, block bytes] of a Q4_0 (gguf_type 0), Q4_1 (1) or Q8_0 (2) matrix ->
+ * the tiles above ([n/16, k/32, packed_tile_bytes]). Q4_0's d * (q - 8) becomes d * q + (-8d),
+ * exact in fp16 and in the kernel's float32. */
+int quant_pack(const uint8_t *blocks, uint8_t *tiles, int64_t n, int64_t k, int64_t gguf_type) {
+#if defined(__F16C__)
+    if (n % 16 || k % 32 || gguf_type < 0 || gguf_type > 2) return BAD_SHAPE;
+    const int kind = gguf_type == 2 ? KIND_Q8 : KIND_Q4;
+    const int64_t block_bytes = gguf_type == 0 ? 18 : gguf_type == 1 ? 20 : 34, k_tiles = k / 32;
+    const int64_t tile_bytes = packed_tile_bytes(kind);
+    #pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < n / 16; s++)
+        for (int64_t t = 0; t < k_tiles; t++) {
+            uint8_t *tile = tiles + (s * k_tiles + t) * tile_bytes, values[16][32];
+            uint16_t *scales = (uint16_t *)(tile + (kind == KIND_Q4 ? 256 : 512)), *offsets = scales + 16;
+            for (int j = 0; j < 16; j++) {   /* row s*16 + j: its 32 values and fp16 scale (offset) */
+                const uint8_t *block = blocks + ((s * 16 + j) * k_tiles + t) * block_bytes;
+                memcpy(&scales[j], block, 2);
+                if (kind == KIND_Q8) {
+                    memcpy(values[j], block + 2, 32);
+                    continue;
+                }
+                const uint8_t *quants = block + block_bytes - 16;
+                for (int i = 0; i < 16; i++) { values[j][i] = quants[i] & 0x0F; values[j][16 + i] = quants[i] >> 4; }
+                if (gguf_type == 1) memcpy(&offsets[j], block + 2, 2);
+                else offsets[j] = _cvtss_sh(-8.f * _cvtsh_ss(scales[j]), 0);
+            }
+            for (int r = 0; r < 16; r++)      /* pair row r: word 2j + p is (n = j, k = 2r + p) */
+                for (int j = 0; j < 16; j++)
+                    for (int p = 0; p < 2; p++) {
+                        if (kind == KIND_Q8) tile[32 * r + 2 * j + p] = values[j][2 * r + p];
+                        else if (j < 8)  /* words 0..15 in low nibbles, 16..31 in high ones */
+                            tile[16 * r + 2 * j + p] = values[j][2 * r + p] | (uint8_t)(values[j + 8][2 * r + p] << 4);
+                    }
+        }
+    return OK;
+#else
+    (void)blocks; (void)tiles; (void)n; (void)k; (void)gguf_type;
     return UNSUPPORTED;
 #endif
 }
