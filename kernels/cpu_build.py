@@ -66,12 +66,24 @@ def _build(source: Path, compiler: str) -> Path:
 
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled `kernels/<name>.c`, or None (logged once) if it cannot be built here."""
+    path = compiled(name)
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as error:
+        log.warning("CPU kernels %s unavailable (%s): using torch ops", name, error)
+        return None
+
+
+def compiled(name: str) -> Path | None:
+    """The shared object of `kernels/<name>.c`, built if needed, without loading it."""
     with _LOCKS[name]:   # a caller and `start_building`'s thread never compile the same file twice
-        return _load(name)
+        return _compiled(name)
 
 
 @cache
-def _load(name: str) -> ctypes.CDLL | None:
+def _compiled(name: str) -> Path | None:
     if os.environ.get("KUBEINFER_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -79,7 +91,7 @@ def _load(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: CPU kernels %s unavailable, using the slower torch ops", name)
         return None
     try:
-        return ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.c"), compiler)))
+        return _build(Path(__file__).with_name(f"{name}.c"), compiler)
     except (OSError, subprocess.CalledProcessError) as error:
         log.warning("CPU kernels %s unavailable (%s): using torch ops", name, getattr(error, "stderr", "") or error)
         return None
@@ -87,12 +99,14 @@ def _load(name: str) -> ctypes.CDLL | None:
 
 @cache
 def start_building() -> None:
-    """Build (or find) every CPU kernel in background threads, the compilers in parallel. Engines
-    call this before loading the model, so a fresh pod compiles while it loads weights instead of
-    on its first request (~1-2 s here); `load` then waits for a build still running."""
+    """Build (or find) every CPU kernel in background threads, the compilers in parallel; `load`
+    then waits for a build still running. It only compiles: loading links libgomp, which must be
+    the one torch loads (see the module docstring), so this is safe before `import torch`.
+    `kubeinfer serve` calls it first, so a fresh pod compiles (~1-3 s here) while it imports
+    torch and loads weights instead of on its first request."""
     pool = ThreadPoolExecutor(len(KERNELS), thread_name_prefix="kubeinfer-cc")
     for name in KERNELS:
-        pool.submit(load, name)
+        pool.submit(compiled, name)
     pool.shutdown(wait=False)
 
 

@@ -258,7 +258,7 @@ static inline __attribute__((always_inline)) void attend_bf16_avx512(
 #undef VALUES
 }
 
-static inline __attribute__((always_inline)) void attend_bf16(
+static __attribute__((noinline)) void attend_bf16(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
         uint16_t *out, int64_t kv_stride, int group, int64_t head_dim, int64_t block_size,
         int first, int count, float scale, float *scores) {

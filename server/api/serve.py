@@ -79,5 +79,9 @@ async def _serve(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
+        from kubeinfer.kernels import cpu_build
+
+        cpu_build.start_building()
     asyncio.run(_serve(args))
     return 0

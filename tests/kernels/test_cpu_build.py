@@ -1,6 +1,9 @@
 """Building the C kernels: cached per source, stale builds of older sources removed."""
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,3 +27,20 @@ def test_build_is_cached_and_replaces_older_builds(tmp_path, monkeypatch):
     assert not stale.exists() and other.exists()
     modified = target.stat().st_mtime_ns
     assert cpu_build._build(source, compiler) == target and target.stat().st_mtime_ns == modified
+
+
+def test_start_building_compiles_every_kernel_without_loading_or_importing_torch(tmp_path):
+    """`kubeinfer serve` calls it before `import torch`: it must not load a kernel (that would link
+    an OpenMP runtime ahead of torch's) nor pull torch in, and it must leave every build cached."""
+    script = ("import sys, threading\n"
+              "from kubeinfer.kernels import cpu_build\n"
+              "cpu_build.start_building()\n"
+              "for thread in threading.enumerate():\n"
+              "    if thread.name.startswith('kubeinfer-cc'): thread.join()\n"
+              "assert 'torch' not in sys.modules\n"
+              "maps = open('/proc/self/maps').read()\n"
+              "assert '/kernels/' not in maps and 'gomp' not in maps, 'a kernel was loaded'\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300,
+                   env={**os.environ, "KUBEINFER_CACHE_DIR": str(tmp_path)})
+    built = sorted(path.name.rpartition("-")[0] for path in (tmp_path / "kernels").glob("*.so"))
+    assert built == sorted(cpu_build.KERNELS)
