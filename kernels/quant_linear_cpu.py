@@ -22,9 +22,9 @@ _GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")         # quant_pack's numbering
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}   # GGUF bytes per 32 weights (ggml-common.h)
 _UNSUPPORTED = 2
 # Most rows of x for which the kernel beats oneDNN's bf16 GEMM on prepacked weights. Measured on
-# SmolLM2's 121 linears (one decode step, 2 cores): with AMX 17.7 vs 25.4 ms at 1 row, 21.5 vs
-# 40.2 ms at 32, 34.9 vs 36.6 ms at 64, 80.6 vs 60.8 ms at 128; AVX512-BF16 alone wins only at
-# a few rows (21.4 vs 25.4 ms at 1, 53.8 vs 29.7 ms at 16).
+# SmolLM2's 121 linears (one decode step, 2 cores, weights not in cache): AMX 21.4 vs 38.6 ms
+# at 32 rows, 36.0 vs 45.1 ms at 64, 80.6 vs 60.8 ms at 128; at 1 row the register path takes
+# 13-16 ms against 22-24 ms. Without AMX the kernel takes only that path (up to 4 rows).
 MAX_ROWS_AMX, MAX_ROWS_AVX512 = 64, 4
 
 

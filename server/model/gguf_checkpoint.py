@@ -1,4 +1,5 @@
-"""Read a GGUF file (llama.cpp's format): config and tokenizer from metadata, weights dequantized.
+"""Read a GGUF file (llama.cpp's format): config and tokenizer from metadata, weights dequantized,
+and the raw blocks of the matrices `quant_linear_cpu` can run on in their quantized form.
 
 llama.cpp's converter permutes the rows of `attn_q`/`attn_k` of `llama` models for its rotary
 layout (pairs interleaved instead of halves); we undo that so weights match transformers'.
