@@ -8,8 +8,8 @@ a padded `[S, max_seq_len, kv_heads, d]` tensor; queries are padded to
 `[S, max_query_len, heads, d]`; one boolean mask encodes causality against the cached prefix
 and padding (and, for Mistral, the sliding window); and a single `scaled_dot_product_attention`
 call (GQA via `enable_gqa`) does the math. A prefill without cached prefix attends causally over
-its own k/v instead, one `is_causal` SDPA call per sequence: no cache read, no padding and no
-mask, and half the scores (a masked call computes the upper triangle too): 4 x 544-token
+its own k/v instead, one `is_causal` SDPA call per run of adjacent equally long prompts: no
+cache read, no padding and no mask, and half the scores (a masked call computes the upper triangle too): 4 x 544-token
 prompts 7.9 ms a layer instead of 11.7 ms. Decode-only batches need no query padding. K/V of the step
 are stored first: rows copied by the C kernel of `fused_cpu`, else one `index_copy_` over
 `slot_mapping`.
@@ -62,13 +62,28 @@ class _DecodeGroup:
 
 
 @dataclass
+class _FreshRun:
+    """`count` adjacent prefills of one length, none with a cached prefix: their rows
+    [start, start + count * length) go through one batched causal SDPA call (16 x 128 tokens:
+    3.5 ms a layer instead of 4.7 ms for 16 calls)."""
+
+    start: int
+    length: int
+    count: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.count * self.length)
+
+
+@dataclass
 class _StepLayout:
     """Index tensors derived once per ForwardBatch and shared by every layer of the step."""
 
     store_slots: torch.Tensor          # slots to write (the -1 entries removed)
     store_rows: torch.Tensor | None    # rows of k/v to write; None = all rows
     decode: _DecodeGroup | None
-    fresh: list[slice]                 # rows of each prefill without cached prefix: causal over its own k/v
+    fresh: list[_FreshRun]             # prefills without cached prefix: causal over their own k/v
     padded: _PaddedGroup | None
 
 
@@ -138,7 +153,10 @@ def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
             decodes.append(i)
         elif (query_len == seq_len and all_valid   # the cache holds nothing else it could attend to
               and (sliding_window is None or seq_len <= sliding_window)):
-            fresh.append(slice(starts[i], starts[i] + query_len))
+            if fresh and fresh[-1].length == query_len and fresh[-1].rows.stop == starts[i]:
+                fresh[-1].count += 1
+            else:
+                fresh.append(_FreshRun(starts[i], query_len, 1))
         else:
             rest.append(i)
     return _StepLayout(
@@ -183,24 +201,27 @@ class TorchAttention:
         if decode is None and not layout.fresh:
             return self._padded(q, k, v, k_cache, v_cache, padded, scale)
         if decode is None and padded is None and len(layout.fresh) == 1:
-            return self._causal(q, k, v, scale)
+            return self._causal(q, k, v, scale, layout.fresh[0].count)
         out = torch.empty_like(q)
         if decode is not None:
             out[decode.rows] = self._decode(q[decode.rows], k_cache, v_cache, decode, scale)
-        for rows in layout.fresh:
-            out[rows] = self._causal(q[rows], k[rows], v[rows], scale)
+        for run in layout.fresh:
+            out[run.rows] = self._causal(q[run.rows], k[run.rows], v[run.rows], scale, run.count)
         if padded is not None:
             out[padded.rows] = self._padded(q[padded.rows], k[padded.rows], v[padded.rows], k_cache, v_cache,
                                             padded, scale)
         return out
 
     @staticmethod
-    def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """One sequence's whole prompt attending causally over its own k/v."""
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out[0].transpose(0, 1)
+    def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, count: int) -> torch.Tensor:
+        """`count` equally long whole prompts, rows one after the other, each attending causally
+        over its own k/v."""
+        def heads_first(x: torch.Tensor) -> torch.Tensor:   # [count * L, H, D] -> [count, H, L, D]
+            return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).reshape(q.shape)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 group: _DecodeGroup, scale: float) -> torch.Tensor:

@@ -45,6 +45,8 @@ def _caches():
     [(13, 1), (3, 4), (20, 6)],              # decodes, then chunks padded apart from them
     [(3, 4), (13, 1), (20, 6), (40, 1)],     # decodes between chunks: rows are not contiguous
     [(0, 7), (0, 12), (13, 1), (0, 3)],      # fresh prefills, each causal on its own, and a decode
+    [(0, 5), (0, 5), (0, 5), (0, 9), (0, 5), (13, 1)],   # adjacent equal prefills share one SDPA call
+    [(0, 6), (0, 6)],                        # only fresh prefills of one length
 ])
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["torch", "cpu-kernel"])
 def test_matches_reference_and_stores_kv(seqs, decode_kernel):
