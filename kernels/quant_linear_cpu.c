@@ -148,6 +148,14 @@ struct tile_config {
     uint8_t rows[16];
 };
 
+/* Eight tiles of 16 rows x 64 bytes. A constant, not filled on the stack before LDTILECFG:
+ * GCC 12 drops such stores (what breaks llama.cpp's AMX build here, see BENCHMARKS.md). */
+static const struct tile_config TILES_16x64 __attribute__((aligned(64))) = {
+    .palette = 1,
+    .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
 /* Linux hands out AMX state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM). */
 int amx_request(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? OK : UNSUPPORTED;
@@ -204,9 +212,7 @@ static int multiply_amx(const uint16_t *x, const uint8_t *packed, const uint16_t
     {
         uint16_t *strip = aligned_alloc(64, k / 32 * TILE_BYTES);
         if (strip) {
-            struct tile_config config = {.palette = 1};
-            for (int t = 0; t < 8; t++) { config.rows[t] = 16; config.bytes_per_row[t] = 64; }
-            _tile_loadconfig(&config);
+            _tile_loadconfig(&TILES_16x64);
         } else {
             #pragma omp atomic write
             status = NO_MEMORY;
