@@ -124,11 +124,6 @@ DEFINE_TASK(attend_bf16_scalar, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_TASK(attend_f32, float, IDENTITY, IDENTITY)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
-static inline __m512 bf16x16_to_float(const uint16_t *x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)x)), 16));
-}
 
 /* The 16 horizontal sums of s[0..15], in order, in one vector: 15 lane-shuffling adds instead of
  * 16 reductions, each a long dependent chain. */
@@ -210,7 +205,7 @@ static inline __attribute__((always_inline)) void weighted_values_bf16(
         for (int c = 0; c < LANES; c++) acc[g][c] = _mm512_setzero_ps();
     FOR_EACH_ROW(uint16_t, v_cache, vrow, LANES * 32, {
         __m512 vf[MAX_HEAD_DIM / 16];
-        for (int c = 0; c < LANES; c++) vf[c] = bf16x16_to_float(vrow + c * 16);
+        for (int c = 0; c < LANES; c++) vf[c] = bf16x16_load(vrow + c * 16, 0xFFFF);
         for (int g = 0; g < G; g++) {
             const __m512 w = _mm512_set1_ps(scores[(int64_t)(g0 + g) * count + j]);
             for (int c = 0; c < LANES; c++) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);

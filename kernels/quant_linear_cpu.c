@@ -27,7 +27,7 @@
 
 #include "cpu_math.h"
 
-#if defined(__F16C__) || defined(__AVX512BF16__)
+#if defined(__F16C__)   /* quant_pack's fp16 conversions; cpu_math.h brings it with AVX512-BF16 */
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -103,9 +103,7 @@ static void dequantize_strip(const uint8_t *packed, int kind, int64_t s, int64_t
 /* Round 16 float32 sums (+ bias) to bf16 into out. */
 static inline void store_row(const float *sums, const uint16_t *bias, uint16_t *out) {
     __m512 value = _mm512_loadu_ps(sums);
-    if (bias)
-        value = _mm512_add_ps(value, _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16)));
+    if (bias) value = _mm512_add_ps(value, bf16x16_load(bias, 0xFFFF));
     _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(value));
 }
 
@@ -162,7 +160,7 @@ int amx_request(void) {
 }
 
 /* AMX: tiles 0-5 accumulate 16 rows each, tile 6 holds 16 rows of x, tile 7 one weight tile.
- * `x` has a multiple of 16 rows (zero-padded by the caller). */
+ * `x` has a multiple of 16 rows (`padded_rows`, zeros past `rows`). */
 static void multiply_strip_amx(const uint16_t *x, int64_t rows, int64_t padded_rows, int64_t k,
                                const uint16_t *strip, const uint16_t *bias, uint16_t *out, int64_t n, int64_t n0) {
     float sums[16 * 16] __attribute__((aligned(64)));
@@ -204,9 +202,18 @@ static void multiply_strip_amx(const uint16_t *x, int64_t rows, int64_t padded_r
     }
 }
 
-/* Each thread dequantizes a strip at a time into its buffer, then runs every row of x on it. */
+/* Each thread dequantizes a strip at a time into its buffer, then runs every row of x on it.
+ * Tiles load 16 rows of x: other row counts run on a zero-padded copy. */
 static int multiply_amx(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
-                        int64_t rows, int64_t padded_rows, int64_t n, int64_t k, int kind) {
+                        int64_t rows, int64_t n, int64_t k, int kind) {
+    const int64_t padded_rows = (rows + 15) / 16 * 16;
+    uint16_t *padded = 0;
+    if (padded_rows != rows) {
+        padded = calloc((size_t)(padded_rows * k), sizeof *padded);
+        if (!padded) return NO_MEMORY;
+        memcpy(padded, x, (size_t)(rows * k) * sizeof *padded);
+        x = padded;
+    }
     int status = OK;
     #pragma omp parallel
     {
@@ -226,21 +233,19 @@ static int multiply_amx(const uint16_t *x, const uint8_t *packed, const uint16_t
         if (strip) _tile_release();
         free(strip);
     }
+    free(padded);
     return status;
 }
 #else
 int amx_request(void) { return UNSUPPORTED; }
 #endif
 
-/* out [rows, n] = x [rows, k] W^T (+ bias [n]); W packed as above, n % 16 == 0, k % 32 == 0.
- * More than DIRECT_ROWS rows need `use_amx`: x must then have a multiple of 16 rows allocated
- * (`padded_rows`, zeros past `rows`) and amx_request() must have succeeded. */
+/* out [rows, n] = x [rows, k] W^T (+ bias [n]), all contiguous; W packed as above, n % 16 == 0,
+ * k % 32 == 0. More than DIRECT_ROWS rows need `use_amx` (amx_request() must have succeeded). */
 int quant_linear_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
-                      int64_t rows, int64_t padded_rows, int64_t n, int64_t k, int64_t kind, int64_t use_amx) {
+                      int64_t rows, int64_t n, int64_t k, int64_t kind, int64_t use_amx) {
 #if defined(__AVX512BF16__)
-    if (n % 16 || k % 32 || (kind != KIND_Q4 && kind != KIND_Q8) || padded_rows < rows
-        || (use_amx && padded_rows % 16))
-        return BAD_SHAPE;
+    if (n % 16 || k % 32 || (kind != KIND_Q4 && kind != KIND_Q8)) return BAD_SHAPE;
     if (rows <= (use_amx ? DIRECT_ROWS_WITH_AMX : DIRECT_ROWS)) {
         #pragma omp parallel for schedule(static)
         for (int64_t s = 0; s < n / 16; s++)
@@ -248,13 +253,21 @@ int quant_linear_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *
         return OK;
     }
 #if HAVE_AMX
-    if (use_amx) return multiply_amx(x, packed, bias, out, rows, padded_rows, n, k, (int)kind);
+    if (use_amx) return multiply_amx(x, packed, bias, out, rows, n, k, (int)kind);
 #endif
     return UNSUPPORTED;   /* without AMX, more rows are faster on the dequantized weights */
 #else
-    (void)x; (void)packed; (void)bias; (void)out; (void)rows; (void)padded_rows; (void)n; (void)k;
-    (void)kind; (void)use_amx;
+    (void)x; (void)packed; (void)bias; (void)out; (void)rows; (void)n; (void)k; (void)kind; (void)use_amx;
     return UNSUPPORTED;
+#endif
+}
+
+/* Whether this build can run the kernel (built for a CPU with AVX512-BF16). */
+int quant_supported(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
 #endif
 }
 

@@ -20,7 +20,6 @@ _KIND_Q4, _KIND_Q8 = 0, 1
 _TILE_BYTES = {_KIND_Q4: 320, _KIND_Q8: 544}   # 16 x 32 weights: quants, fp16 scales (and offsets)
 _GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")         # quant_pack's numbering
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}   # GGUF bytes per 32 weights (ggml-common.h)
-_UNSUPPORTED = 2
 # Most rows of x for which the kernel beats oneDNN's bf16 GEMM on prepacked weights. Measured on
 # SmolLM2's 121 linears (one decode step, 2 cores, weights not in cache): AMX 21.4 vs 38.6 ms
 # at 32 rows, 36.0 vs 45.1 ms at 64, 80.6 vs 60.8 ms at 128; at 1 row the register path takes
@@ -43,14 +42,12 @@ def _functions() -> tuple | None:
     library = cpu_build.load("quant_linear_cpu")
     if library is None:
         return None
-    functions = (cpu_build.bind(library, "quant_linear_bf16", pointers=4, ints=6),
-                 cpu_build.bind(library, "quant_unpack_bf16", pointers=2, ints=3),
-                 cpu_build.bind(library, "amx_request", pointers=0, ints=0),
-                 cpu_build.bind(library, "quant_pack", pointers=2, ints=3))
-    tiles, weight = torch.zeros(1, 1, _TILE_BYTES[_KIND_Q8], dtype=torch.uint8), torch.empty(16, 32, dtype=torch.bfloat16)
-    if functions[1](tiles.data_ptr(), weight.data_ptr(), 16, 32, _KIND_Q8) == _UNSUPPORTED:   # no AVX512-BF16
+    if not cpu_build.bind(library, "quant_supported", pointers=0, ints=0)():   # no AVX512-BF16
         return None
-    return functions
+    return (cpu_build.bind(library, "quant_linear_bf16", pointers=4, ints=5),
+            cpu_build.bind(library, "quant_unpack_bf16", pointers=2, ints=3),
+            cpu_build.bind(library, "amx_request", pointers=0, ints=0),
+            cpu_build.bind(library, "quant_pack", pointers=2, ints=3))
 
 
 @cache
@@ -97,18 +94,13 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"quantized linear needs bf16 x [rows, {weight.in_features}], got {x.dtype} "
                          f"{tuple(x.shape)}")
-    rows = x.shape[0]
-    padded_rows = -(-rows // 16) * 16 if use_amx else rows
-    if padded_rows != rows or not x.is_contiguous():   # AMX loads whole 16-row tiles of x
-        padded = x.new_zeros(padded_rows, weight.in_features)
-        padded[:rows] = x
-        x = padded
-    out = x.new_empty(rows, weight.out_features)
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], weight.out_features)
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
     status = linear_bf16(x.data_ptr(), weight.tiles.data_ptr(), None if bias is None else bias.data_ptr(),
-                         out.data_ptr(), rows, padded_rows, weight.out_features, weight.in_features,
-                         weight.kind, int(use_amx))
+                         out.data_ptr(), x.shape[0], weight.out_features, weight.in_features, weight.kind,
+                         int(use_amx))
     if status:
         raise RuntimeError(f"quantized linear kernel failed (status {status}) for x {tuple(x.shape)}, "
                            f"weight [{weight.out_features}, {weight.in_features}]")
