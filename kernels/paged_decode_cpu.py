@@ -30,6 +30,11 @@ def available(dtype: torch.dtype) -> bool:
     return _function(dtype) is not None
 
 
+def building() -> bool:
+    """Whether the kernel is still compiling in the background (`cpu_build.start_building`)."""
+    return cpu_build.building("paged_decode_cpu")
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  sliding_window: int | None = None) -> torch.Tensor:

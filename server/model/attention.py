@@ -174,7 +174,8 @@ class TorchAttention:
     Index tensors are derived on the first layer of a step and reused by the others, keyed on
     the ForwardBatch object: the engine builds a new ForwardBatch per step (never mutates one).
     `decode_kernel`: send single-query sequences to the C decode kernel (default: when it is
-    available for the cache's dtype on this machine).
+    available for the cache's dtype on this machine). While a starting server still compiles
+    it, decodes take the torch path: a fresh pod's first tokens do not wait 5-8 s for gcc.
     """
 
     def __init__(self, sliding_window: int | None = None, decode_kernel: bool | None = None) -> None:
@@ -185,6 +186,8 @@ class TorchAttention:
 
     def _uses_kernel(self, cache: torch.Tensor) -> bool:
         if self.decode_kernel is None:
+            if cache.device.type == "cpu" and paged_decode_cpu.building():
+                return False   # decided at a later step, once the compiler is done
             self.decode_kernel = cache.device.type == "cpu" and paged_decode_cpu.available(cache.dtype)
         return self.decode_kernel
 

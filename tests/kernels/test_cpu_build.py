@@ -44,3 +44,29 @@ def test_start_building_compiles_every_kernel_without_loading_or_importing_torch
                    env={**os.environ, "KUBEINFER_CACHE_DIR": str(tmp_path)})
     built = sorted(path.name.rpartition("-")[0] for path in (tmp_path / "kernels").glob("*.so"))
     assert built == sorted(cpu_build.KERNELS)
+
+
+def test_background_builds_run_at_lower_priority_and_report_when_done(monkeypatch):
+    """`start_building`'s threads lower their own priority (the compilers they fork inherit it)
+    and `building` is true exactly until each build has finished."""
+    import threading
+
+    release = threading.Event()
+    priorities: dict[str, int] = {}
+
+    def fake_compiled(name):
+        priorities[name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        release.wait(60)
+        return None
+
+    monkeypatch.setattr(cpu_build, "compiled", fake_compiled)
+    monkeypatch.setattr(cpu_build, "_BACKGROUND", {})
+    cpu_build.start_building.__wrapped__()
+    assert all(cpu_build.building(name) for name in cpu_build.KERNELS)
+    release.set()
+    for future in cpu_build._BACKGROUND.values():
+        future.result(timeout=60)
+    assert not any(cpu_build.building(name) for name in cpu_build.KERNELS)
+    assert not cpu_build.building("never_started")
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert priorities == {name: min(19, own + cpu_build.BACKGROUND_NICENESS) for name in cpu_build.KERNELS}

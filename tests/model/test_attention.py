@@ -84,3 +84,33 @@ def test_skipped_slots_are_not_written():
 
 def test_cpu_device_gets_the_torch_backend():
     assert isinstance(get_attention_backend(torch.device("cpu")), TorchAttention)
+
+
+def test_decodes_take_the_torch_path_while_the_kernel_compiles(monkeypatch):
+    """A starting server does not wait for gcc: steps taken while `start_building` still compiles
+    the decode kernel attend in torch, and the first step after it is done uses the kernel."""
+    from kubeinfer.kernels import paged_decode_cpu
+
+    if not paged_decode_cpu.available(torch.float32):
+        pytest.skip("the CPU decode kernel does not build here")
+    seqs = [(9, 1), (30, 1), (4, 1)]
+    compiling, kernel_calls = True, []
+    real_kernel = paged_decode_cpu.paged_decode
+
+    def spy(*args, **kwargs):
+        kernel_calls.append(1)
+        return real_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(paged_decode_cpu, "building", lambda: compiling)
+    monkeypatch.setattr(paged_decode_cpu, "paged_decode", spy)
+    attention = TorchAttention()
+    for step in range(3):
+        compiling = step < 2
+        batch, tables = _batch(seqs)   # a new ForwardBatch per step, as the engine builds them
+        q = torch.randn(batch.num_tokens, HEADS, HEAD_DIM)
+        k = torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM)
+        k_cache, v_cache = _caches()
+        out = attention.forward(q, k, k.clone(), k_cache, v_cache, batch, HEAD_DIM ** -0.5)
+        torch.testing.assert_close(out, _reference(q, k_cache, v_cache, seqs, tables, HEAD_DIM ** -0.5),
+                                   atol=1e-5, rtol=1e-5)
+        assert len(kernel_calls) == (0 if compiling else 1), f"step {step}"
