@@ -107,8 +107,11 @@ def start_building() -> None:
     CPU priority; `load` then waits for a build still running. It only compiles: loading links
     libgomp, which must be the one torch loads (see the module docstring), so this is safe before
     `import torch`. `kubeinfer serve` calls it first, so a fresh pod (its cache is an emptyDir)
-    compiles while it imports torch and loads weights. The niceness keeps the compilers (~7
-    CPU-seconds, 4.5-7.5 of them decode attention's) from slowing that critical path on 2 cores."""
+    compiles while it imports torch and loads weights, and decodes in torch until decode
+    attention's kernel is built (`building`). The niceness keeps the compilers (~7 CPU-seconds,
+    4.5-7.5 of them decode attention's) from slowing that critical path on 2 cores. Offline
+    engines (tests, `generate`, `bench throughput`) do not call it: they build each kernel at
+    its first use and never run a step without it, so their results do not depend on timing."""
     pool = ThreadPoolExecutor(2, thread_name_prefix="kubeinfer-cc", initializer=_lower_priority)
     for name in KERNELS:
         _BACKGROUND[name] = pool.submit(compiled, name)

@@ -30,10 +30,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: "LoadedModel | None" = None) -> None:
         from .model_runner import ModelRunner
 
-        if config.device in ("auto", "cpu"):   # compile the CPU kernels while the model loads
-            from kubeinfer.kernels import cpu_build
-
-            cpu_build.start_building()
         if loaded is None and config.tensor_parallel_size > 1:  # TP hook: shards + worker processes
             from ..parallel.launch import load_tensor_parallel
 
