@@ -47,7 +47,8 @@ def _functions() -> tuple | None:
     return (cpu_build.bind(library, "quant_linear_bf16", pointers=4, ints=5),
             cpu_build.bind(library, "quant_unpack_bf16", pointers=2, ints=3),
             cpu_build.bind(library, "amx_request", pointers=0, ints=0),
-            cpu_build.bind(library, "quant_pack", pointers=2, ints=3))
+            cpu_build.bind(library, "quant_pack", pointers=2, ints=3),
+            cpu_build.bind(library, "quant_dequantize_bf16", pointers=2, ints=3))
 
 
 @cache
@@ -104,6 +105,17 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     if status:
         raise RuntimeError(f"quantized linear kernel failed (status {status}) for x {tuple(x.shape)}, "
                            f"weight [{weight.out_features}, {weight.in_features}]")
+    return out
+
+
+def dequantize(qtype: str, blocks: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """GGUF blocks of `qtype` (uint8, row-major, `rows * cols / 32` of them) -> bf16 [rows, cols],
+    exactly the values of a float32 dequantization rounded to bf16."""
+    if qtype not in BLOCK_BYTES or cols % 32 or blocks.numel() != rows * cols // 32 * BLOCK_BYTES[qtype]:
+        raise ValueError(f"cannot dequantize {blocks.numel()} bytes as {qtype} [{rows}, {cols}]")
+    blocks = blocks.contiguous()
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    _functions()[4](blocks.data_ptr(), out.data_ptr(), rows, cols, _GGUF_TYPES.index(qtype))
     return out
 
 

@@ -7,8 +7,12 @@ ggml-common.h: each block starts with its fp16 scale(s), then packed quants.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
+
+from kubeinfer.kernels import quant_linear_cpu
 
 from .gguf_reader import QUANT_SIZES, GGUFTensor
 from .gguf_reader import QType as Q
@@ -67,8 +71,14 @@ SUPPORTED_TYPES = tuple(_PLAIN) + tuple(_QUANTIZED)
 
 
 def dequantize(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor in `dtype`, shaped `tensor.shape` (row-major)."""
+    """The tensor in `dtype`, shaped `tensor.shape` (row-major). Q4_0/Q4_1/Q8_0 to bf16 go
+    through the C kernel when it is built: same values, 0.1 s instead of ~0.7 s for SmolLM2."""
     raw = torch.from_numpy(np.ascontiguousarray(tensor.data))
+    if (dtype == torch.bfloat16 and tensor.qtype.name in quant_linear_cpu.BLOCK_BYTES
+            and tensor.shape[-1] % 32 == 0 and quant_linear_cpu.available()):
+        cols = tensor.shape[-1]
+        rows = math.prod(tensor.shape) // cols
+        return quant_linear_cpu.dequantize(tensor.qtype.name, raw, rows, cols).reshape(tensor.shape)
     if tensor.qtype in _PLAIN:
         values = raw.view(_PLAIN[tensor.qtype])
     elif tensor.qtype in _QUANTIZED:

@@ -112,3 +112,13 @@ def test_model_linear_uses_the_quants_up_to_the_row_limit_and_the_dense_weight_b
         assert torch.equal(out, quant_linear_cpu.linear(x, layer.quantized)) and out.abs().sum() > 0
     assert torch.equal(layer(torch.ones(limit + 1, 64, dtype=torch.bfloat16)),
                        torch.zeros(limit + 1, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_gives_the_reference_bf16_weights_bit_for_bit(qtype):
+    blocks = _blocks(qtype, rows=40, cols=160, seed=7)
+    dense = quant_linear_cpu.dequantize(qtype, blocks.reshape(-1), 40, 160)
+    assert dense.dtype == torch.bfloat16 and dense.shape == (40, 160)
+    assert torch.equal(dense, _reference_weight(qtype, blocks))
+    with pytest.raises(ValueError, match="cannot dequantize"):
+        quant_linear_cpu.dequantize(qtype, blocks.reshape(-1), 41, 160)

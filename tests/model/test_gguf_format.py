@@ -43,6 +43,15 @@ def test_dequantize_matches_gguf_reference(qtype):
     np.testing.assert_array_equal(ours.numpy(), quants.dequantize(raw, qtype).reshape(6, 512))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_bf16_dequantize_is_the_rounded_reference(qtype):
+    """bf16 loads (the C kernel for Q4_0/Q4_1/Q8_0 where it builds) round the exact values."""
+    raw = _random_raw(qtype, rows=6, cols=512)
+    ours = dequantize(GGUFTensor("w", (2, 3, 512), qtype, raw), torch.bfloat16)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype).reshape(2, 3, 512)).to(torch.bfloat16)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, reference)
+
+
 def test_unsupported_quantization_is_a_clear_error():
     with pytest.raises(ValueError, match="IQ2_XXS is not supported"):
         dequantize(GGUFTensor("w", (1, 256), Q.IQ2_XXS, np.zeros((1, 66), dtype=np.uint8)), torch.float32)
