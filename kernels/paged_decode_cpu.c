@@ -84,6 +84,12 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                           \
 }
 
+/* A task is one sequence, all its KV heads, once there are enough sequences to keep the threads
+ * busy: its block rows (every head's slice, adjacent in memory) are then read by one core, whose
+ * prefetchers fetch the whole row. 32 sequences x 200 tokens x 30 layers, alternated: 13.7-16.6
+ * ms a step against 17.2-20.0 with (sequence, head) tasks, which few sequences still use. */
+#define WHOLE_SEQUENCE_TASKS_FROM 8
+
 #define DEFINE_DECODE(NAME, TASK, T)                                                            \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,          \
          const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,                  \
@@ -94,26 +100,29 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
     int64_t keys = 0;  /* threads only for real work: an idle thread's wake-up costs more */   \
     for (int64_t s = 0; s < num_seqs; s++) keys += seq_lens[s];                                 \
     const int parallel = keys * num_kv_heads >= 4096;                                           \
+    const int64_t heads_per_task = num_seqs >= WHOLE_SEQUENCE_TASKS_FROM ? num_kv_heads : 1;    \
     int failed = 0;                                                                             \
     _Pragma("omp parallel for schedule(dynamic, 1) if(parallel)")                              \
-    for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {                            \
-        const int64_t s = task / num_kv_heads, kh = task % num_kv_heads;                        \
+    for (int64_t task = 0; task < num_seqs * num_kv_heads / heads_per_task; task++) {           \
+        const int64_t s = task * heads_per_task / num_kv_heads;                                 \
         const int len = seq_lens[s];                                                            \
         const int first = (window > 0 && len > window) ? len - window : 0;                      \
         const int count = len - first;                                                          \
         float *scores = malloc(sizeof(float) * (size_t)(count > 0 ? count : 1) * group);        \
         if (!scores) { failed = 1; continue; }                                                  \
-        const int64_t head = s * num_heads + kh * group;                                        \
-        const T *qs = q + head * head_dim, *ks = k_cache + kh * head_dim, *vs = v_cache + kh * head_dim; \
         const int32_t *table = block_tables + s * max_blocks;                                   \
-        T *os = out + head * head_dim;                                                          \
         const int64_t stride = num_kv_heads * head_dim;                                         \
-        if (head_dim == 64)                                                                     \
-            TASK(qs, ks, vs, table, os, stride, group, 64, block_size, first, count, scale, scores); \
-        else if (head_dim == 128)                                                               \
-            TASK(qs, ks, vs, table, os, stride, group, 128, block_size, first, count, scale, scores); \
-        else                                                                                    \
-            TASK(qs, ks, vs, table, os, stride, group, head_dim, block_size, first, count, scale, scores); \
+        for (int64_t kh = task * heads_per_task % num_kv_heads, end = kh + heads_per_task; kh < end; kh++) { \
+            const int64_t head = s * num_heads + kh * group;                                    \
+            const T *qs = q + head * head_dim, *ks = k_cache + kh * head_dim, *vs = v_cache + kh * head_dim; \
+            T *os = out + head * head_dim;                                                      \
+            if (head_dim == 64)                                                                 \
+                TASK(qs, ks, vs, table, os, stride, group, 64, block_size, first, count, scale, scores); \
+            else if (head_dim == 128)                                                           \
+                TASK(qs, ks, vs, table, os, stride, group, 128, block_size, first, count, scale, scores); \
+            else                                                                                \
+                TASK(qs, ks, vs, table, os, stride, group, head_dim, block_size, first, count, scale, scores); \
+        }                                                                                       \
         free(scores);                                                                           \
     }                                                                                           \
     return failed ? 2 : 0;                                                                      \
