@@ -1,6 +1,7 @@
 /* Paged-attention decode for CPUs: one query token per sequence, K/V read in place from the
- * paged cache through the block table (no gathered copy), float32 math, OpenMP over
- * (sequence, KV head) so the query heads sharing a KV head (GQA) read each K/V row once.
+ * paged cache through the block table (no gathered copy), float32 math, OpenMP over sequences
+ * (or (sequence, KV head) pairs when there are few); the query heads sharing a KV head (GQA)
+ * read each K/V row once.
  *
  * Layouts (all contiguous): q and out [S, H, D]; k_cache and v_cache [NB, BS, KH, D];
  * block_tables [S, MB] int32; seq_lens [S] int32. A sequence attends to its keys
@@ -9,6 +10,7 @@
  * bf16 with head_dim 64 or 128 on AVX512-BF16 machines takes the intrinsics path at the end
  * (measured 1.3-1.5x the portable loop: 21 vs 32 ns per key and KV head on one thread).
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_math.h"
@@ -85,10 +87,11 @@ static inline __attribute__((always_inline)) void NAME(                         
 }
 
 /* A task is one sequence, all its KV heads, once there are enough sequences to keep the threads
- * busy: its block rows (every head's slice, adjacent in memory) are then read by one core, whose
- * prefetchers fetch the whole row. 32 sequences x 200 tokens x 30 layers, alternated: 13.7-16.6
- * ms a step against 17.2-20.0 with (sequence, head) tasks, which few sequences still use. */
-#define WHOLE_SEQUENCE_TASKS_FROM 8
+ * busy (SEQUENCES_PER_THREAD each): its block rows (every head's slice, adjacent in memory) are
+ * then read by one core, whose prefetchers fetch the whole row. 32 sequences x 200 tokens x 30
+ * layers, 2 threads, alternated: 12.9-19.0 ms a step against 15.4-21.1 with (sequence, head)
+ * tasks, which fewer sequences still use. */
+#define SEQUENCES_PER_THREAD 4
 
 #define DEFINE_DECODE(NAME, TASK, T)                                                            \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,          \
@@ -100,7 +103,8 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
     int64_t keys = 0;  /* threads only for real work: an idle thread's wake-up costs more */   \
     for (int64_t s = 0; s < num_seqs; s++) keys += seq_lens[s];                                 \
     const int parallel = keys * num_kv_heads >= 4096;                                           \
-    const int64_t heads_per_task = num_seqs >= WHOLE_SEQUENCE_TASKS_FROM ? num_kv_heads : 1;    \
+    const int64_t heads_per_task =                                                              \
+        num_seqs >= SEQUENCES_PER_THREAD * omp_get_max_threads() ? num_kv_heads : 1;             \
     int failed = 0;                                                                             \
     _Pragma("omp parallel for schedule(dynamic, 1) if(parallel)")                              \
     for (int64_t task = 0; task < num_seqs * num_kv_heads / heads_per_task; task++) {           \

@@ -35,9 +35,17 @@ def test_builds_on_this_machine():
 @pytest.mark.parametrize("heads", [(9, 3), (8, 8), (32, 4), (14, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 1), (80, 32)])
 @pytest.mark.parametrize("seqs", [DECODES, DECODES[3:]], ids=["8-seqs", "5-seqs"])
-def test_matches_reference(heads, head_dim, block_size, dtype, seqs):
-    """8 sequences run as one task each, 5 as one task per (sequence, KV head)."""
+def test_matches_reference(heads, head_dim, block_size, dtype, seqs, two_threads):
+    """On 2 threads, 8 sequences run as one task each, 5 as one task per (sequence, KV head)."""
     _check(make_paged_batch(seqs, *heads, head_dim, block_size, dtype))
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
