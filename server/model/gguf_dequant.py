@@ -72,7 +72,8 @@ SUPPORTED_TYPES = tuple(_PLAIN) + tuple(_QUANTIZED)
 
 def dequantize(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
     """The tensor in `dtype`, shaped `tensor.shape` (row-major). Q4_0/Q4_1/Q8_0 to bf16 go
-    through the C kernel when it is built: same values, 0.1 s instead of ~0.7 s for SmolLM2."""
+    through `quant_linear_cpu`'s C loop when it is built: the same values, and the embedded
+    model's weights load in 0.26-0.29 s instead of 0.66-1.3 s."""
     raw = torch.from_numpy(np.ascontiguousarray(tensor.data))
     if (dtype == torch.bfloat16 and tensor.qtype.name in quant_linear_cpu.BLOCK_BYTES
             and tensor.shape[-1] % 32 == 0 and quant_linear_cpu.available()):
