@@ -2,7 +2,7 @@
 
 Why C on the CPU path: torch's CPU ops cost 5-20 us each in dispatch and threading, and the
 engine's per-layer glue (norms, activation, paged attention) is dozens of them per layer. These
-files include no torch headers, so a build takes ~1 s with the system C compiler (no
+files include no torch headers, so a build takes 1-7 s with the system C compiler (no
 multi-minute C++ extension build). The shared object is cached under
 `$KUBEINFER_CACHE_DIR/kernels` (default `~/.cache/kubeinfer/kernels`), keyed on the source,
 the headers it may include (`cpu_math.h`), flags, compiler and the CPU's feature flags
