@@ -111,8 +111,9 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
 def dequantize(qtype: str, blocks: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """GGUF blocks of `qtype` (uint8, row-major, `rows * cols / 32` of them) -> bf16 [rows, cols],
     exactly the values of a float32 dequantization rounded to bf16."""
-    if qtype not in BLOCK_BYTES or cols % 32 or blocks.numel() != rows * cols // 32 * BLOCK_BYTES[qtype]:
-        raise ValueError(f"cannot dequantize {blocks.numel()} bytes as {qtype} [{rows}, {cols}]")
+    if (qtype not in BLOCK_BYTES or cols % 32 or blocks.dtype != torch.uint8
+            or blocks.numel() != rows * cols // 32 * BLOCK_BYTES[qtype]):
+        raise ValueError(f"cannot dequantize {blocks.numel()} {blocks.dtype} as {qtype} [{rows}, {cols}]")
     blocks = blocks.contiguous()
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
     _functions()[4](blocks.data_ptr(), out.data_ptr(), rows, cols, _GGUF_TYPES.index(qtype))

@@ -122,3 +122,5 @@ def test_dequantize_gives_the_reference_bf16_weights_bit_for_bit(qtype):
     assert torch.equal(dense, _reference_weight(qtype, blocks))
     with pytest.raises(ValueError, match="cannot dequantize"):
         quant_linear_cpu.dequantize(qtype, blocks.reshape(-1), 41, 160)
+    with pytest.raises(ValueError, match="cannot dequantize"):
+        quant_linear_cpu.dequantize(qtype, blocks.reshape(-1).to(torch.int32), 40, 160)
