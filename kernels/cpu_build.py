@@ -27,12 +27,13 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# In the order a starting server needs them: quant_pack while loading weights, the fused ops at
-# the first forward, decode attention only once a first token exists (see `building`).
 KERNELS = ("quant_linear_cpu", "fused_cpu", "paged_decode_cpu")
-BACKGROUND_NICENESS = 10
+# What a starting server needs before its first token: quant_pack and the GGUF dequantization
+# while weights load, the fused ops at the first forward. Decode attention comes later.
+LOADING_KERNELS = ("quant_linear_cpu", "fused_cpu")
 _LOCKS = {name: threading.Lock() for name in KERNELS}
 _BACKGROUND: dict[str, Future] = {}
+_BACKGROUND_LOCK = threading.Lock()
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
@@ -101,30 +102,29 @@ def _compiled(name: str) -> Path | None:
         return None
 
 
-@cache
-def start_building() -> None:
-    """Build (or find) every CPU kernel in two background threads, in `KERNELS` order, at a lower
-    CPU priority; `load` then waits for a build still running. It only compiles: loading links
+def start_building(names: tuple[str, ...] = KERNELS) -> None:
+    """Build (or find) these CPU kernels one after the other in a background thread, skipping any
+    already started; `load` then waits for a build still running. It only compiles: loading links
     libgomp, which must be the one torch loads (see the module docstring), so this is safe before
-    `import torch`. `kubeinfer serve` calls it first, so a fresh pod (its cache is an emptyDir)
-    compiles while it imports torch and loads weights, and decodes in torch until decode
-    attention's kernel is built (`building`). The niceness keeps the compilers (~7 CPU-seconds,
-    4.5-7.5 of them decode attention's) from slowing that critical path on 2 cores. Offline
-    engines (tests, `generate`, `bench throughput`) do not call it: they build each kernel at
-    its first use and never run a step without it, so their results do not depend on timing."""
-    pool = ThreadPoolExecutor(2, thread_name_prefix="kubeinfer-cc", initializer=_lower_priority)
-    for name in KERNELS:
-        _BACKGROUND[name] = pool.submit(compiled, name)
-    pool.shutdown(wait=False)
+    `import torch`.
+
+    `kubeinfer serve` builds LOADING_KERNELS while it imports torch and loads weights (a fresh
+    pod's cache is an emptyDir), then the rest once its engine is up, and decodes in torch
+    until decode attention's kernel is built (`building`): its 4.5-7.5 s of gcc, run during the
+    load, slowed a first start on 2 cores by 1.5-2 s, and run at a lower priority it starved
+    behind a loaded engine for more than 30 s. Offline engines (tests, `generate`, `bench
+    throughput`) do not call it: they build each kernel at its first use and never run a step
+    without it, so their results do not depend on timing."""
+    with _BACKGROUND_LOCK:
+        for name in names:
+            if name not in _BACKGROUND:
+                _BACKGROUND[name] = _builder().submit(compiled, name)
 
 
-def _lower_priority() -> None:
-    try:   # Linux: per thread, and the compiler processes it forks inherit it
-        thread = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread,
-                       min(19, os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICENESS))
-    except (AttributeError, OSError):
-        pass
+@cache
+def _builder() -> ThreadPoolExecutor:
+    """The one background build thread: builds queue behind each other."""
+    return ThreadPoolExecutor(1, thread_name_prefix="kubeinfer-cc")
 
 
 def building(name: str) -> bool:

@@ -66,6 +66,10 @@ async def _serve(args: argparse.Namespace) -> None:
     from kubeinfer.server.engine.config import EngineConfig
 
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))
+    if args.device in ("auto", "cpu"):   # decode attention's kernel: now, off the loading path
+        from kubeinfer.kernels import cpu_build
+
+        cpu_build.start_building()
     try:
         state = ServerState.create(engine, args.model, args.max_queued_requests)
         config = uvicorn.Config(build_app(state, args.api_keys), host=args.host, port=args.port,
@@ -82,6 +86,6 @@ def run(args: argparse.Namespace) -> int:
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
         from kubeinfer.kernels import cpu_build
 
-        cpu_build.start_building()
+        cpu_build.start_building(cpu_build.LOADING_KERNELS)
     asyncio.run(_serve(args))
     return 0
