@@ -15,6 +15,7 @@ from types import FrameType
 
 import uvicorn
 
+from kubeinfer.kernels import cpu_build
 from kubeinfer.server.api.admission import Admission
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 
@@ -67,8 +68,6 @@ async def _serve(args: argparse.Namespace) -> None:
 
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))
     if args.device in ("auto", "cpu"):   # decode attention's kernel: now, off the loading path
-        from kubeinfer.kernels import cpu_build
-
         cpu_build.start_building()
     try:
         state = ServerState.create(engine, args.model, args.max_queued_requests)
@@ -84,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
-        from kubeinfer.kernels import cpu_build
-
         cpu_build.start_building(cpu_build.LOADING_KERNELS)
     asyncio.run(_serve(args))
     return 0
