@@ -48,6 +48,9 @@ enum { OK = 0, BAD_SHAPE = 1, UNSUPPORTED = 2, NO_MEMORY = 3 };
 /* Bytes of one packed tile, as quant_linear_cpu.py lays it out. */
 static int64_t packed_tile_bytes(int kind) { return kind == KIND_Q4 ? 16 * 16 + 64 : 16 * 32 + 32; }
 
+/* Bytes of one GGUF block of 32 weights: Q4_0 (gguf_type 0), Q4_1 (1), Q8_0 (2); ggml-common.h. */
+static int64_t gguf_block_bytes(int64_t gguf_type) { return gguf_type == 0 ? 18 : gguf_type == 1 ? 20 : 34; }
+
 #if defined(__AVX512BF16__)
 /* A tile's scales (and Q4 offsets) spread over the lanes of its pair rows: lane j of the low
  * half is n = j / 2, of the high half n = 8 + j / 2. */
@@ -300,7 +303,7 @@ int quant_unpack_bf16(const uint8_t *packed, uint16_t *weight, int64_t n, int64_
 int quant_dequantize_bf16(const uint8_t *blocks, uint16_t *out, int64_t rows, int64_t k, int64_t gguf_type) {
 #if defined(__AVX512BF16__)
     if (k % 32 || gguf_type < 0 || gguf_type > 2) return BAD_SHAPE;
-    const int64_t block_bytes = gguf_type == 0 ? 18 : gguf_type == 1 ? 20 : 34, count = rows * (k / 32);
+    const int64_t block_bytes = gguf_block_bytes(gguf_type), count = rows * (k / 32);
     const __m512i low_nibble = _mm512_set1_epi32(0x0F);
     for (int64_t b = 0; b < count; b++) {
         const uint8_t *block = blocks + b * block_bytes;
@@ -339,7 +342,7 @@ int quant_pack(const uint8_t *blocks, uint8_t *tiles, int64_t n, int64_t k, int6
 #if defined(__F16C__)
     if (n % 16 || k % 32 || gguf_type < 0 || gguf_type > 2) return BAD_SHAPE;
     const int kind = gguf_type == 2 ? KIND_Q8 : KIND_Q4;
-    const int64_t block_bytes = gguf_type == 0 ? 18 : gguf_type == 1 ? 20 : 34, k_tiles = k / 32;
+    const int64_t block_bytes = gguf_block_bytes(gguf_type), k_tiles = k / 32;
     const int64_t tile_bytes = packed_tile_bytes(kind);
     #pragma omp parallel for schedule(static)
     for (int64_t s = 0; s < n / 16; s++)

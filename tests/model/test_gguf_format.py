@@ -44,12 +44,19 @@ def test_dequantize_matches_gguf_reference(qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K])
-def test_bf16_dequantize_is_the_rounded_reference(qtype):
-    """bf16 loads (the C kernel for Q4_0/Q4_1/Q8_0 where it builds) round the exact values."""
+def test_bf16_dequantize_is_the_rounded_reference(qtype, monkeypatch):
+    """bf16 loads round the exact values; Q4_0/Q4_1/Q8_0 take the C kernel where it builds."""
+    from kubeinfer.kernels import quant_linear_cpu
+
+    calls = []
+    kernel = quant_linear_cpu.dequantize
+    monkeypatch.setattr(quant_linear_cpu, "dequantize", lambda *args: calls.append(args[0]) or kernel(*args))
     raw = _random_raw(qtype, rows=6, cols=512)
     ours = dequantize(GGUFTensor("w", (2, 3, 512), qtype, raw), torch.bfloat16)
     reference = torch.from_numpy(quants.dequantize(raw, qtype).reshape(2, 3, 512)).to(torch.bfloat16)
     assert ours.dtype == torch.bfloat16 and torch.equal(ours, reference)
+    takes_kernel = qtype.name in quant_linear_cpu.BLOCK_BYTES and quant_linear_cpu.available()
+    assert calls == ([qtype.name] if takes_kernel else [])
 
 
 def test_unsupported_quantization_is_a_clear_error():
