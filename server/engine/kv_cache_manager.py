@@ -63,6 +63,25 @@ class KVCacheManager:
         seq.block_table += self.pool.allocate(missing)
         return True
 
+    def cache_scheduled_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Offer the full blocks a scheduled chunk will have computed to the prefix cache now, so
+        a sequence admitted later in the same step shares them (the step stores every layer's
+        K/V before attention reads any). Where the cache already holds a block, the sequence
+        still computes its own copy this step; `cache_full_blocks` adopts the cached one after."""
+        if self.cache is None:
+            return
+        num_full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+        if num_full > seq.num_inserted_blocks:
+            self.cache.insert(seq.token_ids[:num_full * self.block_size], seq.block_table[:num_full],
+                              seq.params.cache_salt)
+
+    def drop_cache(self) -> None:
+        """Forget every cached block (sequences keep theirs): after a failed step, blocks
+        offered by `cache_scheduled_blocks` were never computed."""
+        if self.cache is None:
+            return
+        self.cache.clear()
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hand newly filled blocks to the prefix cache, adopting blocks it already holds."""
         if self.cache is None:

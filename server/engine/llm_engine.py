@@ -120,7 +120,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        logits, seqs = self.runner.run(out)
+        try:
+            logits, seqs = self.runner.run(out)
+        except BaseException:
+            self.kv.drop_cache()   # it holds this step's blocks, never computed
+            raise
         sampled = self.sampler(logits, seqs) if logits is not None else None
         self.scheduler.update(out)
         touched: dict[str, Request] = {}

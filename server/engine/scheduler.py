@@ -5,6 +5,12 @@ then prefill chunks of partially prefilled sequences, then waiting sequences, un
 `max_num_batched_tokens` and `max_num_seqs`. When blocks run out the newest running
 sequence (highest priority value, latest arrival) is preempted: its blocks are freed and it
 is recomputed later, cheaply when its prefix is still cached.
+
+With prefix caching, a chunk's full blocks enter the prefix cache when it is scheduled, not
+after it runs (as vLLM v1 does): a request scheduled later in the same step shares them at
+once. That is sound because every layer stores the step's K/V before any attention reads
+them, so requests sharing a system prompt that arrive together compute it once and all get
+their first token from the same step.
 """
 
 from __future__ import annotations
@@ -82,18 +88,11 @@ class Scheduler:
                 self._add(out, seq, num_new)
                 scheduled.add(id(seq))
                 budget -= num_new
-        position = 0  # into self.waiting: requests deferred this step keep their place
-        while (position < len(self.waiting) and budget > 0 and not preempted
+        while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs
                and len(out.scheduled) < self.max_num_seqs):
-            seq = self.waiting[position]
+            seq = self.waiting[0]
             cached = self.kv.match_prefix(seq)
-            if self._next_block_in_flight(seq, out):
-                # Wait one step and reuse that block instead of computing it twice; requests
-                # behind it with other prefixes go ahead (fuller prefill steps, fewer of them).
-                self.kv.free(seq)
-                position += 1
-                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate_slots(seq, num_new):
                 self.kv.free(seq)  # give back the matched prefix; retry next step
@@ -101,7 +100,7 @@ class Scheduler:
             self.kv.record_lookup(seq.num_tokens, cached)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.num_cached_tokens = cached
-            self.waiting.pop(position)
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             if seq.request.metrics.first_scheduled_time is None:
@@ -114,28 +113,11 @@ class Scheduler:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
         out.scheduled.append(ScheduledSeq(seq, num_new, samples))
         out.num_tokens += num_new
+        self.kv.cache_scheduled_blocks(seq, num_new)
         if samples and seq.index == 0:
             for sibling in seq.request.seqs[1:]:
                 if sibling.status is SequenceStatus.FORK_PENDING:
                     out.forks.append((sibling, len(out.scheduled) - 1))
-
-    def _next_block_in_flight(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Whether a prefill in this step computes the next block of `seq`'s prompt, which
-        the prefix cache will then hold: requests sharing a system prompt that arrive
-        together thus compute it once."""
-        if self.kv.cache is None:
-            return False
-        bs = self.kv.block_size
-        end = seq.num_computed_tokens + bs
-        if end > seq.num_tokens - 1:
-            return False
-        for item in out.scheduled:
-            other = item.seq
-            if (other.num_computed_tokens <= end - bs < other.num_computed_tokens + item.num_new_tokens
-                    and other.params.cache_salt == seq.params.cache_salt
-                    and other.token_ids[:end] == seq.token_ids[:end]):
-                return True
-        return False
 
     def _pick_victim(self, scheduled: set[int]) -> Sequence | None:
         """The newest running sequence not already scheduled this step."""

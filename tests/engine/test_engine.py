@@ -32,6 +32,27 @@ def test_shared_prefix_is_prefilled_once_and_changes_nothing(make_llm, random_pr
     assert stats.kv_cache_usage == 0.0
 
 
+
+def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache(make_llm, random_prompts, monkeypatch):
+    """Blocks enter the prefix cache when scheduled; a forward pass that fails never computed
+    them, so a later request must not share them."""
+    llm = make_llm(enable_prefix_caching=True)
+    prompt = random_prompts(1, 64, 64, seed=3)[0]
+
+    def fail(out: object) -> None:
+        raise RuntimeError("forward failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(llm.engine.runner, "run", fail)
+        llm.engine.add_request("doomed", prompt, GREEDY)
+        with pytest.raises(RuntimeError, match="forward failed"):
+            llm.engine.step()
+    assert llm.engine.kv.num_cached_blocks == 0
+    llm.engine.abort_request("doomed")
+    [again] = llm.generate([prompt], GREEDY)
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == make_llm(enable_prefix_caching=False).generate([prompt], GREEDY)[0].outputs[0].token_ids
+
 def test_cache_salt_keeps_tenants_apart(make_llm, random_prompts):
     prompt = random_prompts(1, 64, 64, seed=3)[0]
     llm = make_llm()

@@ -35,16 +35,25 @@ class FakeModel:
         self.slots: dict[int, int] = {}
 
     def step(self, out: SchedulerOutput) -> list[int]:
-        sampled = []
+        """Like a model layer: the step's K/V are all stored before any chunk attends."""
+        written: set[int] = set()
         for item in out.scheduled:
             seq = item.seq
             hashes = _prefix_hashes(seq.token_ids)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
             assert len(seq.block_table) * BS >= end
-            for pos in range(start):  # the cached prefix this chunk attends to
-                assert self.slots[self._slot(seq, pos)] == hashes[pos], "read a foreign slot"
             for pos in range(start, end):
-                self.slots[self._slot(seq, pos)] = hashes[pos]
+                slot = self._slot(seq, pos)
+                assert slot not in written, "two chunks of one step wrote the same slot"
+                written.add(slot)
+                self.slots[slot] = hashes[pos]
+        sampled = []
+        for item in out.scheduled:
+            seq = item.seq
+            hashes = _prefix_hashes(seq.token_ids)
+            for pos in range(seq.num_computed_tokens):  # the cached prefix this chunk attends to
+                assert self.slots.get(self._slot(seq, pos)) == hashes[pos], "read a foreign slot"
+            end = seq.num_computed_tokens + item.num_new_tokens
             sampled.append(hashes[end - 1] % 3 if item.samples else -1)
         return sampled
 
@@ -171,23 +180,28 @@ def test_shared_prefix_is_computed_once():
 
 
 def test_requests_arriving_together_compute_a_shared_prefix_once():
-    """The second request of a prefix waits one step for the first's blocks; a request with
-    another prefix behind it is not held up."""
+    """The second request of a prefix shares the blocks the first computes in the same step,
+    and reads them only after they are written; a request with another prefix computes its own."""
     kv = KVCacheManager(64, BS, enable_prefix_caching=True)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    model = FakeModel(kv)
     prefix_a, prefix_b = [1, 2, 0, 1] * 4, [2, 2, 1, 0] * 4
     requests = [Request(rid, prefix + [tail], SamplingParams(max_tokens=2), frozenset(), 256)
                 for rid, prefix, tail in [("a1", prefix_a, 0), ("a2", prefix_a, 1), ("b1", prefix_b, 2)]]
     for request in requests:
         sched.add_request(request)
     out = sched.schedule()
-    assert [(i.seq.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("a1", 17), ("b1", 17)]
+    assert [(i.seq.request.request_id, i.num_new_tokens) for i in out.scheduled] == [
+        ("a1", 17), ("a2", 1), ("b1", 17)]
+    assert [r.num_cached_tokens for r in requests] == [0, 16, 0]
+    assert requests[1].seqs[0].block_table[:4] == requests[0].seqs[0].block_table[:4]
+    assert all(item.samples for item in out.scheduled)   # every request's first token in this step
+    tokens = model.step(out)   # a2 reads a1's blocks of this step: the fake model checks their hashes
     sched.update(out)
-    for item in out.scheduled:
-        item.seq.token_ids.append(0)
-    out = sched.schedule()
-    assert ("a2", 1) in [(i.seq.request.request_id, i.num_new_tokens) for i in out.scheduled]
-    assert requests[1].num_cached_tokens == 16
+    for item, token in zip(out.scheduled, tokens):
+        item.seq.token_ids.append(token)
+    _check_references(kv, [s for r in requests for s in r.seqs])
+    assert kv.num_cached_blocks == 8   # 4 blocks of each prefix, once
 
 
 def test_newest_request_is_preempted_when_blocks_run_out():

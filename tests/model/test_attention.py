@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers.paged import scattered_batch
 
-from kubeinfer.server.model.attention import TorchAttention, get_attention_backend
+from kubeinfer.server.model.attention import TorchAttention, _similar_query_lengths, get_attention_backend
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 8, 4, 48
 
@@ -47,6 +47,7 @@ def _caches():
     [(0, 7), (0, 12), (13, 1), (0, 3)],      # fresh prefills, each causal on its own, and a decode
     [(0, 5), (0, 5), (0, 5), (0, 9), (0, 5), (13, 1)],   # adjacent equal prefills share one SDPA call
     [(0, 6), (0, 6)],                        # only fresh prefills of one length
+    [(16, 2), (30, 12), (8, 2), (5, 1), (24, 2)],   # short chunks and a long one: padded apart
 ])
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["torch", "cpu-kernel"])
 def test_matches_reference_and_stores_kv(seqs, decode_kernel):
@@ -114,3 +115,11 @@ def test_decodes_take_the_torch_path_while_the_kernel_compiles(monkeypatch):
         torch.testing.assert_close(out, _reference(q, k_cache, v_cache, seqs, tables, HEAD_DIM ** -0.5),
                                    atol=1e-5, rtol=1e-5)
         assert len(kernel_calls) == (0 if compiling else 1), f"step {step}"
+
+
+def test_chunks_are_padded_only_with_chunks_of_similar_length():
+    """Fifteen 32-token chunks and a 200-token one: two SDPA calls, not 16 x 200 queries."""
+    assert _similar_query_lengths([0, 1, 2, 3, 4], [2, 12, 2, 1, 2]) == [[0, 2, 3, 4], [1]]
+    lengths = [32] * 7 + [200] + [32] * 8
+    assert _similar_query_lengths(list(range(16)), lengths) == [[i for i in range(16) if i != 7], [7]]
+    assert _similar_query_lengths([0, 1, 2], [1, 1, 1]) == [[0, 1, 2]]
