@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("quant_linear_cpu", "fused_cpu", "paged_decode_cpu")
+KERNELS = ("quant_linear_cpu", "fused_cpu", "paged_decode_cpu", "paged_prefill_cpu")
 # What a starting server needs before its first token: quant_pack and the GGUF dequantization
 # while weights load, the fused ops at the first forward. Decode attention comes later.
 LOADING_KERNELS = ("quant_linear_cpu", "fused_cpu")

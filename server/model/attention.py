@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 from torch.nn import functional as F
 
-from kubeinfer.kernels import fused_cpu, ops, paged_decode_cpu
+from kubeinfer.kernels import fused_cpu, ops, paged_decode_cpu, paged_prefill_cpu
 
 from .forward_batch import ForwardBatch
 
@@ -64,6 +64,17 @@ class _DecodeGroup:
 
 
 @dataclass
+class _PrefillGroup:
+    """Sequences with several queries (or all, without the decode kernel) for the CPU prefill
+    kernel, which reads their K/V through the block tables."""
+    rows: slice | torch.Tensor
+    block_tables: torch.Tensor         # [S, max_blocks] int32
+    seq_lens: torch.Tensor             # [S] int32
+    query_lens: torch.Tensor           # [S] int32
+    query_starts: torch.Tensor         # [S] int32, into the group's own rows
+
+
+@dataclass
 class _FreshRun:
     """`count` adjacent prefills of one length, none with a cached prefix: their rows
     [start, start + count * length) go through one batched causal SDPA call (16 x 128 tokens:
@@ -85,6 +96,7 @@ class _StepLayout:
     store_slots: torch.Tensor          # slots to write (the -1 entries removed)
     store_rows: torch.Tensor | None    # rows of k/v to write; None = all rows
     decode: _DecodeGroup | None
+    prefill: _PrefillGroup | None      # the prefill kernel's sequences; then fresh and padded are empty
     fresh: list[_FreshRun]             # prefills without cached prefix: causal over their own k/v
     padded: list[_PaddedGroup]         # by query length, see _similar_query_lengths
 
@@ -142,6 +154,18 @@ def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> _D
                         seq_lens=_subset(batch.seq_lens, index).to(torch.int32).contiguous())
 
 
+def _prefill_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> _PrefillGroup:
+    device = batch.input_ids.device
+    index = None if len(seqs) == batch.num_seqs else torch.tensor(seqs, device=device)
+    query_lens = [batch.query_lens_cpu[i] for i in seqs]
+    query_starts = [sum(query_lens[:j]) for j in range(len(seqs))]
+    return _PrefillGroup(rows=_rows(seqs, starts, batch.query_lens_cpu, device),
+                         block_tables=_subset(batch.block_tables, index).to(torch.int32).contiguous(),
+                         seq_lens=_subset(batch.seq_lens, index).to(torch.int32).contiguous(),
+                         query_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
+                         query_starts=torch.tensor(query_starts, dtype=torch.int32, device=device))
+
+
 def _similar_query_lengths(seqs: list[int], query_lens: list[int]) -> list[list[int]]:
     """`seqs` in groups (each in batch order) whose queries, padded to the group's longest, are
     at most twice their real count: one SDPA call per group."""
@@ -158,16 +182,19 @@ def _similar_query_lengths(seqs: list[int], query_lens: list[int]) -> list[list[
 
 
 def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
-            decode_kernel: bool) -> _StepLayout:
+            decode_kernel: bool, prefill_kernel: bool) -> _StepLayout:
     valid = batch.slot_mapping >= 0
     all_valid = bool(valid.all())
     starts = [0]
     for length in batch.query_lens_cpu:
         starts.append(starts[-1] + length)
     decodes, fresh, rest = [], [], []
+    prefill_kernel = prefill_kernel and all_valid and sliding_window is None   # it reads the step's K/V from the cache
     for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
         if decode_kernel and query_len == 1:
             decodes.append(i)
+        elif prefill_kernel:
+            rest.append(i)
         elif (query_len == seq_len and all_valid   # the cache holds nothing else it could attend to
               and (sliding_window is None or seq_len <= sliding_window)):
             if fresh and fresh[-1].length == query_len and fresh[-1].rows.stop == starts[i]:
@@ -180,9 +207,10 @@ def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
         store_slots=batch.slot_mapping if all_valid else batch.slot_mapping[valid],
         store_rows=None if all_valid else valid.nonzero().squeeze(1),
         decode=_decode_group(batch, decodes, starts) if decodes else None,
+        prefill=_prefill_group(batch, rest, starts) if prefill_kernel and rest else None,
         fresh=fresh,
-        padded=[_padded_group(batch, group, starts, block_size, sliding_window)
-                for group in _similar_query_lengths(rest, batch.query_lens_cpu)],
+        padded=[] if prefill_kernel else [_padded_group(batch, group, starts, block_size, sliding_window)
+                                          for group in _similar_query_lengths(rest, batch.query_lens_cpu)],
     )
 
 
@@ -196,9 +224,11 @@ class TorchAttention:
     it, decodes take the torch path: a fresh pod's first tokens do not wait 5-8 s for gcc.
     """
 
-    def __init__(self, sliding_window: int | None = None, decode_kernel: bool | None = None) -> None:
+    def __init__(self, sliding_window: int | None = None, decode_kernel: bool | None = None,
+                 prefill_kernel: bool | None = None) -> None:
         self.sliding_window = sliding_window
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self._batch: ForwardBatch | None = None
         self._layout: _StepLayout | None = None
 
@@ -209,14 +239,30 @@ class TorchAttention:
             self.decode_kernel = cache.device.type == "cpu" and paged_decode_cpu.available(cache.dtype)
         return self.decode_kernel
 
+    def _uses_prefill_kernel(self, cache: torch.Tensor) -> bool:
+        if self.prefill_kernel is None:
+            if cache.device.type == "cpu" and paged_prefill_cpu.building():
+                return False
+            self.prefill_kernel = (cache.device.type == "cpu"
+                                   and paged_prefill_cpu.available(cache.dtype, cache.shape[-1]))
+        return self.prefill_kernel
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if batch is not self._batch:   # first layer of a new step
             self._batch = batch
-            self._layout = _layout(batch, k_cache.shape[1], self.sliding_window, self._uses_kernel(k_cache))
+            self._layout = _layout(batch, k_cache.shape[1], self.sliding_window, self._uses_kernel(k_cache),
+                                   self._uses_prefill_kernel(k_cache))
         layout = self._layout
         self._store(k, v, k_cache, v_cache, batch.slot_mapping, layout)
-        decode, padded = layout.decode, layout.padded
+        decode, padded, prefill = layout.decode, layout.padded, layout.prefill
+        if prefill is not None:
+            if decode is None:
+                return self._prefill(q, k_cache, v_cache, prefill, scale)
+            out = torch.empty_like(q)
+            out[decode.rows] = self._decode(q[decode.rows], k_cache, v_cache, decode, scale)
+            out[prefill.rows] = self._prefill(q[prefill.rows], k_cache, v_cache, prefill, scale)
+            return out
         if not padded and not layout.fresh:
             return self._decode(q, k_cache, v_cache, decode, scale)
         if decode is None and not layout.fresh and len(padded) == 1:
@@ -243,6 +289,12 @@ class TorchAttention:
         out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2).reshape(q.shape)
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _PrefillGroup,
+                 scale: float) -> torch.Tensor:
+        return paged_prefill_cpu.paged_prefill(q, k_cache, v_cache, group.block_tables, group.seq_lens,
+                                               group.query_lens, group.query_starts, scale)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 group: _DecodeGroup, scale: float) -> torch.Tensor:

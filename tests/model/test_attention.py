@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers.paged import scattered_batch
 
+from kubeinfer.kernels import paged_prefill_cpu
 from kubeinfer.server.model.attention import TorchAttention, _similar_query_lengths, get_attention_backend
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 8, 4, 48
@@ -123,3 +124,34 @@ def test_chunks_are_padded_only_with_chunks_of_similar_length():
     lengths = [32] * 7 + [200] + [32] * 8
     assert _similar_query_lengths(list(range(16)), lengths) == [[i for i in range(16) if i != 7], [7]]
     assert _similar_query_lengths([0, 1, 2], [1, 1, 1]) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("seqs", [
+    [(0, 11)],                                       # a fresh prompt
+    [(0, 7), (13, 1), (5, 6), (22, 1)],              # prompts, a chunk after a prefix, decodes
+    [(16, 2), (30, 12), (8, 2), (5, 1), (24, 2)],    # chunks of different lengths after prefixes
+])
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["decodes-in-prefill-kernel", "decode-kernel"])
+def test_prefill_kernel_matches_the_torch_path(seqs, decode_kernel, monkeypatch):
+    """bf16 with head_dim 64 (what the CPU prefill kernel takes): the same outputs as the torch
+    path on the same values in float32, and every multi-query sequence goes through the kernel."""
+    if not paged_prefill_cpu.available(torch.bfloat16, 64):
+        pytest.skip("the CPU prefill kernel needs AMX")
+    calls = []
+    real_kernel = paged_prefill_cpu.paged_prefill
+    monkeypatch.setattr(paged_prefill_cpu, "paged_prefill",
+                        lambda q, *args: calls.append(q.shape[0]) or real_kernel(q, *args))
+    batch, _ = _batch(seqs)
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim = 9, 3, 64
+    q, k, v = (torch.randn(batch.num_tokens, n, head_dim, generator=generator).to(torch.bfloat16)
+               for n in (heads, kv_heads, kv_heads))
+    caches = [torch.randn(NUM_BLOCKS, BLOCK, kv_heads, head_dim, generator=generator).to(torch.bfloat16)
+              for _ in range(2)]
+    got = TorchAttention(decode_kernel=decode_kernel, prefill_kernel=True).forward(
+        q, k, v, caches[0].clone(), caches[1].clone(), batch, head_dim ** -0.5)
+    want = TorchAttention(decode_kernel=False, prefill_kernel=False).forward(
+        q.float(), k.float(), v.float(), caches[0].float(), caches[1].float(), batch, head_dim ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    multi_query_rows = sum(new for _, new in seqs if new > 1 or not decode_kernel)
+    assert calls == [multi_query_rows]

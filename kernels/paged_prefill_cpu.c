@@ -1,0 +1,287 @@
+/* Paged-attention prefill for CPUs with AMX: the query tokens of each sequence (a fresh prompt
+ * or a chunk after its cached prefix) against all the sequence's keys in the paged cache, causal,
+ * as flash attention (online softmax; the score matrix is never whole). bf16 in and out, float32
+ * sums, head_dim 64 or 128.
+ *
+ * Why: torch's CPU SDPA runs these at ~160 GFLOP/s (4 x 544-token prompts: 8.5 ms a layer), and a
+ * chunk after a cached prefix first needs a gathered, padded copy of its K/V and a mask.
+ *
+ * Per sequence and KV head, the keys are first packed into AMX's B-operand layout (pairs of
+ * values adjacent): K as [16-key block][32-dim chunk][16 dim pairs][16 keys][2], V as [32-key
+ * block][16-dim block][16 key pairs][16 dims][2], zeros past the sequence's end. Then each task
+ * (sequence, query head, 16 queries) walks the 32-key blocks its queries can see: S = Q K^T in
+ * two accumulator tiles, the online softmax on S in AVX-512, O += P V one 16-dim tile at a time.
+ *
+ * Layouts: q [T, q_row_stride] with head h at h * head_dim; out [T, H, D] contiguous; caches
+ * [NB, BS, KH, D]; block_tables [S, max_blocks] int32; seq_lens, query_lens, query_starts [S]
+ * int32 (a sequence's queries are its last query_lens[s] positions, rows from query_starts[s]).
+ * Built by kernels/cpu_build.py, called by paged_prefill_cpu.py; the caller must hold the
+ * process's AMX permission (quant_linear_cpu.amx_available()).
+ */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_math.h"
+
+enum { OK = 0, BAD_SHAPE = 1, UNSUPPORTED = 2, NO_MEMORY = 3 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define MAX_HEAD_DIM 128
+
+struct tile_config {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* Eight tiles of 16 rows x 64 bytes (a constant: GCC 12 drops stack stores before LDTILECFG). */
+static const struct tile_config TILES_16x64 __attribute__((aligned(64))) = {
+    .palette = 1,
+    .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+/* Where key `key` of a sequence lies for KV head 0 (add kv_head * head_dim). */
+static inline const uint16_t *key_row(const uint16_t *cache, const int32_t *table, int key,
+                                      int64_t block_size, int64_t row_elements) {
+    return cache + ((int64_t)table[key / block_size] * block_size + key % block_size) * row_elements;
+}
+
+/* Keys [32 kb, 32 kb + 32) of one sequence and KV head into the packed K and V layouts above. */
+static void pack_block(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int len,
+                       int kb, int64_t kv_head, int64_t head_dim, int64_t block_size, int64_t row_elements,
+                       uint16_t *k_packed, uint16_t *v_packed) {
+    const int64_t chunks = head_dim / 32, dim_blocks = head_dim / 16;
+    uint32_t *k_pairs = (uint32_t *)(k_packed + (int64_t)kb * 32 * head_dim);   /* two 16-key blocks */
+    uint16_t *v_block = v_packed + (int64_t)kb * 32 * head_dim;
+    for (int n = 0; n < 32; n++) {
+        const int key = kb * 32 + n;
+        uint32_t k_row[MAX_HEAD_DIM / 2];
+        uint16_t v_row[MAX_HEAD_DIM];
+        if (key < len) {
+            memcpy(k_row, key_row(k_cache, table, key, block_size, row_elements) + kv_head * head_dim, head_dim * 2);
+            memcpy(v_row, key_row(v_cache, table, key, block_size, row_elements) + kv_head * head_dim, head_dim * 2);
+        } else {
+            memset(k_row, 0, head_dim * 2);
+            memset(v_row, 0, head_dim * 2);
+        }
+        const int half = n / 16, in_half = n % 16;   /* K: 16-key block 2 kb + half */
+        for (int64_t c = 0; c < chunks; c++)
+            for (int r = 0; r < 16; r++)
+                k_pairs[((half * chunks + c) * 16 + r) * 16 + in_half] = k_row[c * 16 + r];
+        const int pair = n / 2, slot = n % 2;        /* V: key pair n / 2, position n % 2 */
+        for (int64_t db = 0; db < dim_blocks; db++)
+            for (int d = 0; d < 16; d++)
+                v_block[((db * 16 + pair) * 16 + d) * 2 + slot] = v_row[db * 16 + d];
+    }
+}
+
+/* The softmax's reference maximum of a row moves only when a score passes it by this much: P
+ * then stays below e^8 (no overflow in float32 or bf16), the result is the same (softmax does not
+ * depend on the shift), and O rarely needs rescaling. exp_nonpositive16 is exact to ~1 ulp up to
+ * e^88 too: its range reduction does not depend on the sign. */
+#define RESCALE_MARGIN 8.f
+
+/* Tiles: 0-1 scores (keys 0-15, 16-31 of a block), 2 queries / probabilities, 3 keys / values,
+ * 4-7 O += P V for 4 blocks of 16 dims. With head_dim 64 those four hold all of O for the whole
+ * walk (stored only to rescale and at the end); with 128, each key block's P V is added to O in
+ * memory. */
+static inline void values_into_tiles(const uint16_t *v_block) {
+    _tile_loadd(3, v_block, 64);
+    _tile_dpbf16ps(4, 2, 3);
+    _tile_loadd(3, v_block + 512, 64);
+    _tile_dpbf16ps(5, 2, 3);
+    _tile_loadd(3, v_block + 1024, 64);
+    _tile_dpbf16ps(6, 2, 3);
+    _tile_loadd(3, v_block + 1536, 64);
+    _tile_dpbf16ps(7, 2, 3);
+}
+
+static inline void store_value_tiles(float *to, int64_t stride_bytes) {
+    _tile_stored(4, to, stride_bytes);
+    _tile_stored(5, to + 16, stride_bytes);
+    _tile_stored(6, to + 32, stride_bytes);
+    _tile_stored(7, to + 48, stride_bytes);
+}
+
+/* One task: queries [i0, i0 + 16) (of q_len) of head `head`; keys packed for its KV head. */
+static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_packed,
+                         const uint16_t *v_packed, uint16_t *out, int64_t num_heads, int64_t head,
+                         int64_t head_dim, int len, int q_len, int i0, float scale) {
+    const int64_t chunks = head_dim / 32, dim_blocks = head_dim / 16;
+    const int resident = head_dim == 64;          /* O lives in tiles 4-7 */
+    uint16_t queries[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    uint16_t probs[16 * 32] __attribute__((aligned(64)));
+    float scores[16 * 32] __attribute__((aligned(64)));
+    float values[16 * 64] __attribute__((aligned(64)));
+    float acc[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float best[16], total[16], correction[16];
+    const int rows = q_len - i0 < 16 ? q_len - i0 : 16;
+    memset(queries, 0, sizeof queries);
+    for (int r = 0; r < rows; r++)
+        memcpy(queries + r * head_dim, q + (int64_t)(i0 + r) * q_row_stride + head * head_dim, head_dim * 2);
+    for (int r = 0; r < 16; r++) {
+        best[r] = -INFINITY;
+        total[r] = 0.f;
+        for (int64_t d = 0; d < head_dim; d++) acc[r][d] = 0.f;
+    }
+    if (resident) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+    }
+    const int first_pos = len - q_len + i0;           /* position of the task's first query */
+    const int last_pos = first_pos + rows - 1;
+    const __m512 scale16 = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int kb = 0; kb * 32 <= last_pos; kb++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < chunks; c++) {
+            _tile_loadd(2, queries + c * 32, head_dim * 2);
+            _tile_loadd(3, k_packed + ((int64_t)(2 * kb) * chunks + c) * 512, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_loadd(3, k_packed + ((int64_t)(2 * kb + 1) * chunks + c) * 512, 64);
+            _tile_dpbf16ps(1, 2, 3);
+        }
+        _tile_stored(0, scores, 128);
+        _tile_stored(1, scores + 16, 128);
+        const int masked = kb * 32 + 31 > first_pos;  /* some key here is later than some query */
+        int rescale = 0;
+        for (int r = 0; r < 16; r++) {
+            const int pos = r < rows ? first_pos + r : last_pos;
+            __m512 low = _mm512_mul_ps(_mm512_load_ps(scores + 32 * r), scale16);
+            __m512 high = _mm512_mul_ps(_mm512_load_ps(scores + 32 * r + 16), scale16);
+            __mmask16 see_low = 0xFFFF, see_high = 0xFFFF;
+            if (masked) {
+                const __m512i visible = _mm512_set1_epi32(pos - kb * 32);
+                see_low = _mm512_cmple_epi32_mask(lane, visible);
+                see_high = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), visible);
+                low = _mm512_mask_mov_ps(minus_inf, see_low, low);
+                high = _mm512_mask_mov_ps(minus_inf, see_high, high);
+            }
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(low, high));
+            correction[r] = 1.f;
+            if (top > best[r] + RESCALE_MARGIN) {   /* first block (best -inf, key 0 seen) or a jump */
+                correction[r] = best[r] == -INFINITY ? 0.f : exp_nonpositive(best[r] - top);
+                rescale |= best[r] != -INFINITY;
+                best[r] = top;
+            }
+            const __m512 shift = _mm512_set1_ps(best[r]);
+            const __m512 p_low = _mm512_maskz_mov_ps(see_low, exp_nonpositive16(_mm512_sub_ps(low, shift)));
+            const __m512 p_high = _mm512_maskz_mov_ps(see_high, exp_nonpositive16(_mm512_sub_ps(high, shift)));
+            total[r] = total[r] * correction[r] + _mm512_reduce_add_ps(_mm512_add_ps(p_low, p_high));
+            _mm512_store_si512((__m512i *)(probs + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(p_high, p_low));
+        }
+        if (rescale && resident) store_value_tiles(acc[0], MAX_HEAD_DIM * 4);
+        if (rescale)
+            for (int r = 0; r < 16; r++) {
+                const __m512 factor = _mm512_set1_ps(correction[r]);
+                for (int64_t d = 0; d < head_dim; d += 16)
+                    _mm512_store_ps(acc[r] + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), factor));
+            }
+        if (rescale && resident) {
+            _tile_loadd(4, acc[0], MAX_HEAD_DIM * 4);
+            _tile_loadd(5, acc[0] + 16, MAX_HEAD_DIM * 4);
+            _tile_loadd(6, acc[0] + 32, MAX_HEAD_DIM * 4);
+            _tile_loadd(7, acc[0] + 48, MAX_HEAD_DIM * 4);
+        }
+        _tile_loadd(2, probs, 64);
+        const uint16_t *v_block = v_packed + (int64_t)kb * dim_blocks * 512;
+        if (resident) {
+            values_into_tiles(v_block);
+            continue;
+        }
+        for (int64_t db = 0; db < dim_blocks; db += 4) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            values_into_tiles(v_block + db * 512);
+            store_value_tiles(values, 256);
+            for (int r = 0; r < rows; r++)
+                for (int d = 0; d < 64; d += 16)
+                    _mm512_store_ps(acc[r] + db * 16 + d, _mm512_add_ps(_mm512_load_ps(acc[r] + db * 16 + d),
+                                                                        _mm512_load_ps(values + 64 * r + d)));
+        }
+    }
+    if (resident) store_value_tiles(acc[0], MAX_HEAD_DIM * 4);
+    for (int r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+        uint16_t *row = out + ((int64_t)(i0 + r) * num_heads + head) * head_dim;
+        for (int64_t d = 0; d < head_dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv)));
+    }
+}
+
+int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
+                       const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,
+                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, float scale) {
+    if ((head_dim != 64 && head_dim != 128) || num_heads % num_kv_heads) return BAD_SHAPE;
+    const int64_t group = num_heads / num_kv_heads, row_elements = num_kv_heads * head_dim;
+    int64_t *packed_at = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));   /* per sequence, in elements */
+    int64_t *tasks_at = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (!packed_at || !tasks_at) { free(packed_at); free(tasks_at); return NO_MEMORY; }
+    packed_at[0] = tasks_at[0] = 0;
+    int64_t key_blocks = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        if (query_lens[s] < 1 || query_lens[s] > seq_lens[s]) { free(packed_at); free(tasks_at); return BAD_SHAPE; }
+        const int64_t blocks = (seq_lens[s] + 31) / 32;
+        key_blocks += blocks * num_kv_heads;
+        packed_at[s + 1] = packed_at[s] + blocks * 32 * head_dim * num_kv_heads;
+        tasks_at[s + 1] = tasks_at[s] + num_heads * ((query_lens[s] + 15) / 16);
+    }
+    uint16_t *k_packed = aligned_alloc(64, (size_t)(packed_at[num_seqs] * 2 + 64));
+    uint16_t *v_packed = aligned_alloc(64, (size_t)(packed_at[num_seqs] * 2 + 64));
+    int status = k_packed && v_packed ? OK : NO_MEMORY;
+    if (status == OK) {
+        #pragma omp parallel
+        {
+            #pragma omp for schedule(static)
+            for (int64_t item = 0; item < key_blocks; item++) {   /* (sequence, KV head, 32-key block) */
+                int64_t s = 0, rest = item;
+                while (rest >= (seq_lens[s] + 31) / 32 * num_kv_heads) rest -= (seq_lens[s++] + 31) / 32 * num_kv_heads;
+                const int64_t blocks = (seq_lens[s] + 31) / 32, kv_head = rest / blocks;
+                const int64_t at = packed_at[s] + kv_head * blocks * 32 * head_dim;
+                pack_block(k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s], (int)(rest % blocks), kv_head,
+                           head_dim, block_size, row_elements, k_packed + at, v_packed + at);
+            }
+            _tile_loadconfig(&TILES_16x64);
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < tasks_at[num_seqs]; task++) {   /* (sequence, head, 16 queries) */
+                int64_t s = 0;
+                while (task >= tasks_at[s + 1]) s++;
+                const int64_t per_head = (query_lens[s] + 15) / 16, local = task - tasks_at[s];
+                const int64_t head = local / per_head, blocks = (seq_lens[s] + 31) / 32;
+                const int64_t at = packed_at[s] + head / group * blocks * 32 * head_dim;
+                attend_block(q + (int64_t)query_starts[s] * q_row_stride, q_row_stride, k_packed + at, v_packed + at,
+                             out + (int64_t)query_starts[s] * num_heads * head_dim, num_heads, head, head_dim,
+                             seq_lens[s], query_lens[s], (int)(local % per_head * 16), scale);
+            }
+            _tile_release();
+        }
+    }
+    free(k_packed);
+    free(v_packed);
+    free(packed_at);
+    free(tasks_at);
+    return status;
+}
+#else
+int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
+                       const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,
+                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, float scale) {
+    (void)q; (void)q_row_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)max_blocks;
+    (void)seq_lens; (void)query_lens; (void)query_starts; (void)out; (void)num_seqs; (void)num_heads;
+    (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale;
+    return UNSUPPORTED;
+}
+#endif
