@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("quant_linear_cpu", "fused_cpu", "paged_decode_cpu", "paged_prefill_cpu")
 # What a starting server needs before its first token: quant_pack and the GGUF dequantization
-# while weights load, the fused ops at the first forward. Decode attention comes later.
+# while weights load, the fused ops at the first forward. The attention kernels come later.
 LOADING_KERNELS = ("quant_linear_cpu", "fused_cpu")
 _LOCKS = {name: threading.Lock() for name in KERNELS}
 _BACKGROUND: dict[str, Future] = {}

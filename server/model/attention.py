@@ -1,8 +1,12 @@
 """Paged attention behind one interface: a batched torch path for CPU (Triton serves CUDA).
 
 On CPU, decode tokens (one query per sequence) go to the C kernel of
-`kernels/paged_decode_cpu.py`, which reads K/V in place through the block tables. Everything
-else (prefill chunks, and decodes where that kernel is unavailable) takes the padded torch
+`kernels/paged_decode_cpu.py`, which reads K/V in place through the block tables. With bf16,
+head_dim 64/128 and AMX (and no sliding window), every other sequence (fresh prompts and chunks
+after a cached prefix) goes to the flash-attention kernel of `kernels/paged_prefill_cpu.py`,
+also reading K/V through the block tables: 4 x 544-token prompts 3.7 ms a layer against 6.0 ms
+for torch SDPA. Otherwise (and while a starting server still compiles those kernels) prefill
+chunks, and decodes where the decode kernel is unavailable, take the padded torch
 path: K/V of each sequence's context are gathered from the paged cache by its block table into
 a padded `[S, max_seq_len, kv_heads, d]` tensor; queries are padded to
 `[S, max_query_len, heads, d]`; one boolean mask encodes causality against the cached prefix
