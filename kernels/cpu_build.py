@@ -5,7 +5,7 @@ engine's per-layer glue (norms, activation, paged attention) is dozens of them p
 files include no torch headers, so a build takes 1-7 s with the system C compiler (no
 multi-minute C++ extension build). The shared object is cached under
 `$KUBEINFER_CACHE_DIR/kernels` (default `~/.cache/kubeinfer/kernels`), keyed on the source,
-the headers it may include (`cpu_math.h`), flags, compiler and the CPU's feature flags
+the headers it may include (`cpu_math.h`, `amx_tiles.h`), flags, compiler and the CPU's feature flags
 (-march=native code only runs on the same features). It links the OpenMP runtime torch has already loaded (`libgomp.so.1`), so `torch.set_num_threads`
 governs these kernels too. Without a compiler `load` returns None and callers keep torch;
 `KUBEINFER_CPU_KERNELS=0` forces that.

@@ -29,20 +29,7 @@ enum { OK = 0, BAD_SHAPE = 1, UNSUPPORTED = 2, NO_MEMORY = 3 };
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define MAX_HEAD_DIM 128
 
-struct tile_config {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* Eight tiles of 16 rows x 64 bytes (a constant: GCC 12 drops stack stores before LDTILECFG). */
-static const struct tile_config TILES_16x64 __attribute__((aligned(64))) = {
-    .palette = 1,
-    .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
+#include "amx_tiles.h"
 
 /* Where key `key` of a sequence lies for KV head 0 (add kv_head * head_dim). */
 static inline const uint16_t *key_row(const uint16_t *cache, const int32_t *table, int key,

@@ -141,21 +141,7 @@ static void multiply_strip_direct(const uint16_t *x, int64_t rows, int64_t k, co
 #endif
 
 #if HAVE_AMX
-struct tile_config {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* Eight tiles of 16 rows x 64 bytes. A constant, not filled on the stack before LDTILECFG:
- * GCC 12 drops such stores (what breaks llama.cpp's AMX build here, see BENCHMARKS.md). */
-static const struct tile_config TILES_16x64 __attribute__((aligned(64))) = {
-    .palette = 1,
-    .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
+#include "amx_tiles.h"
 
 /* Linux hands out AMX state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM). */
 int amx_request(void) {
