@@ -31,10 +31,11 @@ enum { OK = 0, BAD_SHAPE = 1, UNSUPPORTED = 2, NO_MEMORY = 3 };
 
 #include "amx_tiles.h"
 
-/* Where key `key` of a sequence lies for KV head 0 (add kv_head * head_dim). */
-static inline const uint16_t *key_row(const uint16_t *cache, const int32_t *table, int key,
-                                      int64_t block_size, int64_t row_elements) {
-    return cache + ((int64_t)table[key / block_size] * block_size + key % block_size) * row_elements;
+/* Key `key`'s row of KV head `kv_head` in a sequence's cache, or NULL past its end (packed as zeros). */
+static inline const uint16_t *head_row(const uint16_t *cache, const int32_t *table, int key, int len,
+                                       int64_t kv_head, int64_t head_dim, int64_t block_size, int64_t row_elements) {
+    if (key >= len) return 0;
+    return cache + ((int64_t)table[key / block_size] * block_size + key % block_size) * row_elements + kv_head * head_dim;
 }
 
 /* 32 bf16 of a key's row (dims [32 c, 32 c + 32)), zeros for a key past the sequence's end. */
@@ -63,10 +64,10 @@ static void pack_block(const uint16_t *k_cache, const uint16_t *v_cache, const i
     }
     for (int pair = 0; pair < 16; pair++) {
         const int key = kb * 32 + 2 * pair;
-        const uint16_t *k0 = key < len ? key_row(k_cache, table, key, block_size, row_elements) + kv_head * head_dim : 0;
-        const uint16_t *k1 = key + 1 < len ? key_row(k_cache, table, key + 1, block_size, row_elements) + kv_head * head_dim : 0;
-        const uint16_t *v0 = key < len ? key_row(v_cache, table, key, block_size, row_elements) + kv_head * head_dim : 0;
-        const uint16_t *v1 = key + 1 < len ? key_row(v_cache, table, key + 1, block_size, row_elements) + kv_head * head_dim : 0;
+#define ROW(cache, at) head_row(cache, table, at, len, kv_head, head_dim, block_size, row_elements)
+        const uint16_t *k0 = ROW(k_cache, key), *k1 = ROW(k_cache, key + 1);
+        const uint16_t *v0 = ROW(v_cache, key), *v1 = ROW(v_cache, key + 1);
+#undef ROW
         const int half = 2 * pair / 16, in_half = 2 * pair % 16;   /* K: 16-key block 2 kb + half */
         for (int64_t c = 0; c < chunks; c++) {
             uint32_t first[16], second[16];
@@ -236,7 +237,11 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
     packed_at[0] = tasks_at[0] = 0;
     int64_t key_blocks = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
-        if (query_lens[s] < 1 || query_lens[s] > seq_lens[s]) { free(packed_at); free(tasks_at); return BAD_SHAPE; }
+        if (query_lens[s] < 1 || query_lens[s] > seq_lens[s]) {
+            free(packed_at);
+            free(tasks_at);
+            return BAD_SHAPE;
+        }
         const int64_t blocks = (seq_lens[s] + 31) / 32;
         key_blocks += blocks * num_kv_heads;
         packed_at[s + 1] = packed_at[s] + blocks * 32 * head_dim * num_kv_heads;

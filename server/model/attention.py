@@ -26,6 +26,7 @@ indexing, and `enable_gqa` beats expanding K/V to all heads by 2-10x.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -162,7 +163,7 @@ def _prefill_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> _
     device = batch.input_ids.device
     index = None if len(seqs) == batch.num_seqs else torch.tensor(seqs, device=device)
     query_lens = [batch.query_lens_cpu[i] for i in seqs]
-    query_starts = [sum(query_lens[:j]) for j in range(len(seqs))]
+    query_starts = [0, *itertools.accumulate(query_lens)][:-1]
     return _PrefillGroup(rows=_rows(seqs, starts, batch.query_lens_cpu, device),
                          block_tables=_subset(batch.block_tables, index).to(torch.int32).contiguous(),
                          seq_lens=_subset(batch.seq_lens, index).to(torch.int32).contiguous(),
@@ -193,7 +194,8 @@ def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
     for length in batch.query_lens_cpu:
         starts.append(starts[-1] + length)
     decodes, fresh, rest = [], [], []
-    prefill_kernel = prefill_kernel and all_valid and sliding_window is None   # it reads the step's K/V from the cache
+    # The prefill kernel reads this step's K/V from the cache: every row must have been stored.
+    prefill_kernel = prefill_kernel and all_valid and sliding_window is None
     for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
         if decode_kernel and query_len == 1:
             decodes.append(i)
@@ -226,6 +228,8 @@ class TorchAttention:
     `decode_kernel`: send single-query sequences to the C decode kernel (default: when it is
     available for the cache's dtype on this machine). While a starting server still compiles
     it, decodes take the torch path: a fresh pod's first tokens do not wait 5-8 s for gcc.
+    `prefill_kernel`: likewise for every other sequence and the AMX prefill kernel (default:
+    when it is available for the cache's dtype and head size).
     """
 
     def __init__(self, sliding_window: int | None = None, decode_kernel: bool | None = None,

@@ -51,7 +51,8 @@ def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache(make_llm, 
     llm.engine.abort_request("doomed")
     [again] = llm.generate([prompt], GREEDY)
     assert again.num_cached_tokens == 0
-    assert again.outputs[0].token_ids == make_llm(enable_prefix_caching=False).generate([prompt], GREEDY)[0].outputs[0].token_ids
+    [fresh] = make_llm(enable_prefix_caching=False).generate([prompt], GREEDY)
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
 
 def test_cache_salt_keeps_tenants_apart(make_llm, random_prompts):
     prompt = random_prompts(1, 64, 64, seed=3)[0]
