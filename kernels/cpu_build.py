@@ -109,8 +109,8 @@ def start_building(names: tuple[str, ...] = KERNELS) -> None:
     `import torch`.
 
     `kubeinfer serve` builds LOADING_KERNELS while it imports torch and loads weights (a fresh
-    pod's cache is an emptyDir), then the rest once its engine is up, and decodes in torch
-    until decode attention's kernel is built (`building`): its 4.5-7.5 s of gcc, run during the
+    pod's cache is an emptyDir), then the rest once its engine is up, and attends in torch
+    until the attention kernels are built (`building`): decode's 4.5-7.5 s of gcc, run during the
     load, slowed a first start on 2 cores by 1.5-2 s, and run at a lower priority it starved
     behind a loaded engine for more than 30 s. Offline engines (tests, `generate`, `bench
     throughput`) do not call it: they build each kernel at its first use and never run a step

@@ -116,7 +116,9 @@ def dequantize(qtype: str, blocks: torch.Tensor, rows: int, cols: int) -> torch.
         raise ValueError(f"cannot dequantize {blocks.numel()} {blocks.dtype} as {qtype} [{rows}, {cols}]")
     blocks = blocks.contiguous()
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    _functions()[4](blocks.data_ptr(), out.data_ptr(), rows, cols, _GGUF_TYPES.index(qtype))
+    status = _functions()[4](blocks.data_ptr(), out.data_ptr(), rows, cols, _GGUF_TYPES.index(qtype))
+    if status:
+        raise RuntimeError(f"GGUF dequantize kernel failed (status {status}) for {qtype} [{rows}, {cols}]")
     return out
 
 

@@ -67,7 +67,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from kubeinfer.server.engine.config import EngineConfig
 
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))
-    if args.device in ("auto", "cpu"):   # decode attention's kernel: now, off the loading path
+    if args.device in ("auto", "cpu"):   # the attention kernels: now, off the loading path
         cpu_build.start_building()
     try:
         state = ServerState.create(engine, args.model, args.max_queued_requests)

@@ -67,13 +67,17 @@ class KVCacheManager:
         """Offer the full blocks a scheduled chunk will have computed to the prefix cache now, so
         a sequence admitted later in the same step shares them (the step stores every layer's
         K/V before attention reads any). Where the cache already holds a block, the sequence
-        still computes its own copy this step; `cache_full_blocks` adopts the cached one after."""
+        still computes its own copy this step; `cache_full_blocks` adopts the cached one after
+        (otherwise it has nothing left to do)."""
         if self.cache is None:
             return
         num_full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
-        if num_full > seq.num_inserted_blocks:
-            self.cache.insert(seq.token_ids[:num_full * self.block_size], seq.block_table[:num_full],
-                              seq.params.cache_salt)
+        if num_full <= seq.num_inserted_blocks:
+            return
+        canonical = self.cache.insert(seq.token_ids[:num_full * self.block_size], seq.block_table[:num_full],
+                                      seq.params.cache_salt)
+        if canonical[seq.num_inserted_blocks:] == seq.block_table[seq.num_inserted_blocks:num_full]:
+            seq.num_inserted_blocks = num_full
 
     def drop_cache(self) -> None:
         """Forget every cached block (sequences keep theirs): after a failed step, blocks

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -220,6 +221,19 @@ def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
     )
 
 
+def _decide_kernel(choice: bool | None, cache: torch.Tensor, kernel: ModuleType, *shape: int) -> bool | None:
+    """Whether a CPU attention kernel module (`paged_decode_cpu`, `paged_prefill_cpu`) serves this
+    cache: `choice` once decided; None (torch now, decided at a later step) while a starting
+    server still compiles it."""
+    if choice is not None:
+        return choice
+    if cache.device.type != "cpu":
+        return False
+    if kernel.building():
+        return None
+    return kernel.available(cache.dtype, *shape)
+
+
 class TorchAttention:
     """Batched paged attention on CPU: see the module docstring.
 
@@ -240,27 +254,14 @@ class TorchAttention:
         self._batch: ForwardBatch | None = None
         self._layout: _StepLayout | None = None
 
-    def _uses_kernel(self, cache: torch.Tensor) -> bool:
-        if self.decode_kernel is None:
-            if cache.device.type == "cpu" and paged_decode_cpu.building():
-                return False   # decided at a later step, once the compiler is done
-            self.decode_kernel = cache.device.type == "cpu" and paged_decode_cpu.available(cache.dtype)
-        return self.decode_kernel
-
-    def _uses_prefill_kernel(self, cache: torch.Tensor) -> bool:
-        if self.prefill_kernel is None:
-            if cache.device.type == "cpu" and paged_prefill_cpu.building():
-                return False
-            self.prefill_kernel = (cache.device.type == "cpu"
-                                   and paged_prefill_cpu.available(cache.dtype, cache.shape[-1]))
-        return self.prefill_kernel
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if batch is not self._batch:   # first layer of a new step
             self._batch = batch
-            self._layout = _layout(batch, k_cache.shape[1], self.sliding_window, self._uses_kernel(k_cache),
-                                   self._uses_prefill_kernel(k_cache))
+            self.decode_kernel = _decide_kernel(self.decode_kernel, k_cache, paged_decode_cpu)
+            self.prefill_kernel = _decide_kernel(self.prefill_kernel, k_cache, paged_prefill_cpu, k_cache.shape[-1])
+            self._layout = _layout(batch, k_cache.shape[1], self.sliding_window, bool(self.decode_kernel),
+                                   bool(self.prefill_kernel))
         layout = self._layout
         self._store(k, v, k_cache, v_cache, batch.slot_mapping, layout)
         decode, padded, prefill = layout.decode, layout.padded, layout.prefill
