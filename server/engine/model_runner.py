@@ -23,6 +23,21 @@ log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
+_SAME_SIZE_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages the OS maps on first touch, 64-byte aligned.
+
+    Why: `torch.zeros` writes every byte up front; for the default 1 GiB cache that was 0.37 s of
+    cold start. numpy's zeros is `calloc`, which for sizes this large maps fresh zero pages, so only
+    the blocks a workload uses are ever paged in."""
+    elements, align = int(np.prod(shape)), 64 // dtype.itemsize
+    raw = np.zeros(elements + align, dtype=_SAME_SIZE_INT[dtype.itemsize])
+    start = (-raw.ctypes.data % 64) // dtype.itemsize
+    return torch.from_numpy(raw[start:start + elements]).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, loaded: "LoadedModel", config: EngineConfig) -> None:
         self.model = loaded.model
@@ -39,13 +54,15 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ValueError(f"KV-cache budget of {budget} bytes holds no block of "
                              f"{bytes_per_block} bytes; raise --kv-cache-memory")
-        self.kv_caches = [
-            (torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device),
-             torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device))
-            for _ in range(mc.num_hidden_layers)]
+        zeros = _lazy_cpu_zeros if self.device.type == "cpu" else self._device_zeros
+        self.kv_caches = [(zeros((self.num_blocks, *shape), self.dtype), zeros((self.num_blocks, *shape), self.dtype))
+                          for _ in range(mc.num_hidden_layers)]
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", self.num_blocks,
                  config.block_size, self.num_blocks * bytes_per_block / 2**30,
                  self.num_blocks * config.block_size)
+
+    def _device_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _kv_cache_budget(self, config: EngineConfig) -> int:
         if config.kv_cache_memory is not None:
