@@ -43,15 +43,15 @@ static inline __m512i row_chunk(const uint16_t *row, int64_t c) {
     return row ? _mm512_loadu_si512(row + c * 32) : _mm512_setzero_si512();
 }
 
-/* Keys [32 kb, 32 kb + 32) of one sequence and KV head into the packed K and V layouts above.
+/* Keys [32 kb, 32 kb + 32) of one sequence and KV head into the packed K and V layouts above, at
+ * k_block and v_block (32 x head_dim values each).
  * V's pairs come from one two-source word permute per 16 dims: fifteen 32-token chunks over
  * 544-token contexts and a 200-token one, 4.8 ms a layer against 5.3 with a scalar loop. */
 static void pack_block(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int len,
                        int kb, int64_t kv_head, int64_t head_dim, int64_t block_size, int64_t row_elements,
-                       uint16_t *k_packed, uint16_t *v_packed) {
+                       uint16_t *k_block, uint16_t *v_block) {
     const int64_t chunks = head_dim / 32;
-    uint32_t *k_pairs = (uint32_t *)(k_packed + (int64_t)kb * 32 * head_dim);   /* two 16-key blocks */
-    uint16_t *v_block = v_packed + (int64_t)kb * 32 * head_dim;
+    uint32_t *k_pairs = (uint32_t *)k_block;   /* two 16-key blocks */
     __m512i first_half, second_half;   /* word 2n <- first key's dim n, 2n + 1 <- second key's */
     {
         uint16_t low[32], high[32];
@@ -113,10 +113,11 @@ static inline void store_value_tiles(float *to, int64_t stride_bytes) {
     _tile_stored(7, to + 48, stride_bytes);
 }
 
-/* One task: queries [i0, i0 + 16) (of q_len) of head `head`; keys packed for its KV head. */
+/* One task: queries [i0, i0 + 16) (of q_len) of head `head`; its KV head's 32-key block kb is
+ * packed at k_packed + block_at[kb] (and v_packed + block_at[kb]). */
 static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_packed,
-                         const uint16_t *v_packed, uint16_t *out, int64_t num_heads, int64_t head,
-                         int64_t head_dim, int len, int q_len, int i0, float scale) {
+                         const uint16_t *v_packed, const int64_t *block_at, uint16_t *out, int64_t num_heads,
+                         int64_t head, int64_t head_dim, int len, int q_len, int i0, float scale) {
     const int64_t chunks = head_dim / 32, dim_blocks = head_dim / 16;
     const int resident = head_dim == 64;          /* O lives in tiles 4-7 */
     uint16_t queries[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));
@@ -147,11 +148,12 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
     for (int kb = 0; kb * 32 <= last_pos; kb++) {
         _tile_zero(0);
         _tile_zero(1);
+        const uint16_t *k_block = k_packed + block_at[kb];
         for (int64_t c = 0; c < chunks; c++) {
             _tile_loadd(2, queries + c * 32, head_dim * 2);
-            _tile_loadd(3, k_packed + ((int64_t)(2 * kb) * chunks + c) * 512, 64);
+            _tile_loadd(3, k_block + c * 512, 64);
             _tile_dpbf16ps(0, 2, 3);
-            _tile_loadd(3, k_packed + ((int64_t)(2 * kb + 1) * chunks + c) * 512, 64);
+            _tile_loadd(3, k_block + (chunks + c) * 512, 64);
             _tile_dpbf16ps(1, 2, 3);
         }
         _tile_stored(0, scores, 128);
@@ -197,7 +199,7 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
             _tile_loadd(7, acc[0] + 48, MAX_HEAD_DIM * 4);
         }
         _tile_loadd(2, probs, 64);
-        const uint16_t *v_block = v_packed + (int64_t)kb * dim_blocks * 512;
+        const uint16_t *v_block = v_packed + block_at[kb];
         if (resident) {
             values_into_tiles(v_block);
             continue;
@@ -224,43 +226,81 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
     }
 }
 
+/* For each sequence s and 32-key block kb, the sequence whose packing of that block s reads
+ * (`source[first_block[s] + kb]`): an earlier one whose block table maps those 32 keys to the same
+ * cache blocks (a prompt prefix shared through the prefix cache), both holding all 32 keys, or s
+ * itself. Shared blocks are then packed once: sixteen 32-token chunks over four shared 512-token
+ * prefixes packed 4 x 512 + 16 x 32 keys instead of 16 x 544. */
+static void find_sources(const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                         int64_t max_blocks, int64_t block_size, const int64_t *first_block, int32_t *source) {
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int32_t *table = block_tables + s * max_blocks;
+        const int64_t entries = (seq_lens[s] + block_size - 1) / block_size;
+        int64_t partner = -1, common = 0;   /* the earlier sequence sharing the most leading entries */
+        for (int64_t t = 0; t < s; t++) {
+            const int32_t *other = block_tables + t * max_blocks;
+            const int64_t limit = entries < (seq_lens[t] + block_size - 1) / block_size
+                                      ? entries : (seq_lens[t] + block_size - 1) / block_size;
+            int64_t n = 0;
+            while (n < limit && other[n] == table[n]) n++;
+            if (n > common) common = n, partner = t;
+        }
+        for (int64_t kb = 0; kb < first_block[s + 1] - first_block[s]; kb++) {
+            const int64_t last_key = kb * 32 + 31;
+            const int shared = partner >= 0 && last_key < seq_lens[s] && last_key < seq_lens[partner] &&
+                               last_key / block_size < common;
+            source[first_block[s] + kb] = shared ? source[first_block[partner] + kb] : (int32_t)s;
+        }
+    }
+}
+
 int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
                        const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,
                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, float scale) {
     if ((head_dim != 64 && head_dim != 128) || num_heads % num_kv_heads) return BAD_SHAPE;
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (query_lens[s] < 1 || query_lens[s] > seq_lens[s]) return BAD_SHAPE;
     const int64_t group = num_heads / num_kv_heads, row_elements = num_kv_heads * head_dim;
-    int64_t *packed_at = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));   /* per sequence, in elements */
+    const int64_t block_elements = 32 * head_dim;   /* one KV head's packed 32-key block, K or V */
+    /* Per sequence: its first 32-key block's index (first_block), its first task (tasks_at). */
+    int64_t *first_block = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     int64_t *tasks_at = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
-    if (!packed_at || !tasks_at) { free(packed_at); free(tasks_at); return NO_MEMORY; }
-    packed_at[0] = tasks_at[0] = 0;
-    int64_t key_blocks = 0;
+    if (!first_block || !tasks_at) { free(first_block); free(tasks_at); return NO_MEMORY; }
+    first_block[0] = tasks_at[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
-        if (query_lens[s] < 1 || query_lens[s] > seq_lens[s]) {
-            free(packed_at);
-            free(tasks_at);
-            return BAD_SHAPE;
-        }
-        const int64_t blocks = (seq_lens[s] + 31) / 32;
-        key_blocks += blocks * num_kv_heads;
-        packed_at[s + 1] = packed_at[s] + blocks * 32 * head_dim * num_kv_heads;
+        first_block[s + 1] = first_block[s] + (seq_lens[s] + 31) / 32;
         tasks_at[s + 1] = tasks_at[s] + num_heads * ((query_lens[s] + 15) / 16);
     }
-    uint16_t *k_packed = aligned_alloc(64, (size_t)(packed_at[num_seqs] * 2 + 64));
-    uint16_t *v_packed = aligned_alloc(64, (size_t)(packed_at[num_seqs] * 2 + 64));
-    int status = k_packed && v_packed ? OK : NO_MEMORY;
+    const int64_t blocks = first_block[num_seqs];
+    int32_t *source = malloc(sizeof(int32_t) * (size_t)blocks);
+    int64_t *owned = malloc(sizeof(int64_t) * (size_t)blocks);    /* blocks to pack: s * 2^32 + kb */
+    int64_t *block_at = malloc(sizeof(int64_t) * (size_t)(blocks * num_kv_heads));   /* [(s, kv head), kb] */
+    uint16_t *k_packed = aligned_alloc(64, (size_t)(blocks * num_kv_heads * block_elements * 2 + 64));
+    uint16_t *v_packed = aligned_alloc(64, (size_t)(blocks * num_kv_heads * block_elements * 2 + 64));
+    int status = source && owned && block_at && k_packed && v_packed ? OK : NO_MEMORY;
     if (status == OK) {
+        find_sources(block_tables, seq_lens, num_seqs, max_blocks, block_size, first_block, source);
+        int64_t num_owned = 0;
+        for (int64_t s = 0; s < num_seqs; s++)
+            for (int64_t kb = 0; kb < first_block[s + 1] - first_block[s]; kb++) {
+                const int64_t from = source[first_block[s] + kb];   /* laid out as [kv head][kb] per sequence */
+                const int64_t from_blocks = first_block[from + 1] - first_block[from];
+                for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++)
+                    block_at[first_block[s] * num_kv_heads + kv_head * (first_block[s + 1] - first_block[s]) + kb] =
+                        (first_block[from] * num_kv_heads + kv_head * from_blocks + kb) * block_elements;
+                if (from == s) owned[num_owned++] = s << 32 | kb;
+            }
         #pragma omp parallel
         {
             #pragma omp for schedule(static)
-            for (int64_t item = 0; item < key_blocks; item++) {   /* (sequence, KV head, 32-key block) */
-                int64_t s = 0, rest = item;
-                while (rest >= (seq_lens[s] + 31) / 32 * num_kv_heads) rest -= (seq_lens[s++] + 31) / 32 * num_kv_heads;
-                const int64_t blocks = (seq_lens[s] + 31) / 32, kv_head = rest / blocks;
-                const int64_t at = packed_at[s] + kv_head * blocks * 32 * head_dim;
-                pack_block(k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s], (int)(rest % blocks), kv_head,
-                           head_dim, block_size, row_elements, k_packed + at, v_packed + at);
+            for (int64_t item = 0; item < num_owned * num_kv_heads; item++) {   /* (owned block, KV head) */
+                const int64_t s = owned[item / num_kv_heads] >> 32, kb = owned[item / num_kv_heads] & 0xFFFFFFFF;
+                const int64_t kv_head = item % num_kv_heads;
+                const int64_t at = block_at[first_block[s] * num_kv_heads + kv_head * (first_block[s + 1] - first_block[s]) + kb];
+                pack_block(k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s], (int)kb, kv_head, head_dim,
+                           block_size, row_elements, k_packed + at, v_packed + at);
             }
             _tile_loadconfig(&TILES_16x64);
             #pragma omp for schedule(dynamic, 1)
@@ -268,9 +308,9 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
                 int64_t s = 0;
                 while (task >= tasks_at[s + 1]) s++;
                 const int64_t per_head = (query_lens[s] + 15) / 16, local = task - tasks_at[s];
-                const int64_t head = local / per_head, blocks = (seq_lens[s] + 31) / 32;
-                const int64_t at = packed_at[s] + head / group * blocks * 32 * head_dim;
-                attend_block(q + (int64_t)query_starts[s] * q_row_stride, q_row_stride, k_packed + at, v_packed + at,
+                const int64_t head = local / per_head;
+                const int64_t *at = block_at + first_block[s] * num_kv_heads + head / group * (first_block[s + 1] - first_block[s]);
+                attend_block(q + (int64_t)query_starts[s] * q_row_stride, q_row_stride, k_packed, v_packed, at,
                              out + (int64_t)query_starts[s] * num_heads * head_dim, num_heads, head, head_dim,
                              seq_lens[s], query_lens[s], (int)(local % per_head * 16), scale);
             }
@@ -279,7 +319,10 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
     }
     free(k_packed);
     free(v_packed);
-    free(packed_at);
+    free(block_at);
+    free(owned);
+    free(source);
+    free(first_block);
     free(tasks_at);
     return status;
 }

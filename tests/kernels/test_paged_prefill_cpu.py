@@ -43,6 +43,30 @@ def test_matches_reference(kind, heads, kv_heads, head_dim, block_size):
     torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=TOLERANCE)
 
 
+# Sequences whose first blocks are another's, as the prefix cache shares a prompt's blocks.
+SHARING = [(32, 512), (32, 512), (200, 344), (32, 512), (5, 40), (1, 100)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_sequences_sharing_prefix_blocks(block_size):
+    """The kernel packs a shared 32-key window once and every sharer reads that packing; a window
+    only partly shared, or not full in one of the sequences, must still be packed per sequence."""
+    batch = make_paged_batch(SHARING, 9, 3, 64, block_size, torch.bfloat16, seed=7)
+
+    def share(follower: int, leader: int, keys: int) -> None:
+        blocks = keys // block_size
+        batch.block_tables[follower, :blocks] = batch.block_tables[leader, :blocks]
+
+    share(1, 0, 512)     # the whole prefix
+    share(3, 1, 512)     # through a sequence that shares it too
+    share(2, 0, 336)     # ends inside a 32-key window
+    share(4, 0, 48)      # the second window is not full in the 45-token sequence
+    share(5, 4, 32)      # one 16-key block of a window (block size 16), or one whole window (32)
+    got, want = _run(batch)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=TOLERANCE)
+
+
 def test_strided_queries_are_read_in_place():
     """q as the engine has it: a view into the fused qkv projection, rows further apart than H x D."""
     batch = make_paged_batch(CASES["chunks-after-prefix"], 9, 3, 64, 16, torch.bfloat16)
