@@ -1,12 +1,13 @@
 """A fixed pool of KV-cache blocks with reference counts.
 
 A block is shared copy-free by every sequence (and the prefix cache) that references it;
-it returns to the free list when its last reference goes.
+it returns to the free list when its last reference goes. The free list is a stack: the block
+freed last is reused first, so a workload keeps writing the memory it already touched. The CPU
+cache's pages are mapped on first write (`model_runner._lazy_cpu_zeros`); a queue would sweep
+the whole pool, faulting in every page of it during serving.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 
 class BlockPool:
@@ -15,7 +16,7 @@ class BlockPool:
             raise ValueError(f"the KV-cache pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free = list(range(num_blocks - 1, -1, -1))   # block 0 on top
 
     @property
     def num_free(self) -> int:
@@ -24,7 +25,7 @@ class BlockPool:
     def allocate(self, count: int) -> list[int]:
         """Take `count` free blocks with one reference each; the caller checked num_free."""
         assert count <= len(self._free), f"asked for {count} blocks, {len(self._free)} free"
-        blocks = [self._free.popleft() for _ in range(count)]
+        blocks = [self._free.pop() for _ in range(count)]
         for block in blocks:
             self.ref_counts[block] = 1
         return blocks

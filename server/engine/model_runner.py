@@ -11,6 +11,7 @@ import torch
 from ..model.forward_batch import ForwardBatch
 from ..parallel.plan import kv_heads_per_rank
 from .config import EngineConfig
+from .cpu_cache_memory import lazy_zeros, map_in_background
 from .cpu_threads import limit_torch_threads
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -21,21 +22,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-_SAME_SIZE_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose pages the OS maps on first touch, 64-byte aligned.
-
-    Why: `torch.zeros` writes every byte up front; for the default 1 GiB cache that was 0.37 s of
-    cold start. numpy's zeros is `calloc`, which for sizes this large maps fresh zero pages, so only
-    the blocks a workload uses are ever paged in."""
-    elements, align = int(np.prod(shape)), 64 // dtype.itemsize
-    raw = np.zeros(elements + align, dtype=_SAME_SIZE_INT[dtype.itemsize])
-    start = (-raw.ctypes.data % 64) // dtype.itemsize
-    return torch.from_numpy(raw[start:start + elements]).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -54,9 +40,11 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ValueError(f"KV-cache budget of {budget} bytes holds no block of "
                              f"{bytes_per_block} bytes; raise --kv-cache-memory")
-        zeros = _lazy_cpu_zeros if self.device.type == "cpu" else self._device_zeros
+        zeros = lazy_zeros if self.device.type == "cpu" else self._device_zeros
         self.kv_caches = [(zeros((self.num_blocks, *shape), self.dtype), zeros((self.num_blocks, *shape), self.dtype))
                           for _ in range(mc.num_hidden_layers)]
+        if self.device.type == "cpu":
+            map_in_background([cache for pair in self.kv_caches for cache in pair])
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", self.num_blocks,
                  config.block_size, self.num_blocks * bytes_per_block / 2**30,
                  self.num_blocks * config.block_size)

@@ -18,6 +18,15 @@ def test_free_count_is_exact_and_blocks_come_back():
     assert pool.num_free == 8
 
 
+def test_the_block_freed_last_is_reused_first():
+    """Serving keeps writing the cache pages it already touched (they are mapped on first write)."""
+    pool = BlockPool(8)
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.decref(1)
+    pool.decref(0)
+    assert pool.allocate(3) == [0, 1, 3]
+
+
 def test_double_free_is_refused():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)

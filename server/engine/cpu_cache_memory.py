@@ -1,0 +1,51 @@
+"""CPU memory for the KV cache: zeroed without writing it, mapped off the startup path.
+
+`torch.zeros` writes every byte before the engine can start: 0.37 s of cold start for the default
+1 GiB cache. Here the cache comes from `calloc` (numpy's zeros), whose large allocations are fresh
+zero pages the kernel maps on first write, and a background thread then asks the kernel to map
+them all (`MADV_POPULATE_WRITE`, Linux 5.14+), which leaves their contents alone, so it may run
+while the engine already writes K/V. Without it, every first write to a page during serving would
+take a page fault inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_MADV_POPULATE_WRITE = 23
+_PAGE = 4096
+_SAME_SIZE_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed, 64-byte aligned CPU tensor whose pages are not mapped yet."""
+    elements, align = int(np.prod(shape)), 64 // dtype.itemsize
+    raw = np.zeros(elements + align, dtype=_SAME_SIZE_INT[dtype.itemsize])
+    start = (-raw.ctypes.data % 64) // dtype.itemsize
+    return torch.from_numpy(raw[start:start + elements]).view(dtype).view(shape)
+
+
+def map_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
+    """Start mapping the pages of `tensors` (from `lazy_zeros`) in a daemon thread; returned so
+    callers may wait. Where the kernel lacks MADV_POPULATE_WRITE, pages map on first write."""
+    thread = threading.Thread(target=_populate, args=(tensors,), name="kubeinfer-kv-map", daemon=True)
+    thread.start()
+    return thread
+
+
+def _populate(tensors: list[torch.Tensor]) -> None:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for tensor in tensors:
+        start = -(-tensor.data_ptr() // _PAGE) * _PAGE    # whole pages inside the tensor
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _PAGE * _PAGE
+        if end > start and madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+            log.debug("KV cache pages map on first write (madvise: errno %d)", ctypes.get_errno())
+            return
