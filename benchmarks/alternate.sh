@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # kubeinfer and vLLM up at once, benchmarked in alternation: on a host whose speed drifts by a
 # third within minutes (see BENCHMARKS.md), back-to-back pairs give the steadier ratio.
-# Each round: random 128/128 at c=32, then shared-prefix 512+32/128 at c=16, on kubeinfer then
-# vLLM, with the round's seed for both. Needs `benchmarks/peers.sh install` first.
+# Each round: random 128/128 at c=32, then shared-prefix 512+32/128 at c=16, on one server then
+# the other, with the round's seed for both. Odd rounds start with kubeinfer, even ones with
+# vLLM: two identical kubeinfer servers measured this way favoured whichever ran first (296 vs
+# 265, 285 vs 255 tok/s), so an even number of rounds cancels that.
+# Needs `benchmarks/peers.sh install` first.
 #
-#   benchmarks/alternate.sh [rounds]    # default 3; ~3 min to start vLLM, ~1 min a round
+#   benchmarks/alternate.sh [rounds]    # default 4; ~3 min to start vLLM, ~1 min a round
 set -euo pipefail
-ROUNDS="${1:-3}"
+ROUNDS="${1:-4}"
 PY="${KUBEINFER_PYTHON:-$HOME/.cache/kubeinfer/venv-bootstrap/bin/python}"
 PEERS="${KUBEINFER_PEERS:-$HOME/.cache/kubeinfer/peers}"
 HF_DIR="$PEERS/smollm2-hf"   # vLLM: the GGUF dequantized to bf16, the values kubeinfer's GGUF load gives
@@ -32,7 +35,8 @@ bench() {  # port seed dataset-flags...
     --seed "$seed" --no-progress "$@" | tail -1
 }
 for round in $(seq "$ROUNDS"); do
-  for port in 8801 8802; do
+  order="8801 8802"; (( round % 2 == 0 )) && order="8802 8801"
+  for port in $order; do
     name=$([[ $port == 8801 ]] && echo kubeinfer || echo vllm)
     echo "round $round $name $(date -u +%T)"
     echo "  random c=32:  $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 32)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 
 import numpy as np
@@ -41,6 +42,9 @@ def map_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
 
 
 def _populate(tensors: list[torch.Tensor]) -> None:
+    # Lowest priority: on a 2-core machine this thread would otherwise stall one of the engine's
+    # two OpenMP threads (the first request's forward took 0.27 s instead of 0.07 s).
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for tensor in tensors:
