@@ -2,9 +2,10 @@
 
 A block is shared copy-free by every sequence (and the prefix cache) that references it;
 it returns to the free list when its last reference goes. The free list is a stack: the block
-freed last is reused first, so a workload keeps writing the memory it already touched. The CPU
-cache's pages are mapped on first write (`model_runner._lazy_cpu_zeros`); a queue would sweep
-the whole pool, faulting in every page of it during serving.
+freed last is reused first, so a workload keeps writing memory it already touched. The CPU
+cache's pages are mapped by a low-priority background thread (`cpu_cache_memory`); until it is
+done, or where the kernel cannot do it, a queue sweeping the whole pool would take those page
+faults inside forward passes.
 """
 
 from __future__ import annotations

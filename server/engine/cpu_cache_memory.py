@@ -10,10 +10,12 @@ take a page fault inside a forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23
 _PAGE = 4096
+_CHUNK = 64 << 20   # bytes mapped per call: a cache dropped meanwhile stops being mapped soon
 _SAME_SIZE_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
@@ -34,22 +37,38 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def map_in_background(tensors: list[torch.Tensor]) -> threading.Thread:
-    """Start mapping the pages of `tensors` (from `lazy_zeros`) in a daemon thread; returned so
-    callers may wait. Where the kernel lacks MADV_POPULATE_WRITE, pages map on first write."""
-    thread = threading.Thread(target=_populate, args=(tensors,), name="kubeinfer-kv-map", daemon=True)
+    """Start mapping the pages of `tensors` (from `lazy_zeros`) in a daemon thread, which holds
+    them only weakly (an engine dropped meanwhile frees its cache); returned so callers may wait.
+    Where the kernel lacks MADV_POPULATE_WRITE, pages map on first write."""
+    refs = [weakref.ref(tensor) for tensor in tensors]
+    thread = threading.Thread(target=_populate, args=(refs,), name="kubeinfer-kv-map", daemon=True)
     thread.start()
     return thread
 
 
-def _populate(tensors: list[torch.Tensor]) -> None:
+def _populate(refs: list[weakref.ref[torch.Tensor]]) -> None:
     # Lowest priority: on a 2-core machine this thread would otherwise stall one of the engine's
     # two OpenMP threads (the first request's forward took 0.27 s instead of 0.07 s).
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    for tensor in tensors:
-        start = -(-tensor.data_ptr() // _PAGE) * _PAGE    # whole pages inside the tensor
-        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _PAGE * _PAGE
-        if end > start and madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-            log.debug("KV cache pages map on first write (madvise: errno %d)", ctypes.get_errno())
-            return
+    for ref in refs:
+        at, end = _whole_pages(ref)
+        while at < end:
+            if ref() is None:
+                break
+            size = min(_CHUNK, end - at)
+            if madvise(at, size, _MADV_POPULATE_WRITE) != 0:
+                log.debug("KV cache pages map on first write (madvise: errno %d)", ctypes.get_errno())
+                return
+            at += size
+
+
+def _whole_pages(ref: weakref.ref[torch.Tensor]) -> tuple[int, int]:
+    """The address range of the whole pages inside the tensor (empty if it is gone)."""
+    tensor = ref()
+    if tensor is None:
+        return 0, 0
+    start = -(-tensor.data_ptr() // _PAGE) * _PAGE
+    return start, (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _PAGE * _PAGE
