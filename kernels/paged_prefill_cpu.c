@@ -256,6 +256,13 @@ static void find_sources(const int32_t *block_tables, const int32_t *seq_lens, i
     }
 }
 
+/* Index of (sequence s, KV head, 32-key block kb) in the per-sequence [kv head][kb] layout that
+ * block_at and the packed K and V share; first_block[s] is s's first 32-key block. */
+static inline int64_t block_index(const int64_t *first_block, int64_t s, int64_t kv_head, int64_t kb,
+                                  int64_t num_kv_heads) {
+    return first_block[s] * num_kv_heads + kv_head * (first_block[s + 1] - first_block[s]) + kb;
+}
+
 int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
                        const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,
@@ -287,11 +294,10 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
         int64_t num_owned = 0;
         for (int64_t s = 0; s < num_seqs; s++)
             for (int64_t kb = 0; kb < first_block[s + 1] - first_block[s]; kb++) {
-                const int64_t from = source[first_block[s] + kb];   /* laid out as [kv head][kb] per sequence */
-                const int64_t from_blocks = first_block[from + 1] - first_block[from];
+                const int64_t from = source[first_block[s] + kb];
                 for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++)
-                    block_at[first_block[s] * num_kv_heads + kv_head * (first_block[s + 1] - first_block[s]) + kb] =
-                        (first_block[from] * num_kv_heads + kv_head * from_blocks + kb) * block_elements;
+                    block_at[block_index(first_block, s, kv_head, kb, num_kv_heads)] =
+                        block_index(first_block, from, kv_head, kb, num_kv_heads) * block_elements;
                 if (from == s) owned[num_owned++] = s << 32 | kb;
             }
         #pragma omp parallel
@@ -300,7 +306,7 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
             for (int64_t item = 0; item < num_owned * num_kv_heads; item++) {   /* (owned block, KV head) */
                 const int64_t s = owned[item / num_kv_heads] >> 32, kb = owned[item / num_kv_heads] & 0xFFFFFFFF;
                 const int64_t kv_head = item % num_kv_heads;
-                const int64_t at = block_at[first_block[s] * num_kv_heads + kv_head * (first_block[s + 1] - first_block[s]) + kb];
+                const int64_t at = block_index(first_block, s, kv_head, kb, num_kv_heads) * block_elements;
                 pack_block(k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s], (int)kb, kv_head, head_dim,
                            block_size, row_elements, k_packed + at, v_packed + at);
             }
@@ -311,7 +317,7 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
                 while (task >= tasks_at[s + 1]) s++;
                 const int64_t per_head = (query_lens[s] + 15) / 16, local = task - tasks_at[s];
                 const int64_t head = local / per_head;
-                const int64_t *at = block_at + first_block[s] * num_kv_heads + head / group * (first_block[s + 1] - first_block[s]);
+                const int64_t *at = block_at + block_index(first_block, s, head / group, 0, num_kv_heads);
                 attend_block(q + (int64_t)query_starts[s] * q_row_stride, q_row_stride, k_packed, v_packed, at,
                              out + (int64_t)query_starts[s] * num_heads * head_dim, num_heads, head, head_dim,
                              seq_lens[s], query_lens[s], (int)(local % per_head * 16), scale);

@@ -265,14 +265,9 @@ class TorchAttention:
         layout = self._layout
         self._store(k, v, k_cache, v_cache, batch.slot_mapping, layout)
         decode, padded, prefill = layout.decode, layout.padded, layout.prefill
-        if prefill is not None:
-            if decode is None:
-                return self._prefill(q, k_cache, v_cache, prefill, scale)
-            out = torch.empty_like(q)
-            out[decode.rows] = self._decode(q[decode.rows], k_cache, v_cache, decode, scale)
-            out[prefill.rows] = self._prefill(q[prefill.rows], k_cache, v_cache, prefill, scale)
-            return out
-        if not padded and not layout.fresh:
+        if decode is None and prefill is not None:   # then fresh and padded are empty too
+            return self._prefill(q, k_cache, v_cache, prefill, scale)
+        if prefill is None and not padded and not layout.fresh:
             return self._decode(q, k_cache, v_cache, decode, scale)
         if decode is None and not layout.fresh and len(padded) == 1:
             return self._padded(q, k, v, k_cache, v_cache, padded[0], scale)
@@ -281,6 +276,8 @@ class TorchAttention:
         out = torch.empty_like(q)
         if decode is not None:
             out[decode.rows] = self._decode(q[decode.rows], k_cache, v_cache, decode, scale)
+        if prefill is not None:
+            out[prefill.rows] = self._prefill(q[prefill.rows], k_cache, v_cache, prefill, scale)
         for run in layout.fresh:
             out[run.rows] = self._causal(q[run.rows], k[run.rows], v[run.rows], scale, run.count)
         for group in padded:
