@@ -5,9 +5,7 @@
 # c=16 (the TTFT target's level), on one server then the other, with the round's seed for both.
 # Odd rounds start with kubeinfer, even ones with vLLM: two identical kubeinfer servers measured
 # this way favoured whichever ran first (296 vs 265, 285 vs 255 tok/s), so an even number of
-# rounds cancels that. `bench serve` seeds a level's prompts with seed + concurrency, so the
-# c=16 run's seed is offset by 50: at round * 100 + 16 it would replay the c=32 run's prompts,
-# all of them prefix-cache hits.
+# rounds cancels that.
 # Needs `benchmarks/peers.sh install` first.
 #
 #   benchmarks/alternate.sh [rounds]    # default 4; ~3 min to start vLLM, ~2 min a round
@@ -45,6 +43,6 @@ for round in $(seq "$ROUNDS"); do
     echo "  random c=32:  $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 32)"
     echo "  shared c=16:  $(bench $port $((round * 100)) --dataset shared-prefix --num-groups 4 --prefix-len 512 \
       --input-len 32 --output-len 128 --concurrency 16)"
-    echo "  random c=16:  $(bench $port $((round * 100 + 50)) --dataset random --input-len 128 --output-len 128 --concurrency 16)"
+    echo "  random c=16:  $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 16)"
   done
 done

@@ -2,9 +2,9 @@
 llama.cpp's llama-server) with a concurrency sweep and/or Poisson arrivals.
 
 Every level is bounded by --num-prompts and --max-duration. Each level draws its own seeded
-prompts (seed + concurrency), the same for every engine: replaying one set at every level let
-the later levels hit the prefix cache of the engines that have one, so their TTFT measured a
-cache hit, not a prefill.
+prompts (`level_seed`), the same for every engine: replaying one set at every level let the
+later levels hit the prefix cache of the engines that have one, so their TTFT measured a cache
+hit, not a prefill.
 """
 
 from __future__ import annotations
@@ -95,9 +95,16 @@ async def run_level(client: httpx.AsyncClient, url: str, bodies: list[dict], hea
     return results, duration
 
 
+def level_seed(seed: int, dataset: str, concurrency: int) -> str:
+    """The dataset seed of one level: all three parts, so no level of another run replays these
+    prompts (seed + concurrency made --seed 116 at c=16 replay --seed 100 at c=32, and with one
+    seed a random prompt was the start of a shared-prefix group's prefix)."""
+    return f"{seed}/{dataset}/{concurrency}"
+
+
 async def _bench(args: argparse.Namespace) -> list[LevelReport]:
     low, high = (int(part) for part in args.token_range.split(","))
-    def dataset(seed: int) -> list[BenchRequest]:
+    def dataset(seed: str) -> list[BenchRequest]:
         return build_dataset(DatasetConfig(
             name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
             output_len=args.output_len, prompt_format=args.prompt_format, token_low=low, token_high=high,
@@ -115,7 +122,7 @@ async def _bench(args: argparse.Namespace) -> list[LevelReport]:
                         args.seed, False)
         reports = []
         for level in levels:
-            bodies = [request.body(model, args.ignore_eos) for request in dataset(args.seed + level)]
+            bodies = [request.body(model, args.ignore_eos) for request in dataset(level_seed(args.seed, args.dataset, level))]
             results, duration = await run_level(client, base_url + endpoint, bodies, headers, level,
                                                  args.request_rate, args.max_duration, args.seed,
                                                  not args.no_progress)

@@ -51,7 +51,7 @@ class DatasetConfig:
     token_high: int = 20000
     num_groups: int = 4              # shared-prefix: groups x prompts per group
     prefix_len: int = 512
-    seed: int = 0
+    seed: int | str = 0              # random.Random's seed: a str is hashed the same in every process
 
 
 def _random_prompt(rng: random.Random, length: int, config: DatasetConfig) -> str | list[int]:

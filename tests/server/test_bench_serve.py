@@ -82,7 +82,7 @@ def test_sweep_reports_every_level_and_respects_concurrency(live_server, tmp_pat
     level_prompts = [[tuple(b["prompt"]) for b in endpoint.bodies[1 + 12 * i:13 + 12 * i]] for i in range(2)]
     assert not set(level_prompts[0]) & set(level_prompts[1])
     assert sorted(level_prompts[1]) == sorted(tuple(r.prompt) for r in build_dataset(DatasetConfig(
-        name="random", num_prompts=12, input_len=8, output_len=5, seed=3)))
+        name="random", num_prompts=12, input_len=8, output_len=5, seed=bench_serve.level_seed(0, "random", 3))))
     body = endpoint.bodies[-1]
     assert body["model"] == "scripted" and body["ignore_eos"] is True and body["stream"] is True
     assert len(body["prompt"]) == 8 and all(isinstance(t, int) for t in body["prompt"])
@@ -112,6 +112,18 @@ def test_shared_prefix_groups_share_their_prefix() -> None:
     assert len(requests) == 6 and len(prefixes) == 2
     assert all(len(r.prompt) == 20 for r in requests)
     assert len({tuple(r.prompt) for r in requests}) == 6
+
+
+def test_levels_of_other_runs_share_no_prompt_prefix() -> None:
+    # seed + concurrency once gave --seed 116 at c=16 the prompts of --seed 100 at c=32: all cached.
+    def starts(seed: int, dataset: str, concurrency: int) -> set[tuple[int, ...]]:
+        return {tuple(r.prompt[:8]) for r in build_dataset(DatasetConfig(
+            name=dataset, num_prompts=16, input_len=8, prefix_len=8,
+            seed=bench_serve.level_seed(seed, dataset, concurrency)))}
+
+    assert not starts(116, "random", 16) & starts(100, "random", 32)
+    assert not starts(100, "random", 16) & starts(100, "shared-prefix", 16)
+    assert starts(100, "random", 32) == starts(100, "random", 32)   # a rerun sends the same ones
 
 
 def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path: Path) -> None:
