@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kubeinfer.server import __version__
 from kubeinfer.server.api.auth import ApiKeyCheck
+from kubeinfer.server.api.cache_routes import cache_routes
 from kubeinfer.server.api.chat import create_chat_completion, render_chat
 from kubeinfer.server.api.completions import create_completion
 from kubeinfer.server.api.errors import OpenAIError, install_error_handlers
@@ -99,5 +100,6 @@ def build_app(state: ServerState, api_keys: list[str]) -> FastAPI:
 
     app.include_router(_api_routes(state), dependencies=[Depends(ApiKeyCheck(api_keys))])
     app.include_router(_ops_routes(state))
+    app.include_router(cache_routes(state))
     return app
 

@@ -66,6 +66,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.served_model_name = engine.served_model_name
         self.generation_defaults = engine.generation_defaults
+        self.kv_events = engine.kv.events   # thread-safe: read by GET /kv/blocks
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":

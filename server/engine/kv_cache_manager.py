@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .block_pool import BlockPool
+from .kv_events import KVEventLog
 from .radix_cache import RadixCache
 from .sequence import Sequence
 
@@ -11,7 +12,9 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.cache = RadixCache(self.pool, block_size) if enable_prefix_caching else None
+        # what routers read to send requests where their prefix is cached (GET /kv/blocks)
+        self.events = KVEventLog(block_size) if enable_prefix_caching else None
+        self.cache = RadixCache(self.pool, block_size, self.events) if enable_prefix_caching else None
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
 

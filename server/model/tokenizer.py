@@ -28,6 +28,21 @@ class Tokenizer:
             index for index, token in backend.get_added_tokens_decoder().items() if token.special)
         self._template_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(extra_special_tokens or {})}
 
+    def describe(self) -> dict[str, Any]:
+        """Everything a router needs to tokenize prompts exactly as this engine does (JSON-safe;
+        served at GET /tokenizer_info): the tokenizer.json, the chat template, its special tokens."""
+        return {"tokenizer_json": self.backend.to_str(), "chat_template": self.chat_template,
+                "special_tokens": self._template_tokens, "eos_token_ids": sorted(self.eos_token_ids)}
+
+    @classmethod
+    def from_description(cls, info: dict[str, Any]) -> "Tokenizer":
+        """The inverse of `describe`."""
+        special = dict(info.get("special_tokens") or {})
+        bos, eos = special.pop("bos_token", None), special.pop("eos_token", None)
+        return cls(BackendTokenizer.from_str(info["tokenizer_json"]), chat_template=info.get("chat_template"),
+                   bos_token=bos, eos_token=eos, eos_token_ids=frozenset(info.get("eos_token_ids") or ()),
+                   extra_special_tokens=special)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -1,0 +1,114 @@
+"""Block hashes, and the event log through which a router learns what this engine caches.
+
+The prefix cache is a radix tree over token ids, which a router on another host cannot walk.
+It can recompute a chain of block hashes from the same token ids, so every cached block is
+named by one (vLLM's KV events do the same):
+
+    root(extra) = 0 when extra is None, else blake2b-64(b"kubeinfer-extra\\0" + utf8(extra))
+    block i     = blake2b-64(le_u64(block i-1, or root(extra) for the first block)
+                             + le_u32 of each of the block's token ids)
+
+blake2b-64 is blake2b with an 8-byte digest, read as an unsigned little-endian integer;
+`extra` is the cache namespace of the request (today its `cache_salt`), so salted tenants get
+disjoint hashes. Only full blocks are hashed. This module imports nothing heavy: the router
+(no torch) computes the same hashes with `block_hashes`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import secrets
+import struct
+import threading
+from collections import deque
+from typing import Any, Iterable, Sequence
+
+HASH_SCHEME = "kubeinfer-blake2b64-v1"
+
+
+def root_hash(extra: str | None) -> int:
+    """The parent of a namespace's first block."""
+    if extra is None:
+        return 0
+    digest = hashlib.blake2b(b"kubeinfer-extra\0" + extra.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def block_hash(parent: int, tokens: Sequence[int]) -> int:
+    data = parent.to_bytes(8, "little") + struct.pack(f"<{len(tokens)}I", *tokens)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def chain_hashes(parent: int, tokens: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of the full blocks of `tokens`, continuing the chain after `parent`."""
+    hashes = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, extra: str | None = None) -> list[int]:
+    """The hash of every full block of a prompt's `tokens` in namespace `extra`."""
+    return chain_hashes(root_hash(extra), tokens, block_size)
+
+
+class KVEventLog:
+    """Stored/removed block hashes with a sequence number, readable from another thread.
+
+    `since(seq)` answers the net change after `seq`, or the whole set (`reset`) when the
+    caller is new, too far behind (the log keeps `capacity` events), or the cache was cleared.
+    `epoch` changes with every process, so a reader notices an engine restart.
+    """
+
+    def __init__(self, block_size: int, capacity: int = 8192) -> None:
+        self.block_size = block_size
+        self.epoch = secrets.token_hex(8)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._reset_seq = 0
+        self._events: deque[tuple[bool, tuple[int, ...]]] = deque(maxlen=capacity)
+        self._live: set[int] = set()
+
+    def stored(self, hashes: Iterable[int]) -> None:
+        self._record(True, tuple(hashes))
+
+    def removed(self, hashes: Iterable[int]) -> None:
+        self._record(False, tuple(hashes))
+
+    def _record(self, stored: bool, hashes: tuple[int, ...]) -> None:
+        if not hashes:
+            return
+        with self._lock:
+            self._seq += 1
+            self._events.append((stored, hashes))
+            if stored:
+                self._live.update(hashes)
+            else:
+                self._live.difference_update(hashes)
+
+    def cleared(self) -> None:
+        with self._lock:
+            self._seq += 1
+            self._reset_seq = self._seq
+            self._events.clear()
+            self._live.clear()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def since(self, seq: int | None) -> dict[str, Any]:
+        """The JSON body of `GET /kv/blocks?since=seq` (format in the README's engine section)."""
+        with self._lock:
+            oldest = self._seq - len(self._events) + 1   # seq of the first event kept
+            head = {"hash": HASH_SCHEME, "block_size": self.block_size, "epoch": self.epoch,
+                    "seq": self._seq}
+            if seq is None or seq < max(self._reset_seq, oldest - 1) or seq > self._seq:
+                return {**head, "reset": True, "stored": sorted(self._live), "removed": []}
+            net: dict[int, bool] = {}
+            for stored, hashes in itertools.islice(self._events, seq - oldest + 1, None):
+                for value in hashes:
+                    net[value] = stored
+        return {**head, "reset": False, "stored": sorted(h for h, s in net.items() if s),
+                "removed": sorted(h for h, s in net.items() if not s)}

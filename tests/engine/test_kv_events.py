@@ -1,0 +1,87 @@
+"""The prefix cache names its blocks by chain hashes a router can recompute, and publishes
+what enters and leaves it (GET /kv/blocks) as net changes since a sequence number."""
+
+from kubeinfer.server.engine.block_pool import BlockPool
+from kubeinfer.server.engine.kv_events import (HASH_SCHEME, KVEventLog, block_hash, block_hashes,
+                                               root_hash)
+from kubeinfer.server.engine.radix_cache import RadixCache
+
+BS = 4
+
+
+def _cache(num_blocks: int = 32) -> tuple[BlockPool, RadixCache, KVEventLog]:
+    pool, events = BlockPool(num_blocks), KVEventLog(BS)
+    return pool, RadixCache(pool, BS, events), events
+
+
+def _store(pool: BlockPool, cache: RadixCache, tokens: list[int], salt: str | None = None) -> None:
+    blocks = pool.allocate(len(tokens) // BS)
+    cache.insert(tokens, blocks, salt)
+    for block in blocks:
+        pool.decref(block)
+
+
+def _live(events: KVEventLog) -> set[int]:
+    return set(events.since(None)["stored"])
+
+
+def test_hash_chain_is_the_documented_one():
+    import hashlib
+    import struct
+
+    first = hashlib.blake2b((0).to_bytes(8, "little") + struct.pack("<4I", 1, 2, 3, 4), digest_size=8)
+    assert block_hash(0, [1, 2, 3, 4]) == int.from_bytes(first.digest(), "little")
+    assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], BS) == [
+        block_hash(0, [1, 2, 3, 4]), block_hash(block_hash(0, [1, 2, 3, 4]), [5, 6, 7, 8])]
+    assert root_hash(None) == 0 and root_hash("a") != root_hash("b") != 0
+    assert block_hashes([1, 2, 3, 4], BS, "a") != block_hashes([1, 2, 3, 4], BS, "b")
+
+
+def test_cached_blocks_are_published_by_their_chain_hash():
+    pool, cache, events = _cache()
+    _store(pool, cache, list(range(12)))
+    _store(pool, cache, list(range(8)) + [50, 51, 52, 53])   # splits the first edge after 2 blocks
+    _store(pool, cache, list(range(8)), salt="tenant-a")
+    expected = (set(block_hashes(list(range(12)), BS))
+                | set(block_hashes(list(range(8)) + [50, 51, 52, 53], BS))
+                | set(block_hashes(list(range(8)), BS, "tenant-a")))
+    assert _live(events) == expected and len(expected) == 6
+    _store(pool, cache, list(range(12)) + [7, 7, 7, 7])   # extends a node that was split
+    assert block_hashes(list(range(12)) + [7, 7, 7, 7], BS)[-1] in _live(events)
+
+
+def test_evicted_and_cleared_blocks_leave_the_published_set():
+    pool, cache, events = _cache()
+    _store(pool, cache, [1] * 8)
+    _store(pool, cache, [2] * 8)
+    cache.match_prefix([2] * 8)   # [1]* is now the least recently used
+    assert cache.evict(2) == 2
+    assert _live(events) == set(block_hashes([2] * 8, BS))
+    cache.clear()
+    assert _live(events) == set()
+    assert len(events) == 0
+
+
+def test_since_answers_net_changes_and_resets_readers_it_cannot_serve():
+    events = KVEventLog(BS, capacity=3)
+    first = events.since(None)
+    assert first["reset"] and first["seq"] == 0 and first["hash"] == HASH_SCHEME
+    events.stored([1, 2])
+    events.stored([3])
+    events.removed([2])
+    events.stored([2])   # back again: net stored
+    changes = events.since(1)
+    assert not changes["reset"] and changes["seq"] == 4
+    assert changes["stored"] == [2, 3] and changes["removed"] == []
+    assert events.since(2)["stored"] == [2] and events.since(4)["stored"] == []
+    events.removed([1])
+    assert events.since(4)["removed"] == [1]
+    assert events.since(0)["reset"]    # its events fell out of the 3 kept
+    assert events.since(0)["stored"] == [2, 3]
+    assert events.since(99)["reset"]   # a reader from the future: another process's seq
+    events.cleared()
+    assert events.since(5)["reset"] and events.since(6) == {**events.since(6), "reset": False}
+
+
+def test_a_new_process_has_a_new_epoch():
+    assert KVEventLog(BS).epoch != KVEventLog(BS).epoch
