@@ -37,6 +37,18 @@ def engine_args(isvc: InferenceService, model_path: str, served_name: str | None
     return ["serve", *to_args(values, ENGINE_FLAGS), *engine.extra_args]
 
 
+def auth_env(isvc: InferenceService) -> list[tuple[str, dict[str, Any]]]:
+    """`spec.auth` for every process that checks keys (engines, the gateway): the keys come from
+    the Secret as an env var, so they appear neither in `ps` nor in the pod spec, and the
+    process refuses to start if the Secret's value holds no key instead of serving openly."""
+    ref = isvc.spec.auth.api_key_secret_ref
+    if ref is None:
+        return []
+    return [(flag("api_keys").env, {"valueFrom": {"secretKeyRef": {"name": ref.name,
+                                                                   "key": ref.key}}}),
+            (flag("require_api_key").env, {"value": "true"})]
+
+
 def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
     """Server flags as env vars (named by the flag table); the user's `engine.env` wins.
 
@@ -46,7 +58,8 @@ def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
     ours: list[tuple[str, dict[str, Any]]] = [
         ("HOME", {"value": "/tmp"}), (flag("host").env, {"value": "0.0.0.0"}),
         (flag("port").env, {"value": str(api.HTTP_PORT)}),
-        (flag("shutdown_timeout").env, {"value": str(isvc.spec.rollout.drain_seconds)})]
+        (flag("shutdown_timeout").env, {"value": str(isvc.spec.rollout.drain_seconds)}),
+        *auth_env(isvc)]
     merged = {name: {"name": name, **source} for name, source in ours}
     merged.update({env["name"]: env for env in isvc.spec.engine.env})
     return list(merged.values())

@@ -18,6 +18,8 @@ from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, Flag
 MODEL_SOURCE_PATTERN = (r"^(embedded|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
                         r"|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+)$")
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 
 
 def flag(dest: str) -> Flag:
@@ -63,8 +65,18 @@ def section(model: type[Section], description: str) -> Any:
 class SecretKeyRef(Section):
     """A key of a Secret in the InferenceService's namespace."""
 
-    name: str = Field(min_length=1, max_length=253, description="Secret name.")
-    key: str = Field("token", min_length=1, max_length=253, description="Key in the Secret.")
+    name: str = Field(min_length=1, max_length=253, pattern=SECRET_NAME_PATTERN,
+                      description="Secret name.")
+    key: str = Field("token", min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN,
+                     description="Key in the Secret.")
+
+
+class ApiKeySecretRef(SecretKeyRef):
+    """A key of a Secret in the InferenceService's namespace holding API keys."""
+
+    key: str = Field("api-keys", min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN,
+                     description="Key in the Secret. Its value holds the API keys, one per line "
+                                 "or comma-separated; '#' lines are comments.")
 
 
 class ModelSpec(Section):
@@ -187,6 +199,18 @@ class RolloutSpec(Section):
                                description=flag("shutdown_timeout").help)
 
 
+class AuthSpec(Section):
+    """Who may call the OpenAI routes of this service."""
+
+    api_key_secret_ref: ApiKeySecretRef | None = Field(
+        None, description="Secret holding the API keys clients must send as 'Authorization: "
+                          "Bearer <key>' (engines and the scale-from-zero gateway check them). "
+                          "They reach the pods as an env var from the Secret, never as an "
+                          "argument; /health, /ready, /metrics, /version and /openapi.json stay "
+                          "open. Pods read the keys when they start: restart them after "
+                          "changing the Secret. Unset: no key needed.")
+
+
 class InferenceServiceSpec(Section):
     """A model served by a set of identical kubeinfer engine pods behind one Service."""
 
@@ -198,6 +222,7 @@ class InferenceServiceSpec(Section):
                                       "KEDA, the built-in autoscaler) writes here.")
     autoscaling: AutoscalingSpec = section(AutoscalingSpec, AutoscalingSpec.__doc__ or "")
     rollout: RolloutSpec = section(RolloutSpec, RolloutSpec.__doc__ or "")
+    auth: AuthSpec = section(AuthSpec, AuthSpec.__doc__ or "")
     node_selector: dict[str, str] = Field(default_factory=dict,
                                           description="Extra node labels pods must match.")
     tolerations: list[KubeObject] = Field(default_factory=list, max_length=32,

@@ -41,10 +41,18 @@ def parse_bool(text: str | bool) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def parse_list(text: str | list[str]) -> list[str]:
+def parse_api_keys(text: str | list[str]) -> list[str]:
+    """Keys separated by commas or newlines; blank lines and '#' comment lines are skipped.
+
+    One parser for `--api-keys`, its env var and `--api-keys-file`, so a Kubernetes Secret that
+    holds a key file works the same mounted as a file or passed as an env var. It never raises:
+    an error message would echo the text, which is secret.
+    """
     if isinstance(text, list):
         return text
-    return [item.strip() for item in text.split(",") if item.strip()]
+    lines = (line.strip() for line in text.splitlines())
+    return [key.strip() for line in lines if line and not line.startswith("#")
+            for key in line.split(",") if key.strip()]
 
 
 @dataclass(frozen=True)
@@ -110,8 +118,16 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
 SERVER_FLAGS: tuple[Flag, ...] = (
     Flag("host", str, "127.0.0.1", "Address to bind."),
     Flag("port", int, 8000, "Port to bind."),
-    Flag("api-keys", parse_list, [], "Comma-separated API keys; when set, requests need "
-         "'Authorization: Bearer <key>'."),
+    Flag("api-keys", parse_api_keys, [], "API keys, separated by commas or newlines; when any "
+         "is set, the OpenAI routes need 'Authorization: Bearer <key>' (probes, /metrics, "
+         "/version and /openapi.json stay open). Prefer the env var or --api-keys-file: "
+         "arguments show in ps."),
+    Flag("api-keys-file", _optional(str), None,
+         "File of API keys, one per line ('#' comments and blank lines ignored), added to "
+         "--api-keys; read at startup."),
+    Flag("require-api-key", parse_bool, False,
+         "Refuse to start when no API key is configured, so an empty key Secret cannot turn "
+         "auth off (set by the operator when spec.auth is used)."),
     Flag("max-queued-requests", int, 1024,
          "Waiting requests beyond this are refused with 503 and Retry-After."),
     Flag("shutdown-timeout", float, 30.0,

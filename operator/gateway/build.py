@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kubeinfer.operator import api
+from kubeinfer.operator.build import auth_env
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
 from kubeinfer.operator.security import restricted_container, restricted_pod
 
@@ -68,8 +69,11 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
         "command": ["kubeinfer"],
         "args": ["gateway", "--inferenceservice", isvc.name, "--port", str(GATEWAY_PORT),
                  "--activation-timeout", str(isvc.spec.autoscaling.activation_timeout_seconds)],
+        # The gateway checks the engines' API keys itself, so an unauthenticated request never
+        # wakes a service at zero; the kubelet reads the Secret, the Role needs no access to it.
         "env": [{"name": "POD_NAMESPACE",
-                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                *({"name": name, **source} for name, source in auth_env(isvc))],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
                       "limits": {"memory": "512Mi"}},

@@ -12,6 +12,8 @@ import logging
 import os
 from pathlib import Path
 
+from kubeinfer.server.flags import SERVER_FLAGS, add_flags
+
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -42,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Retry-After seconds sent with that 503.")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
+    # the engine's own key flags, so the operator gives both processes the same env
+    add_flags(parser, tuple(f for f in SERVER_FLAGS
+                            if f.dest in ("api_keys", "api_keys_file", "require_api_key")))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from kubeinfer.operator.gateway.activator import Activator, ActivatorConfig, GatewayMetrics
     from kubeinfer.operator.gateway.backends import KubeBackends
     from kubeinfer.operator.gateway.proxy import build_app
+    from kubeinfer.server.api.auth import api_keys_from_args
 
     # uvicorn configures only its own loggers: show ours (wake-ups, API trouble) at the
     # chosen level, and other libraries' (httpx logs every forwarded request) from warnings.
@@ -59,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     backends = KubeBackends(KubeScaleApi(), args.namespace, args.inferenceservice)
     activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),
                           GatewayMetrics())
-    app = build_app(activator, args.inferenceservice, retry_after=args.retry_after)
+    app = build_app(activator, args.inferenceservice, retry_after=args.retry_after,
+                    api_keys=api_keys_from_args(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubeinfer.operator.gateway.activator import Activator, NoReadyPod
-from kubeinfer.server.api.errors import error_body
+from kubeinfer.server.api.auth import OPEN_PATHS, ApiKeyCheck
+from kubeinfer.server.api.errors import OpenAIError, error_body, error_response
 
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -26,11 +27,19 @@ CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 def build_app(activator: Activator, name: str, retry_after: int = 10,
-              http: httpx.AsyncClient | None = None) -> FastAPI:
-    """`name` is the InferenceService, for error messages."""
+              http: httpx.AsyncClient | None = None, api_keys: list[str] | None = None) -> FastAPI:
+    """`name` is the InferenceService, for error messages. With `api_keys` (the engines' own),
+    a request without a valid key gets the engines' 401 here, before it can hold or wake
+    anything; the Authorization header is forwarded untouched and the engine checks it again."""
     app = FastAPI(title=f"kubeinfer gateway for {name}", docs_url=None, redoc_url=None)
     client = http or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
     counts = activator.metrics.requests
+    check_key = ApiKeyCheck(api_keys or [])
+
+    @app.exception_handler(OpenAIError)
+    async def _refused(_: Request, error: OpenAIError) -> JSONResponse:
+        counts.labels(str(error.status)).inc()
+        return error_response(error)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -43,6 +52,8 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
+        if "/" + path not in OPEN_PATHS:
+            await check_key(request)
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         for _ in range(2):  # a second pod if the first refused the connection

@@ -3,11 +3,42 @@ and Prometheus, like vLLM which guards only the API routes."""
 
 from __future__ import annotations
 
+import argparse
 import hmac
+from pathlib import Path
 
 from fastapi import Request
 
 from kubeinfer.server.api.errors import OpenAIError
+from kubeinfer.server.flags import parse_api_keys
+
+# Routes that never need a key: the kubelet's probes and Prometheus cannot send one, and
+# /version and /openapi.json reveal nothing a key protects. Proxies in front of the engine
+# (the scale-from-zero gateway) leave the same paths open.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json"})
+
+
+def api_keys_from_args(args: argparse.Namespace) -> list[str]:
+    """`--api-keys` plus the keys in `--api-keys-file`, for the CLIs.
+
+    Exits with a message (never a key) when the file cannot be read or holds no key, or when
+    `--require-api-key` is set and no key is configured at all: a service meant to be
+    protected must not come up open.
+    """
+    keys = list(args.api_keys)
+    if args.api_keys_file:
+        try:
+            file_keys = parse_api_keys(Path(args.api_keys_file).read_text())
+        except (OSError, UnicodeDecodeError) as error:
+            raise SystemExit(f"--api-keys-file {args.api_keys_file}: cannot read it "
+                             f"({type(error).__name__})") from None
+        if not file_keys:
+            raise SystemExit(f"--api-keys-file {args.api_keys_file} holds no API key")
+        keys += file_keys
+    if args.require_api_key and not keys:
+        raise SystemExit("--require-api-key is set but no API key is configured "
+                         "(--api-keys, KUBEINFER_API_KEYS or --api-keys-file)")
+    return keys
 
 
 class ApiKeyCheck:

@@ -17,6 +17,7 @@ import uvicorn
 
 from kubeinfer.kernels import cpu_build
 from kubeinfer.server.api.admission import Admission
+from kubeinfer.server.api.auth import api_keys_from_args
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 
 logger = logging.getLogger("kubeinfer.serve")
@@ -82,6 +83,9 @@ async def _serve(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.api_keys = api_keys_from_args(args)  # before the model loads: a bad key file fails fast
+    if args.api_keys:
+        logger.info("API keys required on the OpenAI routes (%d configured)", len(args.api_keys))
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
         cpu_build.start_building(cpu_build.LOADING_KERNELS)
     asyncio.run(_serve(args))

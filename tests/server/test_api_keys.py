@@ -1,0 +1,103 @@
+"""API keys from flags, env and `--api-keys-file`: parsed alike, refused loudly when a key file
+is unusable or keys are required but absent, and never echoed in output or logs."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers.serve_process import wait_until_ready
+
+from kubeinfer.server.api.auth import OPEN_PATHS, api_keys_from_args
+from kubeinfer.server.flags import SERVER_FLAGS, add_flags, parse_api_keys
+
+KEY_FILE = "# team A, rotated 2026-11\nsk-alpha-0001\n\n  sk-beta-0002  \n# sk-revoked-9999\n"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def args_for(*argv: str, environ: dict[str, str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, SERVER_FLAGS, environ=environ or {})
+    return parser.parse_args(list(argv))
+
+
+def test_keys_split_on_commas_and_lines_and_skip_comments() -> None:
+    assert parse_api_keys(KEY_FILE) == ["sk-alpha-0001", "sk-beta-0002"]
+    assert parse_api_keys("sk-a, sk-b,,\r\nsk-c") == ["sk-a", "sk-b", "sk-c"]
+    assert parse_api_keys("") == parse_api_keys("# only a comment\n\n") == []
+
+
+def test_key_file_adds_to_the_flag_and_env(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(KEY_FILE)
+    args = args_for("--api-keys-file", str(path), environ={"KUBEINFER_API_KEYS": "sk-env"})
+    assert api_keys_from_args(args) == ["sk-env", "sk-alpha-0001", "sk-beta-0002"]
+    args = args_for(environ={"KUBEINFER_API_KEYS_FILE": str(path)})
+    assert api_keys_from_args(args) == ["sk-alpha-0001", "sk-beta-0002"]
+
+
+def test_unusable_key_file_stops_startup_without_echoing_it(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("# sk-commented-out\n\n")
+    with pytest.raises(SystemExit, match="holds no API key") as stopped:
+        api_keys_from_args(args_for("--api-keys-file", str(empty)))
+    assert "sk-commented-out" not in str(stopped.value)
+    with pytest.raises(SystemExit, match="cannot read it"):
+        api_keys_from_args(args_for("--api-keys-file", str(tmp_path / "missing")))
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe sk-bytes")
+    with pytest.raises(SystemExit, match="cannot read it") as stopped:
+        api_keys_from_args(args_for("--api-keys-file", str(binary)))
+    assert "sk-bytes" not in str(stopped.value)
+
+
+def test_required_keys_refuse_to_start_open() -> None:
+    with pytest.raises(SystemExit, match="no API key is configured"):
+        api_keys_from_args(args_for(environ={"KUBEINFER_API_KEYS": " \n# none\n",
+                                             "KUBEINFER_REQUIRE_API_KEY": "true"}))
+    assert api_keys_from_args(args_for("--require-api-key", "--api-keys", "sk-1")) == ["sk-1"]
+    assert api_keys_from_args(args_for()) == []  # no keys, not required: open, as before
+
+
+def test_serve_with_a_key_file_guards_the_api_and_logs_no_key(tiny_model_path: str,
+                                                               tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text(KEY_FILE)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubeinfer.server.cli", "serve", "--model", tiny_model_path,
+         "--port", str(port), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "8Mi",
+         "--max-model-len", "128", "--api-keys-file", str(keys), "--log-level", "debug"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until_ready(process, url, timeout=180)
+        cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes().decode()
+        body = {"prompt": "hi", "max_tokens": 2}
+        missing = httpx.post(url + "/v1/completions", json=body)
+        wrong = httpx.post(url + "/v1/completions", json=body,
+                           headers={"Authorization": "Bearer sk-revoked-9999"})
+        ok = [httpx.post(url + "/v1/completions", json=body,
+                         headers={"Authorization": f"Bearer {key}"})
+              for key in ("sk-alpha-0001", "sk-beta-0002")]
+        open_paths = {path: httpx.get(url + path).status_code for path in sorted(OPEN_PATHS)}
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=60)[0]
+    assert missing.status_code == wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    assert [r.status_code for r in ok] == [200, 200]
+    assert open_paths == {path: 200 for path in OPEN_PATHS}
+    assert "API keys required on the OpenAI routes (2 configured)" in output
+    for secret in ("sk-alpha", "sk-beta", "sk-revoked"):
+        assert secret not in output and secret not in cmdline
