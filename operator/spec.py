@@ -206,8 +206,8 @@ class AuthSpec(Section):
         None, description="Secret holding the API keys clients must send as 'Authorization: "
                           "Bearer <key>' (engines and the scale-from-zero gateway check them). "
                           "They reach the pods as an env var from the Secret, never as an "
-                          "argument; /health, /ready, /metrics, /version and /openapi.json stay "
-                          "open. Pods read the keys when they start: restart them after "
+                          "argument. Probes, /metrics, /version, /openapi.json, /kv/blocks and "
+                          "/tokenizer_info stay open. Pods read the keys when they start: restart them after "
                           "changing the Secret. Unset: no key needed.")
 
 

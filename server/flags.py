@@ -120,7 +120,8 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     Flag("port", int, 8000, "Port to bind."),
     Flag("api-keys", parse_api_keys, [], "API keys, separated by commas or newlines; when any "
          "is set, the OpenAI routes need 'Authorization: Bearer <key>' (probes, /metrics, "
-         "/version and /openapi.json stay open). Prefer the env var or --api-keys-file: "
+         "/version, /openapi.json and the router's /kv/blocks and /tokenizer_info stay "
+         "open). Prefer the env var or --api-keys-file: "
          "arguments show in ps."),
     Flag("api-keys-file", _optional(str), None,
          "File of API keys, one per line ('#' comments and blank lines ignored), added to "

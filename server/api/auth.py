@@ -12,10 +12,12 @@ from fastapi import Request
 from kubeinfer.server.api.errors import OpenAIError
 from kubeinfer.server.flags import parse_api_keys
 
-# Routes that never need a key: the kubelet's probes and Prometheus cannot send one, and
+# Routes that never need a key: the kubelet's probes and Prometheus cannot send one, routers
+# read the cache and tokenizer routes (hashes and a public tokenizer, never prompts), and
 # /version and /openapi.json reveal nothing a key protects. Proxies in front of the engine
 # (the scale-from-zero gateway) leave the same paths open.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.json",
+                        "/kv/blocks", "/tokenizer_info"})
 
 
 def api_keys_from_args(args: argparse.Namespace) -> list[str]:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -69,6 +70,25 @@ def test_required_keys_refuse_to_start_open() -> None:
     assert api_keys_from_args(args_for()) == []  # no keys, not required: open, as before
 
 
+def test_open_paths_are_exactly_the_engine_routes_without_the_key_check() -> None:
+    """The gateway leaves OPEN_PATHS open: a new engine route must be guarded or listed."""
+    from fastapi.testclient import TestClient
+
+    from kubeinfer.server.api.app import build_app
+
+    # No engine behind it: a route that passes the key check fails later, with a 500.
+    app = build_app(SimpleNamespace(), ["sk-1"])  # type: ignore[arg-type]
+    client = TestClient(app, raise_server_exceptions=False)
+    refused, passed = set(), {"/openapi.json"} if client.get("/openapi.json").status_code == 200 \
+        else set()
+    for path, methods in app.openapi()["paths"].items():
+        for method in methods:
+            status = client.request(method, path.replace("{model_id}", "m"), json={}).status_code
+            (refused if status == 401 else passed).add(path)
+    assert passed == OPEN_PATHS
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= refused
+
+
 def test_serve_with_a_key_file_guards_the_api_and_logs_no_key(tiny_model_path: str,
                                                                tmp_path: Path) -> None:
     keys = tmp_path / "api-keys"
@@ -91,6 +111,7 @@ def test_serve_with_a_key_file_guards_the_api_and_logs_no_key(tiny_model_path: s
                          headers={"Authorization": f"Bearer {key}"})
               for key in ("sk-alpha-0001", "sk-beta-0002")]
         open_paths = {path: httpx.get(url + path).status_code for path in sorted(OPEN_PATHS)}
+        guarded = {path: httpx.get(url + path).status_code for path in ("/v1/models",)}
     finally:
         process.terminate()
         output = process.communicate(timeout=60)[0]
@@ -98,6 +119,7 @@ def test_serve_with_a_key_file_guards_the_api_and_logs_no_key(tiny_model_path: s
     assert wrong.json()["error"]["code"] == "invalid_api_key"
     assert [r.status_code for r in ok] == [200, 200]
     assert open_paths == {path: 200 for path in OPEN_PATHS}
+    assert guarded == {"/v1/models": 401}
     assert "API keys required on the OpenAI routes (2 configured)" in output
     for secret in ("sk-alpha", "sk-beta", "sk-revoked"):
         assert secret not in output and secret not in cmdline
