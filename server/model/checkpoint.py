@@ -34,6 +34,21 @@ class Checkpoint:
     quantized: QuantizedBlocks = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Slice:
+    """The part of a checkpoint tensor a tensor-parallel rank loads."""
+
+    dim: int        # 0 = rows (output features), 1 = columns (input features)
+    start: int
+    stop: int
+    padded: int     # rows the rank's parameter has (vocab shards are padded to equal size)
+
+    def pad(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (this slice of the checkpoint tensor) zero-padded to `padded` rows."""
+        missing = self.padded - tensor.shape[0] if self.dim == 0 else 0
+        return tensor if missing == 0 else torch.cat([tensor, tensor.new_zeros(missing, *tensor.shape[1:])])
+
+
 @contextmanager
 def one_intra_op_thread() -> Iterator[None]:
     """Run torch ops on one intra-op thread. NOTE: every parallel op ends in a thread barrier;

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from .registry import supported_architectures
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -34,9 +35,9 @@ class ModelConfig:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in supported_architectures():
             raise ValueError(f"unsupported architecture {self.architecture!r}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"supported: {', '.join(supported_architectures())}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if int(getattr(self, name)) <= 0:
@@ -90,8 +91,8 @@ class ModelConfig:
     def from_gguf(cls, meta: Mapping[str, Any], tensor_names: set[str]) -> "ModelConfig":
         """From GGUF metadata (`<arch>.*` keys, as llama.cpp's converter writes them)."""
         arch = meta["general.architecture"]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if arch not in supported_architectures():
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(supported_architectures())}")
 
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)

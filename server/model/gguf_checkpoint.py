@@ -3,10 +3,13 @@ and the raw blocks of the matrices `quant_linear_cpu` can run on in their quanti
 
 llama.cpp's converter permutes the rows of `attn_q`/`attn_k` of `llama` models for its rotary
 layout (pairs interleaved instead of halves); we undo that so weights match transformers'.
+The tensor names and which rows are permuted come from the family (`registry.GGUFNames`);
+`convert_tensor` is the one conversion, used by this loader and the tensor-parallel one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,18 +21,13 @@ import torch
 
 from kubeinfer.kernels.quant_linear_cpu import BLOCK_BYTES
 
-from .checkpoint import Checkpoint, QuantizedBlocks, one_intra_op_thread
+from .checkpoint import Checkpoint, QuantizedBlocks, Slice, one_intra_op_thread
 from .config import ModelConfig
 from .gguf_dequant import dequantize
-from .gguf_reader import GGUFFile
+from .gguf_reader import GGUFFile, GGUFTensor
+from .registry import LLAMA_GGUF, GGUFNames, model_family
 from .tokenizer_files import gguf_eos_ids, gguf_tokenizer
 
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs.weight"}
-_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
 # GGUF `general.sampling.*` keys (recent converters) -> our generation default names
 _SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "penalty_repeat": "repetition_penalty"}
@@ -38,18 +36,34 @@ _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
 def hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if not match or match[2] not in _BLOCK_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a Llama-family model")
-    return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+    """The transformers name of a Llama-family GGUF tensor."""
+    return LLAMA_GGUF.hf_name(gguf_name)
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's `permute`: per head, rows (pair, 2) back to (2 halves, pair)."""
     shape = weight.shape
     return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def convert_tensor(names: GGUFNames, gguf_name: str, tensor: GGUFTensor, dtype: torch.dtype, num_heads: int,
+                   num_kv_heads: int, part: Slice | None = None) -> tuple[str, torch.Tensor]:
+    """One GGUF tensor as its transformers name and value: dequantized to `dtype` (rope_freqs
+    stays float32), only the rows of `part` where it splits rows (tensor parallelism; whole
+    quantized rows, so a rank dequantizes just its own), q/k rows back in transformers' order.
+    `num_heads` / `num_kv_heads` are the heads in the tensor (or in its `part`)."""
+    name = names.hf_name(gguf_name)
+    target = torch.float32 if name == "rope_freqs.weight" else dtype
+    if part is None:
+        value = dequantize(tensor, target)
+    elif part.dim == 0 and len(tensor.shape) == 2:
+        rows = dataclasses.replace(tensor, shape=(part.stop - part.start, tensor.shape[1]),
+                                   data=tensor.data[part.start:part.stop])
+        value = part.pad(dequantize(rows, target))
+    else:
+        value = part.pad(dequantize(tensor, target).narrow(part.dim, part.start, part.stop - part.start).clone())
+    heads = names.rope_heads(name, num_heads, num_kv_heads)
+    return name, value if heads is None else unpermute_rope_rows(value, heads)
 
 
 def read_gguf_file(path: Path) -> Checkpoint:
@@ -60,22 +74,19 @@ def read_gguf_file(path: Path) -> Checkpoint:
     tokenizer = gguf_tokenizer(meta)
     defaults = {ours: meta[f"general.sampling.{key}"] for key, ours in _SAMPLING_KEYS.items()
                 if f"general.sampling.{key}" in meta}
-    permuted_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    names = model_family(config.architecture).gguf
+    heads = (config.num_attention_heads, config.num_key_value_heads)
     quantized: QuantizedBlocks = {}
 
-    def convert(name: str, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
-        tensor = gguf.tensors[name]
-        value = dequantize(tensor, torch.float32 if name == "rope_freqs.weight" else dtype)
-        kind = name.split(".")[2] if name.startswith("blk.") else ""
-        unpermute = config.architecture == "llama" and kind in permuted_heads
-        if unpermute:
-            value = unpermute_rope_rows(value, permuted_heads[kind])
+    def convert(gguf_name: str, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+        tensor = gguf.tensors[gguf_name]
+        name, value = convert_tensor(names, gguf_name, tensor, dtype, *heads)
         if tensor.qtype.name in BLOCK_BYTES and len(tensor.shape) == 2:   # the raw blocks too (a view)
             blocks = torch.from_numpy(np.ascontiguousarray(tensor.data))
             blocks = blocks.reshape(tensor.shape[0], -1, BLOCK_BYTES[tensor.qtype.name])
-            quantized[hf_name(name)] = (tensor.qtype.name,
-                                        unpermute_rope_rows(blocks, permuted_heads[kind]) if unpermute else blocks)
-        return hf_name(name), value
+            permuted = names.rope_heads(name, *heads)
+            quantized[name] = (tensor.qtype.name, blocks if permuted is None else unpermute_rope_rows(blocks, permuted))
+        return name, value
 
     def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors in file order, dequantized a few ahead by one worker per core, each on one

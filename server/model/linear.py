@@ -14,12 +14,27 @@ batches run on it (3.5x fewer bytes than bf16 for Q4_1), larger ones on the bf16
 
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from kubeinfer.kernels import quant_linear_cpu
 from kubeinfer.kernels.quant_linear_cpu import QuantizedWeight
+
+
+class ParallelRole(enum.Enum):
+    """How tensor parallelism splits a layer (Megatron-style). Layers are built at a rank's
+    local size (`ShardPlan.local_config`); the role says which slice of the checkpoint a rank
+    loads and whether the layer is swapped for its parallel form, so a family built from
+    these layers gets tensor parallelism without code of its own."""
+
+    REPLICATED = "replicated"  # every rank holds all of it
+    COLUMN = "column"          # output features split evenly (query heads, MLP units)
+    KV_COLUMN = "kv_column"    # output features split by KV head, replicated when fewer heads than ranks
+    ROW = "row"                # input features split; one all-reduce sums the partial outputs
+    VOCAB = "vocab"            # vocabulary rows split, padded to equal size (lm_head; embeddings too)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -52,6 +67,11 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 role: ParallelRole = ParallelRole.REPLICATED) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.role = role
+
     def pack(self) -> None:
         """Reorder the weight for oneDNN (after loading: reloading weights would not update it)."""
         if self.packed is None and can_pack(self.weight):
@@ -62,9 +82,13 @@ class Linear(nn.Linear):
 
 
 class MergedLinear(Linear):
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+    """Several checkpoint matrices stacked by rows (q|k|v, gate|up), each with its own role."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 roles: list[ParallelRole] | None = None) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = output_sizes
+        self.roles = roles or [ParallelRole.REPLICATED] * len(output_sizes)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
         """Copy checkpoint matrix number `shard` (e.g. 0 = q, 1 = k, 2 = v) into its rows of `param`."""

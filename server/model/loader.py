@@ -21,11 +21,12 @@ from torch.overrides import TorchFunctionMode
 from kubeinfer.kernels import quant_linear_cpu
 
 from .attention import get_attention_backend
+from .causal_lm import CausalLM
 from .checkpoint import Checkpoint, one_intra_op_thread
 from .config import ModelConfig
 from .gguf_checkpoint import read_gguf_file
 from .hf_checkpoint import read_hf_directory
-from .llama import LlamaForCausalLM
+from .registry import model_family
 from .tokenizer import Tokenizer
 from .tokenizer_files import embedded_model_path
 
@@ -100,10 +101,10 @@ def uninitialized_modules(device: torch.device, dtype: torch.dtype) -> Iterator[
         torch.set_default_dtype(default_dtype)
 
 
-def fill_model(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> float:
+def fill_model(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> float:
     """Stream checkpoint tensors into a model built under `uninitialized_modules`, freeze it and
     prepack its GEMM weights (the steps every loader shares); returns the prepack's seconds."""
-    model.model.rotary_emb.reset_inv_freq(device)   # float32 again after the model's .to(dtype)
+    model.reset_rotary(device)   # float32 again after the model's .to(dtype)
     model.load_weights((name, tensor.to(device)) for name, tensor in weights)
     model.requires_grad_(False).eval()
     start = time.perf_counter()
@@ -136,7 +137,8 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
 
     stage = time.perf_counter()
     with uninitialized_modules(torch_device, torch_dtype):
-        model = LlamaForCausalLM(config, get_attention_backend(torch_device, config.sliding_window)).to(torch_dtype)
+        model = model_family(config.architecture).build(
+            config, get_attention_backend(torch_device, config.sliding_window)).to(torch_dtype)
     built = time.perf_counter()
     pack_seconds = fill_model(model, checkpoint.weights(torch_dtype), torch_device)
     end = time.perf_counter()

@@ -7,14 +7,15 @@ from torch import nn
 
 from kubeinfer.kernels import ops
 
-from .linear import Linear, MergedLinear
+from .linear import Linear, MergedLinear, ParallelRole
 
 
 class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=False,
+                                         roles=[ParallelRole.COLUMN, ParallelRole.COLUMN])
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, role=ParallelRole.ROW)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

@@ -14,7 +14,7 @@ from kubeinfer.kernels import ops
 from .attention import AttentionBackend
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
-from .linear import Linear, MergedLinear
+from .linear import Linear, MergedLinear, ParallelRole
 
 
 class SelfAttention(nn.Module):
@@ -26,8 +26,9 @@ class SelfAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.backend = backend
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias,
+                                     roles=[ParallelRole.COLUMN, ParallelRole.KV_COLUMN, ParallelRole.KV_COLUMN])
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False, role=ParallelRole.ROW)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:

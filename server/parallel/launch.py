@@ -20,6 +20,7 @@ import torch.multiprocessing
 
 from ..engine.config import EngineConfig
 from ..model.loader import LoadedModel, embedded_model_path, read_checkpoint, resolve_device, resolve_dtype
+from ..model.registry import model_family
 from .group import free_port, init_group
 from .model import load_shard
 from .plan import ShardPlan
@@ -92,18 +93,21 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = read_checkpoint(config.model)
     plan = ShardPlan(checkpoint.config, 0, size)   # validates the split before anything starts
+    architecture = checkpoint.config.architecture
+    family = model_family(architecture)
     source = embedded_model_path() if config.model == "embedded" else Path(config.model).expanduser()
     port = free_port()
     context = torch.multiprocessing.get_context("spawn")
     processes = [context.Process(target=run_worker, name=f"tp-rank{rank}", daemon=True, args=(WorkerSpec(
-        str(source), dtype, device.type, rank, size, port, config.block_size, logging.getLogger().level),))
+        str(source), architecture, family, dtype, device.type, rank, size, port, config.block_size,
+        logging.getLogger().level),))
         for rank in range(1, size)]
     for process in processes:
         process.start()
     _active = WorkerGroup(processes, device)
     atexit.register(shutdown_tensor_parallel)
     device = init_group(0, size, port, device)
-    model = load_shard(source, plan, dtype, device)
+    model = load_shard(source, family, plan, dtype, device)
     log.info("tensor parallel %d: rank 0 holds %d of %d heads, %d of %d KV heads; loaded in %.2fs", size,
              plan.num_heads, checkpoint.config.num_attention_heads, plan.num_kv_heads,
              checkpoint.config.num_key_value_heads, time.perf_counter() - start)

@@ -1,4 +1,4 @@
-"""The two layers tensor parallelism adds: a row-parallel linear and a vocab-parallel embedding.
+"""The two layers tensor parallelism swaps in: a row-parallel linear and a vocab-parallel embedding.
 
 Column-parallel layers need no class of their own: a rank's q/k/v and gate/up are ordinary
 (merged) linears over its share of the output features, built from `ShardPlan.local_config()`.
@@ -11,16 +11,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ..model.linear import Linear
+from ..model.linear import Linear, linear
 
 
 class RowParallelLinear(Linear):
-    """o_proj / down_proj over this rank's input features; one all-reduce sums the partial outputs."""
+    """A ROW layer (o_proj, down_proj) over this rank's input features; one all-reduce sums the
+    partial outputs, then the (whole, replicated) bias is added once."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        out = linear(x, self.weight, self.packed, None, self.quantized)
         dist.all_reduce(out)
-        return out
+        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -1,9 +1,10 @@
-"""Which slice of every checkpoint tensor a rank holds (Megatron-style tensor parallelism).
+"""Which slice of a checkpoint tensor a rank holds (Megatron-style tensor parallelism), by role.
 
-Column-parallel (output rows split): q/k/v by heads, gate/up by intermediate units, and the
-vocabulary of embed_tokens / lm_head. Row-parallel (input columns split): o_proj and down_proj,
-whose partial sums one all-reduce adds up. When there are fewer KV heads than ranks, each KV
-head is replicated on N / num_kv_heads consecutive ranks (as vLLM does).
+Column-parallel (output rows split): query heads and MLP units; KV-column: key/value heads;
+vocab: the rows of embeddings and lm_head, padded to equal size. Row-parallel (input columns
+split): the partial sums one all-reduce adds up. When there are fewer KV heads than ranks, each
+KV head is replicated on N / num_kv_heads consecutive ranks (as vLLM does). Which layer has
+which role is the model's business (`model.linear.ParallelRole`), not this module's.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..model.checkpoint import Slice
 from ..model.config import ModelConfig
+from ..model.linear import ParallelRole
 
-_HEAD_ROWS = ("self_attn.q_proj",)
-_KV_ROWS = ("self_attn.k_proj", "self_attn.v_proj")
-_FFN_ROWS = ("mlp.gate_proj", "mlp.up_proj")
-_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+__all__ = ["ShardPlan", "Slice", "check_tensor_parallel", "kv_heads_per_rank"]
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
@@ -37,14 +37,6 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
 def kv_heads_per_rank(config: ModelConfig, size: int) -> int:
     """KV heads each rank caches: a share of them, or one replicated head when there are fewer than ranks."""
     return max(1, config.num_key_value_heads // size)
-
-
-@dataclass(frozen=True)
-class Slice:
-    dim: int        # 0 = rows (output features), 1 = columns (input features)
-    start: int
-    stop: int
-    padded: int     # rows the rank's parameter has (vocab shards are padded to equal size)
 
 
 @dataclass(frozen=True)
@@ -78,27 +70,15 @@ class ShardPlan:
                                    num_key_value_heads=self.num_kv_heads,
                                    intermediate_size=self.config.intermediate_size // self.size)
 
-    def slice_for(self, name: str) -> Slice | None:
-        """The part of checkpoint tensor `name` (transformers naming) this rank loads; None = all of it."""
-        if self.size == 1:
+    def slice_for(self, role: ParallelRole, local: int, is_bias: bool = False) -> Slice | None:
+        """The part of a checkpoint matrix this rank loads into a layer of `role` that has `local`
+        output rows (input columns for ROW) at this rank's size; None = all of it."""
+        if self.size == 1 or role is ParallelRole.REPLICATED or (role is ParallelRole.ROW and is_bias):
             return None
-        if name in _VOCAB_ROWS:
+        if role is ParallelRole.VOCAB:
             start = min(self.vocab_start, self.config.vocab_size)
             return Slice(0, start, min(start + self.vocab_per_rank, self.config.vocab_size), self.vocab_per_rank)
-        module = name.rpartition(".")[0].split(".", 3)[-1]   # e.g. "self_attn.q_proj"
-        head_dim, is_bias = self.config.head_dim, name.endswith(".bias")
-        if module in _HEAD_ROWS or module == "self_attn.o_proj":
-            rows = self.num_heads * head_dim
-            return self._even(0 if module in _HEAD_ROWS or is_bias else 1, self.rank * rows, rows)
-        if module in _KV_ROWS:
+        if role is ParallelRole.KV_COLUMN:
             replicas = max(1, self.size // self.config.num_key_value_heads)
-            rows = self.num_kv_heads * head_dim
-            return self._even(0, self.rank // replicas * rows, rows)
-        if module in _FFN_ROWS or module == "mlp.down_proj":
-            units = self.config.intermediate_size // self.size
-            return self._even(0 if module in _FFN_ROWS else 1, self.rank * units, units)
-        return None
-
-    @staticmethod
-    def _even(dim: int, start: int, length: int) -> Slice:
-        return Slice(dim, start, start + length, length)
+            return Slice(0, self.rank // replicas * local, self.rank // replicas * local + local, local)
+        return Slice(1 if role is ParallelRole.ROW else 0, self.rank * local, (self.rank + 1) * local, local)

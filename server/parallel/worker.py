@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ..model.loader import read_checkpoint
+from ..model.registry import ModelFamily, register_model
 from .group import init_group
-from .model import KVCaches, TensorParallelLlama, load_shard
+from .model import KVCaches, TensorParallelModel, load_shard
 from .plan import ShardPlan
 from .step_broadcast import receive_step
 
@@ -27,6 +28,8 @@ class WorkerSpec:
     """Everything a spawned worker needs (pickled once, at spawn)."""
 
     source: str
+    architecture: str
+    family: ModelFamily   # rank 0's registry entry: a family registered at run time reaches the workers
     dtype: torch.dtype
     device: str
     rank: int
@@ -45,8 +48,9 @@ def run_worker(spec: WorkerSpec) -> None:
     _exit_with_parent(os.getppid())
     device = init_group(spec.rank, spec.size, spec.port, torch.device(spec.device))
     start = time.perf_counter()
+    register_model(spec.architecture, spec.family)
     plan = ShardPlan(read_checkpoint(spec.source).config, spec.rank, spec.size)
-    model = load_shard(Path(spec.source), plan, spec.dtype, device)
+    model = load_shard(Path(spec.source), spec.family, plan, spec.dtype, device)
     log.info("rank %d/%d: shard of %d heads, %d KV heads loaded in %.2fs", spec.rank, spec.size, plan.num_heads,
              plan.num_kv_heads, time.perf_counter() - start)
     with torch.inference_mode():
@@ -54,7 +58,7 @@ def run_worker(spec: WorkerSpec) -> None:
     dist.destroy_process_group()
 
 
-def serve_steps(model: TensorParallelLlama, spec: WorkerSpec, device: torch.device) -> None:
+def serve_steps(model: TensorParallelModel, spec: WorkerSpec, device: torch.device) -> None:
     """Follow rank 0 step by step; the KV cache is sized by rank 0 and allocated on the first step."""
     kv_caches: KVCaches | None = None
     while (step := receive_step(device)) is not None:
@@ -64,11 +68,12 @@ def serve_steps(model: TensorParallelLlama, spec: WorkerSpec, device: torch.devi
         model.compute(batch, kv_caches)
 
 
-def _allocate_kv_caches(model: TensorParallelLlama, num_blocks: int, block_size: int, dtype: torch.dtype,
+def _allocate_kv_caches(model: TensorParallelModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                         device: torch.device) -> KVCaches:
-    shape = (num_blocks, block_size, model.plan.num_kv_heads, model.config.head_dim)
+    config = model.plan.config
+    shape = (num_blocks, block_size, model.plan.num_kv_heads, config.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.config.num_hidden_layers)]
+            for _ in range(config.num_hidden_layers)]
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -10,7 +10,9 @@ import torch
 
 from helpers.gguf_export import export_gguf
 from helpers.tiny_models import build_tiny_llama
-from kubeinfer.server.model.loader import read_checkpoint
+from kubeinfer.server.model.loader import read_checkpoint, uninitialized_modules
+from kubeinfer.server.model.registry import model_family
+from kubeinfer.server.parallel.model import build_shard, weight_slices
 from kubeinfer.server.parallel.plan import ShardPlan
 from kubeinfer.server.parallel.weights import sharded_weights
 
@@ -25,8 +27,8 @@ def tiny_llama_sources(tmp_path_factory) -> dict[str, Path]:
     return {"safetensors": path, "gguf": gguf}
 
 
-def expected_shard(full: torch.Tensor, plan: ShardPlan, name: str) -> torch.Tensor:
-    part = plan.slice_for(name)
+def expected_shard(full: torch.Tensor, slices: dict, name: str) -> torch.Tensor:
+    part = slices.get(name)
     if part is None:
         return full
     shard = full.narrow(part.dim, part.start, part.stop - part.start)
@@ -43,8 +45,11 @@ def test_every_rank_reads_exactly_its_slice(tiny_llama_sources, source, size):
     full = dict(checkpoint.weights(torch.float32))
     for rank in range(size):
         plan = ShardPlan(checkpoint.config, rank, size)
-        shards = dict(sharded_weights(path, plan, torch.float32))
+        family = model_family(checkpoint.config.architecture)
+        with uninitialized_modules(torch.device("cpu"), torch.float32):
+            slices = weight_slices(build_shard(family, plan, torch.device("cpu")), plan)
+        shards = dict(sharded_weights(path, plan, slices, family.gguf, torch.float32))
         assert shards.keys() == full.keys()
         for name, shard in shards.items():
-            torch.testing.assert_close(shard, expected_shard(full[name], plan, name), rtol=0, atol=0,
+            torch.testing.assert_close(shard, expected_shard(full[name], slices, name), rtol=0, atol=0,
                                        msg=f"rank {rank}/{size} {source} {name}")
