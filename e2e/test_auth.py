@@ -1,0 +1,159 @@
+"""API keys on an InferenceService (issue #28, item 8) on the local cluster, from the Helm chart.
+
+A Secret holds the key; `spec.auth.apiKeySecretRef` points at it. With engines running, and at
+zero replicas through the gateway, requests without the key get OpenAI's 401 and requests with
+it get 200; a keyless request never wakes a service at zero; and the key is in no pod's
+arguments, no `kubectl get pod -o yaml`, no process command line and no log line. The local
+cluster has no kube-proxy, so the tests talk to the pod IPs the Service's endpoints hold.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from e2e.helpers import SYSTEM_NS, Cluster, pod_ready, wait_for
+
+pytestmark = pytest.mark.e2e
+KEY = "sk-e2e-" + secrets.token_hex(16)  # random: any hit in a log can only come from here
+SECRET = "llm-api-keys"
+CHAT = {"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi."}]}
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> str:
+    """The chart as test_operator.py installs it (same values, so either may run first)."""
+    cluster.install_chart("operator.driftIntervalSeconds=15")
+    return SYSTEM_NS
+
+
+def apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
+    """Through stdin, so the key is never on a command line."""
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps(obj))
+
+
+def keyed_service(cluster: Cluster, namespace: str, name: str, scale_to_zero: bool,
+                  secret: str = SECRET, keys: str | None = f"# e2e key\n{KEY}\n") -> None:
+    if keys is not None:
+        apply(cluster, namespace, {"apiVersion": "v1", "kind": "Secret",
+                                   "metadata": {"name": secret}, "stringData": {"api-keys": keys}})
+    spec: dict[str, Any] = {
+        "model": {"source": "embedded", "servedName": "smollm2", "maxModelLen": 512},
+        "engine": {"device": "cpu", "kvCacheMemory": "64Mi", "maxNumSeqs": 2,
+                   "maxNumBatchedTokens": 256},
+        "resources": {"cpu": "1", "memory": "2Gi"}, "replicas": 1,
+        "auth": {"apiKeySecretRef": {"name": secret}}}
+    if scale_to_zero:  # KEDA-style: nothing but the gateway scales it, so it stays at zero
+        spec.update(replicas=0, autoscaling={"enabled": False, "minReplicas": 0,
+                                             "activationTimeoutSeconds": 600})
+    apply(cluster, namespace, {"apiVersion": "kubeinfer.io/v1alpha1",
+                               "kind": "InferenceService", "metadata": {"name": name},
+                               "spec": spec})
+
+
+def ready_pod_url(cluster: Cluster, namespace: str, selector: str, port: int) -> str:
+    pod = wait_for(lambda: next((p for p in cluster.pods(namespace, selector) if pod_ready(p)),
+                                None), f"a Ready pod {selector}", timeout=900, interval=2)
+    return f"http://{pod.status.pod_ip}:{port}"
+
+
+def chat(url: str, key: str | None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers, timeout=900)
+
+
+def assert_refused(response: httpx.Response) -> None:
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+def assert_key_hidden(cluster: Cluster, namespace: str) -> None:
+    """Not in the pod specs, not on any command line (`ps`), not in any log line."""
+    pods = cluster.kubectl_json("get", "pods", "-n", namespace)["items"]
+    assert pods and KEY not in json.dumps(pods)
+    refs = [env["valueFrom"]["secretKeyRef"] for pod in pods
+            for container in pod["spec"]["containers"] for env in container.get("env", [])
+            if env["name"] == "KUBEINFER_API_KEYS"]
+    assert refs and all(ref == {"name": SECRET, "key": "api-keys"} for ref in refs)
+    for pod in pods:
+        for container in pod["spec"]["containers"]:
+            assert not any("api-key" in arg for arg in container.get("args", []))
+    processes = subprocess.run(["ps", "-eww", "-o", "args="], capture_output=True, text=True,
+                               check=True).stdout
+    assert "kubeinfer.server.cli serve" in processes or "kubeinfer serve" in processes
+    assert KEY not in processes
+    state = cluster.config.state_dir
+    logs = [*state.glob("pods/*/*.log"), *state.glob("logs/*")]
+    ours = [log for log in logs if log.parent.name.startswith(namespace + "_")]
+    assert ours, f"no pod logs of {namespace} under {state / 'pods'}"
+    for log in logs:
+        assert KEY not in log.read_text(errors="replace"), f"the API key is in {log}"
+    engine_logs = "".join(log.read_text(errors="replace") for log in ours)
+    assert "API keys required on the OpenAI routes (1 configured)" in engine_logs
+
+
+def test_engine_answers_401_without_the_key_and_200_with_it(
+        local_cluster: Cluster, operator: str, namespace: str) -> None:
+    keyed_service(local_cluster, namespace, "keyed", scale_to_zero=False)
+    url = ready_pod_url(local_cluster, namespace, "app.kubernetes.io/component=engine", 8000)
+    assert_refused(chat(url, None))
+    assert_refused(chat(url, "sk-wrong"))
+    answer = chat(url, KEY)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"]
+    for path in ("/health", "/ready", "/metrics", "/version", "/openapi.json"):
+        assert httpx.get(url + path, timeout=30).status_code == 200, path
+    assert_key_hidden(local_cluster, namespace)
+    explained = local_cluster.kubectl("explain", "inferenceservice.spec.auth.apiKeySecretRef").stdout
+    assert "never as an argument" in " ".join(explained.split())  # explain wraps lines
+
+
+def test_gateway_refuses_keyless_requests_without_waking_and_forwards_keyed_ones(
+        local_cluster: Cluster, operator: str, namespace: str) -> None:
+    keyed_service(local_cluster, namespace, "keyed", scale_to_zero=True)
+    url = ready_pod_url(local_cluster, namespace, "app.kubernetes.io/component=gateway", 8080)
+    service = local_cluster.kubectl_json("get", "service", "keyed", "-n", namespace)
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
+
+    assert_refused(chat(url, None))
+    assert_refused(chat(url, "sk-wrong"))
+    time.sleep(3)  # a wake-up would have patched spec.replicas by now
+    isvc = local_cluster.kubectl_json("get", "inferenceservice", "keyed", "-n", namespace)
+    assert isvc["spec"]["replicas"] == 0
+    assert not local_cluster.pods(namespace, "app.kubernetes.io/component=engine")
+
+    answer = chat(url, KEY)  # held while the engine starts and loads the model
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"]
+    assert_refused(chat(url, "sk-wrong"))  # and with the engine up
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert "kubeinfer_gateway_activations_total 1.0" in metrics
+    assert 'kubeinfer_gateway_requests_total{code="401"} 3.0' in metrics
+    assert_key_hidden(local_cluster, namespace)
+
+
+def test_a_missing_or_keyless_secret_never_serves_open(
+        local_cluster: Cluster, operator: str, namespace: str) -> None:
+    keyed_service(local_cluster, namespace, "missing", False, secret="absent", keys=None)
+    keyed_service(local_cluster, namespace, "keyless", False, secret="keyless",
+                  keys="# no key yet\n\n")
+
+    def degraded(name: str) -> dict[str, Any] | None:
+        obj = local_cluster.kubectl_json("get", "inferenceservice", name, "-n", namespace)
+        found = [c for c in (obj.get("status") or {}).get("conditions", [])
+                 if c["type"] == "Degraded" and c["status"] == "True"]
+        return found[0] if found else None
+
+    missing = wait_for(lambda: degraded("missing"), "missing Degraded", timeout=120, interval=1)
+    assert missing["reason"] == "CreateContainerConfigError" and "absent" in missing["message"]
+    keyless = wait_for(lambda: degraded("keyless"), "keyless Degraded", timeout=300, interval=2)
+    assert keyless["reason"] == "CrashLoopBackOff"
+    assert "no API key is configured" in keyless["message"]
+    assert not any(pod_ready(p) for p in local_cluster.pods(namespace))
