@@ -65,7 +65,7 @@ class ModelConfig:
             rope.setdefault("rope_type", rope.pop("type"))
         eos = config.get("eos_token_id")
         use_sliding = config.get("use_sliding_window", model_type == "mistral")
-        if len(set(config.get("layer_types") or [])) > 1 or (model_type == "qwen2" and use_sliding):
+        if len(set(config.get("layer_types") or [])) > 1 or (model_type.startswith("qwen") and use_sliding):
             raise ValueError("models that mix sliding-window and full-attention layers are not supported")
         return cls(
             architecture=model_type,

@@ -4,9 +4,16 @@ The variants differ only in config (q/k/v bias, tied lm_head, rope scaling), so 
 serves them all. Parameter names follow transformers' checkpoints (`model.layers.N...`), with
 q/k/v and gate/up merged; `CausalLM.load_weights` routes checkpoint tensors into the merged
 matrices. Registered for `llama`, `mistral` and `qwen2` in `registry.py`.
+
+It is also the shared pre-norm decoder of the other families: a family subclasses
+`LlamaForCausalLM` and names what it changes in `DecoderParts` (q/k norms, the feed-forward
+block), e.g. `qwen3.py`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
@@ -21,20 +28,33 @@ from .linear import Linear, ParallelRole
 from .mlp import SwiGLUMLP
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
-from .self_attention import SelfAttention
+from .self_attention import NormFactory, SelfAttention
 
 # checkpoint projection name -> (merged module name, shard index)
 PACKED_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
+def swiglu_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    return SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """What a family changes in the shared decoder layer (the defaults are Llama's)."""
+
+    qk_norm: NormFactory | None = None                                  # per-head q/k norm before rotary
+    mlp: Callable[[ModelConfig, int], nn.Module] = swiglu_mlp           # feed-forward of layer N
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, parts: DecoderParts = DecoderParts(),
+                 index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, backend)
+        self.self_attn = SelfAttention(config, backend, qk_norm=parts.qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = parts.mlp(config, index)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
@@ -49,20 +69,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, parts: DecoderParts = DecoderParts()) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, parts, index)
+                                    for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(CausalLM):
     packed_modules = PACKED_MODULES
+    parts: ClassVar[DecoderParts] = DecoderParts()
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__(config)
-        self.model = LlamaModel(config, backend)
+        self.model = LlamaModel(config, backend, self.parts)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, role=ParallelRole.VOCAB)
 

@@ -59,6 +59,8 @@ _LLAMA_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
 # Only llama.cpp's `llama` converter permutes q/k rows (for its interleaved rotary); qwen2 does not.
 LLAMA_GGUF = GGUFNames(_LLAMA_GLOBAL, _LLAMA_BLOCK, {"self_attn.q_proj": "q", "self_attn.k_proj": "k"})
 LLAMA_GGUF_UNPERMUTED = GGUFNames(_LLAMA_GLOBAL, _LLAMA_BLOCK)
+QWEN3_GGUF = GGUFNames(_LLAMA_GLOBAL, {**_LLAMA_BLOCK, "attn_q_norm": "self_attn.q_norm",
+                                       "attn_k_norm": "self_attn.k_norm"})
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ _FAMILIES: dict[str, ModelFamily] = {
     "llama": ModelFamily(_LLAMA, LLAMA_GGUF),
     "mistral": ModelFamily(_LLAMA),
     "qwen2": ModelFamily(_LLAMA),
+    "qwen3": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
 }
 
 

@@ -1,10 +1,13 @@
 """The attention layer of a decoder block: fused q/k/v projection, rotary, paged attention, output.
 
 The attention math itself lives behind `AttentionBackend` (torch on CPU, Triton on CUDA);
-this layer only shapes tensors for it.
+this layer only shapes tensors for it. Families switch on its optional parts: `qk_norm`
+(Qwen3: each query and key head RMS-normalised before rotary).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -16,9 +19,11 @@ from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .linear import Linear, MergedLinear, ParallelRole
 
+NormFactory = Callable[[int, float], nn.Module]
+
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, qk_norm: NormFactory | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -29,11 +34,16 @@ class SelfAttention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias,
                                      roles=[ParallelRole.COLUMN, ParallelRole.KV_COLUMN, ParallelRole.KV_COLUMN])
         self.o_proj = Linear(q_size, config.hidden_size, bias=False, role=ParallelRole.ROW)
+        # checkpoint names `self_attn.q_norm` / `self_attn.k_norm`: weights [head_dim], shared by all heads
+        self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self._normalize_qk(qkv)
         if isinstance(cos_sin, torch.Tensor):   # Triton: the cos|sin table, indexed by position in-kernel
             q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -46,3 +56,10 @@ class SelfAttention(nn.Module):
         v = qkv[:, -self.num_kv_heads * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q|k|v with every query and key head normalised over head_dim (before rotary)."""
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        return torch.cat([q, k, v], dim=-1)

@@ -1,4 +1,4 @@
-"""Write a tiny HF Llama or Qwen2 as a GGUF the way llama.cpp's converter does (for `llama`: q/k rows
+"""Write a tiny HF Llama, Qwen2 or Qwen3 as a GGUF the way llama.cpp's converter does (for `llama`: q/k rows
 permuted for its rotary layout, Llama-3 rope scaling baked into `rope_freqs`), Q8_0-quantized.
 
 Q8_0 blocks run along rows and the permutation only reorders rows, so quantization commutes with
@@ -19,7 +19,8 @@ _NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
           "lm_head.weight": "output.weight"}
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def _gguf_name(name: str) -> str:
@@ -47,6 +48,8 @@ def export_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(head_dim)

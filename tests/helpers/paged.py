@@ -68,6 +68,12 @@ class PagedRunner:
         random.Random(seed).shuffle(self.free_blocks)
         self.sequences: dict[str, _Sequence] = {}
 
+    def share_prefix(self, source: str, seq_id: str, num_tokens: int) -> None:
+        """Start `seq_id` on the first `num_tokens` (whole blocks) of `source`'s cache, as a
+        prefix-cache hit does: the same blocks, not a copy."""
+        assert num_tokens % self.block_size == 0 and seq_id not in self.sequences
+        self.sequences[seq_id] = _Sequence(num_tokens, self.sequences[source].blocks[:num_tokens // self.block_size])
+
     def build_batch(self, chunks: list[tuple[str, list[int]]], all_logits: bool = False) -> ForwardBatch:
         """One step: `chunks` = (sequence id, new token ids) per sequence, in batch order."""
         ids, positions, slots, tables, query_lens, seq_lens, logits_rows = [], [], [], [], [], [], []

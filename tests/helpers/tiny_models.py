@@ -11,7 +11,8 @@ process on a fixed corpus: ~384 tokens, so any UTF-8 text round-trips.
     path = make_tiny_llama(tmp_path, tie_word_embeddings=True)
     path, hf_model = build_tiny_qwen2(tmp_path)      # also returns the transformers model (fp32, eval)
 
-Builders: Llama (tied or not, llama3 rope scaling), Qwen2 (q/k/v bias), Mistral (sliding window).
+Builders: Llama (tied or not, llama3 rope scaling), Qwen2 (q/k/v bias), Mistral (sliding window),
+Qwen3 (q/k norms, head_dim apart from hidden / heads).
 """
 
 from __future__ import annotations
@@ -144,6 +145,18 @@ def build_tiny_mistral(tmp_path: Path, *, sliding_window: int = 8, num_kv_heads:
     return _build(tmp_path, config, seed, False, None, name)
 
 
+def build_tiny_qwen3(tmp_path: Path, *, tie_word_embeddings: bool = False, num_kv_heads: int = 2, seed: int = 0,
+                     name: str = "tiny-qwen3") -> tuple[Path, torch.nn.Module]:
+    """A 2-layer Qwen3: q/k RMS norms, no q/k/v bias, head_dim 32 (4 heads x 32 = 128 != hidden 64)."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, head_dim=32,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                         **_DIMS)
+    return _build(tmp_path, config, seed, False, None, name)
+
+
 def make_tiny_llama(tmp_path: Path, **kwargs: Any) -> Path:
     """Path of a tiny Llama HF directory; keyword arguments as `build_tiny_llama`."""
     return build_tiny_llama(tmp_path, **kwargs)[0]
@@ -152,6 +165,11 @@ def make_tiny_llama(tmp_path: Path, **kwargs: Any) -> Path:
 def make_tiny_qwen2(tmp_path: Path, **kwargs: Any) -> Path:
     """Path of a tiny Qwen2 HF directory; keyword arguments as `build_tiny_qwen2`."""
     return build_tiny_qwen2(tmp_path, **kwargs)[0]
+
+
+def make_tiny_qwen3(tmp_path: Path, **kwargs: Any) -> Path:
+    """Path of a tiny Qwen3 HF directory; keyword arguments as `build_tiny_qwen3`."""
+    return build_tiny_qwen3(tmp_path, **kwargs)[0]
 
 
 def load_hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

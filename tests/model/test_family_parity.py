@@ -1,0 +1,127 @@
+"""Every model family added through the registry against transformers on a tiny random-weight model
+built from transformers' own config class (the family's distinctive options on), in float32:
+
+- prefill logits, then the same prompt in three chunks over the paged cache followed by 32
+  teacher-forced decode steps, every position against one transformers forward over the whole
+  sequence;
+- one step mixing a prefix-cache hit (a sequence started on another's cached blocks), a decode
+  and a fresh prefill of another length, each row against that sequence's own reference;
+- the engine end to end (chunked prefill, prefix caching, sequences of different lengths decoding
+  together): greedy tokens and their logprobs equal transformers' greedy generation;
+- where llama.cpp's converter defines the family, a GGUF written by the test (Q8_0) loads to the
+  logits of the transformers model holding the same quantized weights.
+
+Tolerance: max |logit diff| <= 1e-4 (float32; the runs differ in op order only: merged GEMMs,
+SDPA instead of eager attention, the cached prefix read in another order; logits std ~1).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+from helpers.gguf_export import export_gguf
+from helpers.paged import PagedRunner
+from helpers.tiny_models import build_tiny_qwen3
+
+from kubeinfer.server.engine.llm import LLM
+from kubeinfer.server.engine.sampling_params import SamplingParams
+from kubeinfer.server.model.loader import load_model
+
+FP32_ATOL = 1e-4
+PROMPT = [5, 17, 250, 33, 90, 91, 92, 7, 300, 12, 64, 65, 66, 1, 120, 121, 122, 200, 201, 3, 44, 45]
+DECODE_STEPS = 32
+
+# family id -> (builder(tmp_path) -> (HF directory, transformers model), GGUF export supported)
+FAMILIES: dict[str, tuple[Callable, bool]] = {
+    "qwen3": (build_tiny_qwen3, True),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family id, HF directory, transformers model, our float32 model loaded from the directory)."""
+    build, _ = FAMILIES[request.param]
+    path, hf_model = build(tmp_path_factory.mktemp(request.param))
+    return request.param, path, hf_model, load_model(str(path), dtype="float32", device="cpu").model
+
+
+def _reference(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def _continuation(seed: int) -> list[int]:
+    return torch.randint(3, 384, (DECODE_STEPS,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefill_chunks_and_32_decode_steps(family):
+    _, _, hf_model, model = family
+    sequence = PROMPT + _continuation(0)
+    reference = _reference(hf_model, sequence)
+    one_shot = PagedRunner(model, num_blocks=32).step([("a", PROMPT)], all_logits=True)
+    torch.testing.assert_close(one_shot, reference[:len(PROMPT)], atol=FP32_ATOL, rtol=0)
+    runner = PagedRunner(model, num_blocks=32)
+    steps = [runner.step([("a", PROMPT[:5])], all_logits=True), runner.step([("a", PROMPT[5:13])], all_logits=True),
+             runner.step([("a", PROMPT[13:])], all_logits=True)]
+    steps += [runner.step([("a", [token])]) for token in sequence[len(PROMPT):-1]]
+    torch.testing.assert_close(torch.cat(steps), reference[:-1], atol=FP32_ATOL, rtol=0)
+
+
+def test_prefix_hit_decode_and_prefill_in_one_step(family):
+    _, _, hf_model, model = family
+    shared = PROMPT[:16]
+    hit, fresh = shared + [77, 78, 79, 80, 81], [9, 8, 7, 6, 5, 4, 3]
+    runner = PagedRunner(model, num_blocks=48)
+    runner.step([("a", PROMPT)])
+    runner.share_prefix("a", "b", len(shared))
+    mixed = runner.step([("b", hit[len(shared):]), ("a", [40]), ("c", fresh)], all_logits=True)
+    expected = torch.cat([_reference(hf_model, hit)[len(shared):], _reference(hf_model, PROMPT + [40])[-1:],
+                          _reference(hf_model, fresh)])
+    torch.testing.assert_close(mixed, expected, atol=FP32_ATOL, rtol=0)
+
+
+def test_engine_greedy_matches_transformers(family):
+    """Chunked prefill (16-token steps), a shared 16-token prefix cached and hit, four lengths."""
+    _, path, hf_model, _ = family
+    prompts = [PROMPT, PROMPT[:16] + [7, 300, 12], PROMPT[:16] + [250] * 9, [64, 65, 66, 67, 68]]
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
+              kv_cache_memory=4 << 20, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, logprobs=1, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)
+    outputs = first + llm.generate(prompts[1:], params)
+    assert sum(output.num_cached_tokens for output in outputs[1:]) >= 2 * 16
+    for prompt, output in zip(prompts, outputs):
+        tokens, logprobs = _hf_greedy(hf_model, prompt)
+        ours = output.outputs[0]
+        assert ours.token_ids == tokens
+        ours_logprobs = torch.tensor([ours.logprobs[step][token].logprob for step, token in enumerate(tokens)])
+        torch.testing.assert_close(ours_logprobs, logprobs, atol=FP32_ATOL, rtol=0)
+
+
+def _hf_greedy(hf_model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and their logprobs (EOS not special: the engine ignores it too)."""
+    tokens, logprobs = [], []
+    for _ in range(DECODE_STEPS):
+        row = _reference(hf_model, prompt + tokens)[-1].log_softmax(-1)
+        tokens.append(int(row.argmax()))
+        logprobs.append(row[tokens[-1]])
+    return tokens, torch.stack(logprobs)
+
+
+def test_gguf_matches_transformers(family, tmp_path):
+    name, path, hf_model, _ = family
+    if not FAMILIES[name][1]:
+        pytest.skip(f"llama.cpp's converter has no layout for {name}")
+    import copy
+
+    reference_model = export_gguf(path, copy.deepcopy(hf_model), tmp_path / f"tiny-{name}.Q8_0.gguf")
+    loaded = load_model(str(tmp_path / f"tiny-{name}.Q8_0.gguf"), dtype="float32", device="cpu")
+    assert loaded.config.architecture == name
+    sequence = PROMPT + _continuation(1)[:8]
+    reference = _reference(reference_model, sequence)
+    runner = PagedRunner(loaded.model, num_blocks=32)
+    steps = [runner.step([("a", PROMPT[:9])], all_logits=True), runner.step([("a", PROMPT[9:])], all_logits=True)]
+    steps += [runner.step([("a", [token])]) for token in sequence[len(PROMPT):-1]]
+    torch.testing.assert_close(torch.cat(steps), reference[:-1], atol=FP32_ATOL, rtol=0)
