@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kubeinfer.operator.main", "Run the InferenceService operator (kopf)."),
     "gateway": ("kubeinfer.operator.gateway.cli",
                 "Run an InferenceService's scale-from-zero gateway (holds requests while at 0)."),
+    "route": ("kubeinfer.operator.gateway.route_cli",
+              "Run the cache-aware router in front of engines you started (--backend URL ...)."),
     "bench-kernels": ("kubeinfer.kernels.bench", "Time the Triton kernels on a CUDA GPU."),
 }
 

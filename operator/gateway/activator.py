@@ -1,6 +1,7 @@
 """Pick an engine pod for a request, holding the request while the service wakes from zero.
 
-Held requests are what makes scale-to-zero safe: nothing is dropped at zero replicas, the
+Which Ready pod is the `Picker`'s choice (`pickers.py`: prefix-aware, least-load, round-robin),
+given the request's routing key. Held requests are what makes scale-to-zero safe: nothing is dropped at zero replicas, the
 first arrival triggers 0 -> 1, and the wait is bounded so clients get a 503 they can retry
 instead of hanging. The held count is exported for the autoscaler, which counts it as load.
 """
@@ -13,11 +14,13 @@ import time
 from collections import Counter as Tally
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kubeinfer.operator.gateway.backends import Backends
+from kubeinfer.operator.gateway.pickers import LeastLoad, Picker
+from kubeinfer.operator.gateway.routing_key import RoutingKey
 
 log = logging.getLogger(__name__)
 
@@ -51,41 +54,65 @@ class GatewayMetrics:
                                    registry=self.registry)
         self.requests = Counter("kubeinfer_gateway_requests", "Requests answered, by status.",
                                 ["code"], registry=self.registry)
+        self.decisions = Counter("kubeinfer:router_decisions", "Routing decisions, by the reason the "
+                                 "replica won (prefix, session, affinity, overload, least-load, "
+                                 "round-robin, no-key).", ["reason"], registry=self.registry)
+        self.in_flight = Gauge("kubeinfer:router_in_flight_requests",
+                               "Requests this router has in flight, per engine replica.", ["replica"],
+                               registry=self.registry)
+        token_buckets = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+        self.predicted_cached = Histogram("kubeinfer:router_predicted_cached_tokens",
+                                          "Prompt tokens the router expected the chosen replica to "
+                                          "have cached.", buckets=token_buckets, registry=self.registry)
+        self.actual_cached = Histogram("kubeinfer:router_actual_cached_tokens",
+                                       "Prompt tokens the replica reported cached "
+                                       "(usage.prompt_tokens_details.cached_tokens).",
+                                       buckets=token_buckets, registry=self.registry)
+        self.decision_seconds = Histogram("kubeinfer:router_overhead_seconds",
+                                          "Time the router spends on a request before forwarding it "
+                                          "(parse, tokenize, hash, score), holds excluded.",
+                                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01,
+                                                   0.025, 0.05, 0.1), registry=self.registry)
 
 
 class Activator:
-    """Least-loaded choice among Ready pods (round-robin on ties); holds when there is none."""
+    """The picker's choice among Ready pods (least-loaded by default); holds when there is none."""
 
     def __init__(self, backends: Backends, config: ActivatorConfig,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, picker: Picker | None = None) -> None:
         self.backends, self.config, self.metrics = backends, config, metrics
-        self._in_flight: Tally[str] = Tally()
-        self._turn = 0
+        self.picker: Picker = picker or LeastLoad()
+        self.in_flight: Tally[str] = Tally()
         self._last_wake = float("-inf")
 
     @asynccontextmanager
-    async def upstream(self) -> AsyncIterator[str]:
-        """A pod's base URL, counted as in flight until the caller has streamed the answer."""
-        url = await self._acquire()
-        self._in_flight[url] += 1
+    async def upstream(self, key: RoutingKey | None = None, exclude: Collection[str] = (),
+                       spent: float | None = None) -> AsyncIterator[str]:
+        """A pod's base URL for a request with routing `key` (avoiding `exclude`, pods that just
+        failed it), counted as in flight until the caller has streamed the answer. `spent`: the
+        seconds the caller took to make the key, observed with the pick's own time."""
+        url = await self._acquire(key, exclude, spent)
+        self.in_flight[url] += 1
+        self.metrics.in_flight.labels(url).set(self.in_flight[url])
         try:
             yield url
         finally:
-            self._in_flight[url] -= 1
+            self.in_flight[url] -= 1
+            self.metrics.in_flight.labels(url).set(self.in_flight[url])
 
-    async def _acquire(self) -> str:
-        urls = await self._ready()
+    async def _acquire(self, key: RoutingKey | None, exclude: Collection[str], spent: float | None) -> str:
+        urls = [url for url in await self._ready() if url not in exclude]
         if urls:
-            return self._pick(urls)
+            return self._pick(urls, key, spent)
         started = time.monotonic()
         deadline = started + self.config.activation_timeout
         self.metrics.held.inc()
         try:
             while True:
                 await self._wake()
-                urls = await self._ready()
+                urls = [url for url in await self._ready() if url not in exclude]
                 if urls:
-                    return self._pick(urls)
+                    return self._pick(urls, key)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise NoReadyPod(f"no Ready engine pod within "
@@ -112,7 +139,12 @@ class Activator:
             log.warning("could not list engine pods: %s", error)
             return []
 
-    def _pick(self, urls: list[str]) -> str:
-        self._turn += 1
-        count = len(urls)
-        return min(urls, key=lambda u: (self._in_flight[u], (urls.index(u) - self._turn) % count))
+    def _pick(self, urls: list[str], key: RoutingKey | None, spent: float | None = None) -> str:
+        started = time.perf_counter()
+        decision = self.picker.pick(urls, key, self.in_flight)
+        if spent is not None:   # not after a hold: that wait is no overhead of routing
+            self.metrics.decision_seconds.observe(spent + time.perf_counter() - started)
+        self.metrics.decisions.labels(decision.reason).inc()
+        if key is not None:
+            self.metrics.predicted_cached.observe(decision.predicted_cached_tokens)
+        return decision.url

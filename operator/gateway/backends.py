@@ -1,7 +1,8 @@
 """Where the gateway's engine pods are, and how it asks for one when there is none.
 
 `Backends` is the gateway's whole view of Kubernetes, so unit tests drive it with a fake that
-"starts a pod" and e2e runs `KubeBackends` against the API server.
+"starts a pod" and e2e runs `KubeBackends` against the API server; `StaticBackends` is the
+standalone router's fixed list of engines.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import asyncio
 import logging
 import time
 from typing import Protocol
+
+import httpx
 
 from kubeinfer.operator.autoscaler.kube import Conflict, ScaleApi, engine_selector
 from kubeinfer.operator.autoscaler.scrape import pod_targets
@@ -64,3 +67,35 @@ class KubeBackends:
 
     def forget(self) -> None:
         self._fetched = float("-inf")
+
+
+class StaticBackends:
+    """Engines the user started (`kubeinfer route --backend URL ...`): those whose `/ready`
+    answered 200 at the last probe, probed at most every `ttl` seconds, in the order given.
+    Nothing here can start an engine, so `wake` never scales."""
+
+    def __init__(self, urls: list[str], client: httpx.AsyncClient, ttl: float = 1.0) -> None:
+        self.urls, self.client, self.ttl = [u.rstrip("/") for u in urls], client, ttl
+        self._ready: list[str] = []
+        self._probed = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def ready(self) -> list[str]:
+        async with self._lock:
+            if time.monotonic() - self._probed >= self.ttl:
+                answers = await asyncio.gather(*(self._probe(url) for url in self.urls))
+                self._ready = [url for url, ok in zip(self.urls, answers) if ok]
+                self._probed = time.monotonic()
+            return list(self._ready)
+
+    async def _probe(self, url: str) -> bool:
+        try:
+            return (await self.client.get(f"{url}/ready", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def wake(self) -> bool:
+        return False
+
+    def forget(self) -> None:
+        self._probed = float("-inf")

@@ -2,14 +2,18 @@
 
 Bodies are read once and replayed, so a pod that refuses the connection (it was just removed)
 is retried on another before anything reached the client. Responses are passed through
-byte-for-byte as they arrive, which keeps server-sent events flowing token by token.
+byte-for-byte as they arrive, which keeps server-sent events flowing token by token. With
+`routing`, each completion request gets a routing key (its prompt's block hashes) for the
+picker, and the cached tokens the engine reports in `usage` are counted against the prediction.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import AsyncExitStack
-from typing import AsyncIterator
+import re
+import time
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import AsyncIterator, Callable
 
 import httpx
 from fastapi import FastAPI, Request, Response
@@ -17,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubeinfer.operator.gateway.activator import Activator, NoReadyPod
+from kubeinfer.operator.gateway.routing import Routing
 from kubeinfer.server.api.auth import OPEN_PATHS, ApiKeyCheck
 from kubeinfer.server.api.errors import OpenAIError, error_body, error_response
 
@@ -24,14 +29,29 @@ log = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
+CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+USAGE_TAIL = 4096  # bytes of a response kept to read its usage (the last object of a stream)
 
 
 def build_app(activator: Activator, name: str, retry_after: int = 10,
-              http: httpx.AsyncClient | None = None, api_keys: list[str] | None = None) -> FastAPI:
+              http: httpx.AsyncClient | None = None, api_keys: list[str] | None = None,
+              routing: Routing | None = None) -> FastAPI:
     """`name` is the InferenceService, for error messages. With `api_keys` (the engines' own),
     a request without a valid key gets the engines' 401 here, before it can hold or wake
-    anything; the Authorization header is forwarded untouched and the engine checks it again."""
-    app = FastAPI(title=f"kubeinfer gateway for {name}", docs_url=None, redoc_url=None)
+    anything; the Authorization header is forwarded untouched and the engine checks it again.
+    With `routing`, requests carry routing keys and the engines' views are polled meanwhile."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if routing is not None:
+            await routing.start(activator.backends)
+        try:
+            yield
+        finally:
+            if routing is not None:
+                await routing.stop()
+
+    app = FastAPI(title=f"kubeinfer gateway for {name}", docs_url=None, redoc_url=None, lifespan=lifespan)
     client = http or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
     counts = activator.metrics.requests
     check_key = ApiKeyCheck(api_keys or [])
@@ -56,10 +76,15 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             await check_key(request)
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        started = time.perf_counter()
+        key = routing.key(path, body, request.headers) if routing is not None else None
+        spent: float | None = time.perf_counter() - started
+        refused: list[str] = []
         for _ in range(2):  # a second pod if the first refused the connection
             stack = AsyncExitStack()
             try:
-                base = await stack.enter_async_context(activator.upstream())
+                base = await stack.enter_async_context(activator.upstream(key, refused, spent))
+                spent = None
                 upstream = await client.send(client.build_request(
                     request.method, f"{base}/{path}", params=request.query_params,
                     headers=headers, content=body), stream=True)
@@ -72,13 +97,15 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
                                     status_code=503, headers={"Retry-After": str(retry_after)})
             except CONNECT_FAILURES as error:
                 await stack.aclose()
+                refused.append(base)
                 activator.backends.forget()
                 log.warning("engine pod refused the connection: %s", error)
                 continue
             counts.labels(str(upstream.status_code)).inc()
             stack.push_async_callback(upstream.aclose)
             reply = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
-            return StreamingResponse(_relay(upstream, stack), status_code=upstream.status_code,
+            observe = activator.metrics.actual_cached.observe if key is not None else None
+            return StreamingResponse(_relay(upstream, stack, observe), status_code=upstream.status_code,
                                      headers=dict(reply))
         counts.labels("502").inc()
         return JSONResponse(error_body(502, "no engine pod could be reached"), status_code=502)
@@ -86,10 +113,20 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
     return app
 
 
-async def _relay(upstream: httpx.Response, stack: AsyncExitStack) -> AsyncIterator[bytes]:
-    """Pass the body through as it arrives; the pod stays counted in flight until the end."""
+async def _relay(upstream: httpx.Response, stack: AsyncExitStack,
+                 observe_cached: Callable[[float], None] | None = None) -> AsyncIterator[bytes]:
+    """Pass the body through as it arrives; the pod stays counted in flight until the end.
+    With `observe_cached`, the `cached_tokens` of the answer's usage (its last object) is
+    reported once the whole body went through."""
+    tail = b""
     try:
         async for chunk in upstream.aiter_raw():
+            if observe_cached is not None:
+                tail = (tail + chunk)[-USAGE_TAIL:]
             yield chunk
+        plain = "content-encoding" not in upstream.headers
+        found = CACHED_TOKENS.findall(tail) if plain and upstream.status_code == 200 else []
+        if observe_cached is not None and found:
+            observe_cached(int(found[-1]))
     finally:
         await stack.aclose()

@@ -37,7 +37,7 @@ def cache_routes(state: ServerState) -> APIRouter:
             events = state.engine.kv_events
             tokenizer_info = json.dumps({
                 "model": state.model_name, **state.engine.tokenizer.describe(),
-                "block_size": events.block_size if events else None, "hash": HASH_SCHEME}).encode()
+                "block_size": events.block_size if events is not None else None, "hash": HASH_SCHEME}).encode()
         return Response(tokenizer_info, media_type="application/json")
 
     return router

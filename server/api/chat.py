@@ -22,17 +22,12 @@ from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
 
 def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
                 continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
-    """Template -> token ids; the template already holds any BOS, so none is added again."""
-    kwargs = dict(template_kwargs or {})
-    if continue_final_message:
-        kwargs["continue_final_message"] = True
+    """Template -> token ids (`Tokenizer.encode_chat`, which the router repeats)."""
     try:
-        text = state.engine.tokenizer.apply_chat_template(
-            [message.to_template() for message in messages], add_generation_prompt=add_generation_prompt,
-            **kwargs)
+        return state.engine.tokenizer.encode_chat([message.to_template() for message in messages],
+                                                  add_generation_prompt, continue_final_message, template_kwargs)
     except ValueError as exc:  # ChatTemplateError: the template refused these roles/contents
         raise OpenAIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
-    return state.engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _logprobs(body: ChatCompletionRequest, choice: CompletionOutput, token_ids: list[int]):

@@ -52,6 +52,16 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend.id_to_token(int(i)) for i in ids]
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """A chat request's prompt ids, as the server builds them (the router repeats this to hash
+        them); the template already holds any BOS, so none is added again."""
+        kwargs = dict(template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for `messages`; raises `ChatTemplateError` (a ValueError) for rejected input."""
         if not self.chat_template:

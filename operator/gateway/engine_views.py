@@ -1,0 +1,141 @@
+"""The router's picture of each engine, read from the engines themselves.
+
+Every `interval` it pulls each Ready engine's `GET /kv/blocks?since=SEQ` (the block hashes its
+prefix cache gained and lost) and, every `metrics_interval`, its queue gauges from `/metrics`.
+Decisions then depend on engine state, not on one router's history, so several router replicas
+choose alike without talking. The one exception is short-lived: blocks of a request a router
+has just sent count as cached there for `pending_seconds`, until the engine's digest shows them
+(otherwise a burst sharing a new prefix would scatter before the first poll).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Iterable, Mapping, Sequence
+
+import httpx
+
+from kubeinfer.operator.autoscaler.scrape import parse_gauges
+from kubeinfer.server.engine.kv_events import HASH_SCHEME
+from kubeinfer.server.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+@dataclass
+class EngineView:
+    url: str
+    epoch: str | None = None
+    seq: int | None = None
+    block_size: int | None = None
+    cached: set[int] = field(default_factory=set)
+    pending: dict[int, float] = field(default_factory=dict)   # hash -> until (monotonic)
+    running: float = 0.0
+    waiting: float = 0.0
+    others: float = 0.0   # running + waiting that are not this router's, at the last scrape
+    kv_usage: float = 0.0
+    metrics_at: float = float("-inf")
+
+    def has(self, block: int, now: float) -> bool:
+        return block in self.cached or self.pending.get(block, 0.0) > now
+
+    def matched_blocks(self, hashes: Sequence[int], now: float) -> int:
+        """Leading blocks of `hashes` this engine holds. A cache holds a block's parents too
+        (leaves are evicted first), so the held blocks are a prefix: binary search."""
+        low, high = 0, len(hashes)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.has(hashes[middle - 1], now):
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def apply(self, digest: dict) -> None:
+        if digest.get("hash") != HASH_SCHEME:
+            raise ValueError(f"unknown block hash scheme {digest.get('hash')!r}")
+        if digest["reset"] or digest["epoch"] != self.epoch:
+            self.cached = set(digest["stored"])
+        else:
+            self.cached.difference_update(digest["removed"])
+            self.cached.update(digest["stored"])
+        self.epoch, self.seq, self.block_size = digest["epoch"], digest["seq"], digest["block_size"]
+
+
+class EngineViews:
+    def __init__(self, client: httpx.AsyncClient, interval: float = 0.25, metrics_interval: float = 1.0,
+                 pending_seconds: float = 2.0, timeout: float = 2.0) -> None:
+        self.client, self.interval, self.metrics_interval = client, interval, metrics_interval
+        self.pending_seconds, self.timeout = pending_seconds, timeout
+        self.views: dict[str, EngineView] = {}
+        self.in_flight: Mapping[str, int] = {}   # this router's own requests (the activator's count)
+
+    def get(self, url: str) -> EngineView:
+        view = self.views.get(url)
+        if view is None:
+            view = self.views[url] = EngineView(url)
+        return view
+
+    def load(self, url: str, in_flight: int) -> float:
+        """This router's own in-flight count, now, plus the requests of others (other routers,
+        direct clients) the engine ran or queued at the last scrape."""
+        view = self.views.get(url)
+        return in_flight + (view.others if view else 0.0)
+
+    def sent(self, url: str, hashes: Iterable[int]) -> None:
+        """Count `hashes` as cached at `url` until the engine's own digest catches up."""
+        until = time.monotonic() + self.pending_seconds
+        pending = self.get(url).pending
+        for block in hashes:
+            pending[block] = until
+
+    async def refresh(self, urls: Sequence[str]) -> None:
+        for gone in set(self.views) - set(urls):
+            del self.views[gone]
+        await asyncio.gather(*(self._poll(self.get(url)) for url in urls))
+
+    async def _poll(self, view: EngineView) -> None:
+        now = time.monotonic()
+        try:
+            params = {} if view.seq is None else {"since": view.seq}
+            response = await self.client.get(f"{view.url}/kv/blocks", params=params, timeout=self.timeout)
+            if response.status_code == 200:
+                view.apply(response.json())
+            if now - view.metrics_at >= self.metrics_interval:
+                response = await self.client.get(f"{view.url}/metrics", timeout=self.timeout)
+                response.raise_for_status()
+                gauges = parse_gauges(response.text, GAUGES)
+                view.running, view.waiting = gauges[GAUGES[0]], gauges[GAUGES[1]]
+                view.others = max(0.0, view.running + view.waiting - self.in_flight.get(view.url, 0))
+                view.kv_usage, view.metrics_at = gauges[GAUGES[2]], now
+        except (httpx.HTTPError, ValueError, KeyError) as error:
+            log.debug("engine %s: %s", view.url, error or type(error).__name__)
+        if view.pending:
+            view.pending = {block: until for block, until in view.pending.items() if until > now}
+
+    async def run(self, ready: Callable[[], Awaitable[list[str]]]) -> None:
+        """Poll forever (the router's lifetime), over whichever engines are Ready."""
+        while True:
+            try:
+                await self.refresh(await ready())
+            except Exception as error:  # noqa: BLE001 - the poll loop must outlive any one failure
+                log.warning("engine poll failed: %s", error)
+            await asyncio.sleep(self.interval)
+
+    async def fetch_tokenizer(self, urls: Sequence[str]) -> tuple[Tokenizer, int] | None:
+        """The tokenizer and block size the first answering engine serves (GET /tokenizer_info)."""
+        for url in urls:
+            try:
+                response = await self.client.get(f"{url}/tokenizer_info", timeout=30.0)
+                response.raise_for_status()
+                info = response.json()
+                if info.get("hash") != HASH_SCHEME or not info.get("block_size"):
+                    continue
+                return Tokenizer.from_description(info), int(info["block_size"])
+            except (httpx.HTTPError, ValueError, KeyError) as error:
+                log.warning("no tokenizer from %s: %s", url, error or type(error).__name__)
+        return None

@@ -1,0 +1,134 @@
+"""Routing strategies: given the Ready replicas and a request's routing key, pick one.
+
+A strategy is a small object behind the `Picker` protocol (as SGLang's router policies and
+llm-d's scorers are), so a new one plugs in without touching the proxy or the activator.
+`prefix-aware` is the default; `least-load` and `round-robin` are the baselines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+import time
+
+from kubeinfer.operator.gateway.engine_views import EngineViews
+from kubeinfer.operator.gateway.routing_key import RoutingKey
+
+STRATEGIES = ("prefix-aware", "least-load", "round-robin")
+
+
+@dataclass(frozen=True)
+class Decision:
+    url: str
+    reason: str  # why this replica: a label of kubeinfer:router_decisions_total
+    predicted_cached_tokens: int = 0
+
+
+class Picker(Protocol):
+    """Chooses among `urls` (Ready, non-empty, in a stable order); `in_flight` is this router's
+    count of requests per replica. Called on the event loop: must not block."""
+
+    def pick(self, urls: Sequence[str], key: RoutingKey | None, in_flight: Mapping[str, int]) -> Decision: ...
+
+
+def rendezvous(affinity: int, url: str) -> int:
+    """Highest-random-weight rank of `url` for `affinity`: the same on every router, and a
+    replica joining or leaving moves only the keys it wins or held."""
+    digest = hashlib.blake2b(affinity.to_bytes(8, "little") + url.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def pick(self, urls: Sequence[str], key: RoutingKey | None, in_flight: Mapping[str, int]) -> Decision:
+        return Decision(urls[next(self._turn) % len(urls)], "round-robin")
+
+
+class LeastLoad:
+    """Fewest requests in flight (the engines' running + waiting where larger, with views);
+    ties rotate, so an idle service still spreads its requests."""
+
+    def __init__(self, views: EngineViews | None = None) -> None:
+        self.views = views
+        self._turn = 0
+
+    def load(self, url: str, in_flight: Mapping[str, int]) -> float:
+        count = in_flight.get(url, 0)
+        return self.views.load(url, count) if self.views else float(count)
+
+    def pick(self, urls: Sequence[str], key: RoutingKey | None, in_flight: Mapping[str, int]) -> Decision:
+        self._turn += 1
+        count = len(urls)
+        order = {url: (index - self._turn) % count for index, url in enumerate(urls)}
+        return Decision(min(urls, key=lambda u: (self.load(u, in_flight), order[u])), "least-load")
+
+
+@dataclass(frozen=True)
+class PrefixAwareConfig:
+    """The load-balance knobs (`spec.routing` / `kubeinfer route` flags)."""
+
+    load_penalty_tokens: float = 32.0   # one request in flight costs this many cached tokens
+    balance_factor: float = 0.25        # a replica past (1 + this) x the mean load ...
+    balance_slack: float = 2.0          # ... plus this many requests gets no new ones
+    kv_usage_limit: float = 0.95        # nor one whose KV cache is this full
+    max_sessions: int = 65536
+
+
+class PrefixAware:
+    """The replica holding the longest cached prefix of the request, minus a load penalty.
+
+    score = cached tokens - load_penalty_tokens x load, among replicas whose load stays within
+    (1 + balance_factor) x the mean + balance_slack (consistent hashing with bounded loads) and
+    whose KV cache is not full; ties go by rendezvous hashing of the prompt's start, so routers
+    agree and a new prefix settles on one replica. A session (`x-session-id` or `user`) keeps
+    its replica while that replica stays within those bounds.
+    """
+
+    def __init__(self, views: EngineViews, config: PrefixAwareConfig = PrefixAwareConfig()) -> None:
+        self.views, self.config = views, config
+        self.least_load = LeastLoad(views)
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    def pick(self, urls: Sequence[str], key: RoutingKey | None, in_flight: Mapping[str, int]) -> Decision:
+        if key is None:
+            return Decision(self.least_load.pick(urls, None, in_flight).url, "no-key")
+        now, config, views = time.monotonic(), self.config, self.views
+        loads = {url: views.load(url, in_flight.get(url, 0)) for url in urls}
+        limit = (sum(loads.values()) + 1) / len(urls) * (1 + config.balance_factor) + config.balance_slack
+        eligible = [url for url in urls if loads[url] + 1 <= limit
+                    and views.get(url).kv_usage < config.kv_usage_limit] or list(urls)
+        matched = {url: views.get(url).matched_blocks(key.hashes, now) for url in urls}
+        sticky = self._sessions.get(key.session) if key.session else None
+        if sticky in eligible:
+            url, reason = sticky, "session"
+        else:
+            url = max(eligible, key=lambda u: (matched[u] * key.block_size - config.load_penalty_tokens * loads[u],
+                                               rendezvous(key.affinity, u)))
+            best = max(matched.values())
+            reason = ("prefix" if matched[url] == best > 0 else "overload" if best > 0 else "affinity")
+        if key.session:
+            self._sessions[key.session] = url
+            self._sessions.move_to_end(key.session)
+            if len(self._sessions) > config.max_sessions:
+                self._sessions.popitem(last=False)
+        views.sent(url, key.hashes)
+        return Decision(url, reason, matched[url] * key.block_size)
+
+
+def make_picker(strategy: str, views: EngineViews | None,
+                config: PrefixAwareConfig = PrefixAwareConfig()) -> Picker:
+    if strategy == "round-robin":
+        return RoundRobin()
+    if strategy == "least-load":
+        return LeastLoad(views)
+    if strategy == "prefix-aware":
+        if views is None:
+            raise ValueError("prefix-aware routing needs the engines' views")
+        return PrefixAware(views, config)
+    raise ValueError(f"unknown routing strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
