@@ -99,6 +99,7 @@ class Activator:
         finally:
             self.in_flight[url] -= 1
             self.metrics.in_flight.labels(url).set(self.in_flight[url])
+            self.picker.release(url, key)
 
     async def _acquire(self, key: RoutingKey | None, exclude: Collection[str], spent: float | None) -> str:
         urls = [url for url in await self._ready() if url not in exclude]

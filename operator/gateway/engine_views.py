@@ -5,7 +5,8 @@ prefix cache gained and lost) and, every `metrics_interval`, its queue gauges fr
 Decisions then depend on engine state, not on one router's history, so several router replicas
 choose alike without talking. The one exception is short-lived: blocks of a request a router
 has just sent count as cached there for `pending_seconds`, until the engine's digest shows them
-(otherwise a burst sharing a new prefix would scatter before the first poll).
+(otherwise a burst sharing a new prefix would scatter before the first poll): from the moment
+they are sent until `pending_seconds` after the request ended (a slow engine may queue them).
 """
 
 from __future__ import annotations
@@ -87,11 +88,19 @@ class EngineViews:
         return in_flight + (view.others if view else 0.0)
 
     def sent(self, url: str, hashes: Iterable[int]) -> None:
-        """Count `hashes` as cached at `url` until the engine's own digest catches up."""
+        """Count `hashes` as cached at `url` while the request runs (see `ended`)."""
+        pending = self.get(url).pending
+        for block in hashes:
+            pending[block] = float("inf")
+
+    def ended(self, url: str, hashes: Iterable[int]) -> None:
+        """The request is done, so the engine has scheduled (and published) its blocks: they stay
+        pending only until the next polls have surely seen them."""
         until = time.monotonic() + self.pending_seconds
         pending = self.get(url).pending
         for block in hashes:
-            pending[block] = until
+            if block in pending:
+                pending[block] = until
 
     async def refresh(self, urls: Sequence[str]) -> None:
         for gone in set(self.views) - set(urls):

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
-import time
-
 from kubeinfer.operator.gateway.engine_views import EngineViews
 from kubeinfer.operator.gateway.routing_key import RoutingKey
 
+log = logging.getLogger(__name__)
 STRATEGIES = ("prefix-aware", "least-load", "round-robin")
 
 
@@ -34,6 +35,9 @@ class Picker(Protocol):
 
     def pick(self, urls: Sequence[str], key: RoutingKey | None, in_flight: Mapping[str, int]) -> Decision: ...
 
+    def release(self, url: str, key: RoutingKey | None) -> None:
+        """The request picked for `url` has ended (answered, failed or abandoned)."""
+
 
 def rendezvous(affinity: int, url: str) -> int:
     """Highest-random-weight rank of `url` for `affinity`: the same on every router, and a
@@ -48,6 +52,9 @@ class RoundRobin:
 
     def pick(self, urls: Sequence[str], key: RoutingKey | None, in_flight: Mapping[str, int]) -> Decision:
         return Decision(urls[next(self._turn) % len(urls)], "round-robin")
+
+    def release(self, url: str, key: RoutingKey | None) -> None:
+        pass
 
 
 class LeastLoad:
@@ -68,13 +75,16 @@ class LeastLoad:
         order = {url: (index - self._turn) % count for index, url in enumerate(urls)}
         return Decision(min(urls, key=lambda u: (self.load(u, in_flight), order[u])), "least-load")
 
+    def release(self, url: str, key: RoutingKey | None) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class PrefixAwareConfig:
     """The load-balance knobs (`spec.routing` / `kubeinfer route` flags)."""
 
     load_penalty_tokens: float = 32.0   # one request in flight costs this many cached tokens
-    balance_factor: float = 0.25        # a replica past (1 + this) x the mean load ...
+    balance_factor: float = 1.0         # a replica past (1 + this) x the mean load ...
     balance_slack: float = 2.0          # ... plus this many requests gets no new ones
     kv_usage_limit: float = 0.95        # nor one whose KV cache is this full
     max_sessions: int = 65536
@@ -118,7 +128,13 @@ class PrefixAware:
             if len(self._sessions) > config.max_sessions:
                 self._sessions.popitem(last=False)
         views.sent(url, key.hashes)
+        log.debug("%s -> %s (%s): loads %s, cached blocks %s of %d", key.affinity, url, reason,
+                  loads, matched, len(key.hashes))
         return Decision(url, reason, matched[url] * key.block_size)
+
+    def release(self, url: str, key: RoutingKey | None) -> None:
+        if key is not None:
+            self.views.ended(url, key.hashes)
 
 
 def make_picker(strategy: str, views: EngineViews | None,

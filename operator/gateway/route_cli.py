@@ -14,7 +14,15 @@ import argparse
 import logging
 from typing import Any
 
-from kubeinfer.server.flags import Flag, _optional, add_flags, parse_list
+from kubeinfer.server.flags import Flag, _optional, add_flags
+
+
+def parse_urls(text: str | list[str]) -> list[str]:
+    """Backend URLs, separated by commas or whitespace."""
+    if isinstance(text, list):
+        return text
+    return [item for item in text.replace(",", " ").split() if item]
+
 
 ROUTING_FLAGS: tuple[Flag, ...] = (
     Flag("strategy", str, "prefix-aware",
@@ -28,7 +36,7 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
     Flag("prefix-key-tokens", int, 256,
          "Requests sharing this many leading tokens go to the same replica when none has them cached."),
     Flag("load-penalty-tokens", float, 32.0, "Cached tokens one request in flight on a replica is worth."),
-    Flag("balance-factor", float, 0.25,
+    Flag("balance-factor", float, 1.0,
          "A replica whose load exceeds (1 + this) x the mean load, plus --balance-slack, gets no new request."),
     Flag("balance-slack", float, 2.0, "Requests a replica may exceed the bounded load by."),
     Flag("kv-usage-limit", float, 0.95, "A replica whose KV cache is this full gets no new request."),
@@ -42,14 +50,14 @@ STANDALONE_FLAGS: tuple[Flag, ...] = (
          "Seconds a request waits for a Ready backend before 503 + Retry-After."),
     Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),
 )
-BACKEND = Flag("backend", parse_list, [], "Engine base URL (repeat, or comma-separate).")
+BACKEND = Flag("backend", parse_urls, [], "Engine base URL (repeat, or comma-separate).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     import os
 
-    default = parse_list(os.environ[BACKEND.env]) if BACKEND.env in os.environ else None
-    parser.add_argument(BACKEND.option, dest=BACKEND.dest, action="extend", type=parse_list,
+    default = parse_urls(os.environ[BACKEND.env]) if BACKEND.env in os.environ else None
+    parser.add_argument(BACKEND.option, dest=BACKEND.dest, action="extend", type=parse_urls,
                         default=default, help=f"{BACKEND.help} [env {BACKEND.env}]")
     add_flags(parser, STANDALONE_FLAGS + ROUTING_FLAGS)
 
