@@ -29,8 +29,8 @@ class CompileCase:
 
 def cases(dtype: str) -> Iterator[CompileCase]:
     """Every kernel at Llama-3-8B-like shapes (32 query / 8 KV heads, head_dim 128), every config."""
-    from kubeinfer.kernels import activation, kv_cache, rms_norm, rotary, split_kv_attention, unified_attention
-    from kubeinfer.kernels.tuning import ATTENTION_CONFIGS, RMS_NORM_CONFIGS
+    from kubeinfer.kernels import activation, kv_cache, moe, rms_norm, rotary, split_kv_attention, unified_attention
+    from kubeinfer.kernels.tuning import ATTENTION_CONFIGS, MOE_CONFIGS, RMS_NORM_CONFIGS
 
     p = "*" + TYPES[dtype]
     attention = dict(lse_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32",
@@ -61,6 +61,14 @@ def cases(dtype: str) -> Iterator[CompileCase]:
                       dict(q_ptr=p, k_ptr=p, positions_ptr="*i64", cos_sin_ptr="*fp32"),
                       dict(Q_HEADS_PADDED=32, K_HEADS_PADDED=8, HALF_PADDED=64))
     yield CompileCase("silu_and_mul", activation._silu_and_mul_kernel, dict(out_ptr=p, x_ptr=p), dict(BLOCK=1024))
+    for cfg in MOE_CONFIGS:
+        for block_m, down in ((16, False), (64, True)):   # decode gate|up; prefill down with router weights
+            yield CompileCase(f"moe grouped gemm {cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages} "
+                              f"block_m={block_m}", moe._grouped_gemm_kernel.fn,
+                              dict(c_ptr=p, a_ptr=p, b_ptr=p, weights_ptr="*fp32", slots_ptr="*i32",
+                                   block_experts_ptr="*i32"),
+                              dict(ROWS_PER_A=1 if down else 2, MUL_WEIGHTS=down, BLOCK_M=block_m, **cfg.kwargs),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
 def compile_case(case: CompileCase, arch: int) -> int:

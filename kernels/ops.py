@@ -21,6 +21,7 @@ from kubeinfer.kernels import fused_cpu
 from kubeinfer.kernels.activation_ref import silu_and_mul_ref
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
+from kubeinfer.kernels.moe_ref import fused_moe_ref
 from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
 from kubeinfer.kernels.rope_cache import build_rope_cache, cos_sin_table
 from kubeinfer.kernels.rotary_ref import apply_rotary_ref, rotate_signed_ref
@@ -31,7 +32,7 @@ if _backend not in BACKENDS:
     raise ValueError(f"KUBEINFER_KERNEL_BACKEND={_backend!r}; expected one of {', '.join(BACKENDS)}")
 
 __all__ = ["build_rope_cache", "cos_sin_table", "paged_attention", "triton_paged_attention", "store_kv_cache",
-           "rms_norm", "apply_rotary", "rotate_signed", "silu_and_mul", "use_backend", "uses_triton",
+           "rms_norm", "apply_rotary", "rotate_signed", "silu_and_mul", "fused_moe", "use_backend", "uses_triton",
            "uses_cpu_kernels"]
 
 
@@ -157,3 +158,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_ref(x)
     from kubeinfer.kernels.activation import silu_and_mul as fused
     return fused(x)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """Top-k routed SwiGLU experts, see `moe_ref.fused_moe_ref`: the grouped torch path on CPU,
+    the Triton grouped GEMM on CUDA."""
+    if not uses_triton(x):
+        return fused_moe_ref(x, w13, w2, weights, ids)
+    from kubeinfer.kernels.moe import fused_moe as grouped
+    return grouped(x, w13, w2, weights, ids)

@@ -48,3 +48,17 @@ RMS_NORM_CONFIGS = _for_this_run([
     Config({}, num_warps=8),
     Config({}, num_warps=16),
 ])
+
+# MoE grouped GEMM (BLOCK_M is chosen on the host: it fixes the expert padding). Shared memory as
+# compiled for sm_90 bf16 (`compile_check`), BLOCK_M 16 / 64: 5 / 8, 18 / 24, 18 / 24, 10 / 16 KiB.
+MOE_CONFIGS = _for_this_run([
+    # The default on every part and the interpreter's: small tiles, many programs per SM,
+    # good for decode where each expert sees a handful of tokens.
+    Config({"BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+    # Prefill on A100/H100: wider tiles halve the reloads of the token rows.
+    Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+    # H100 prefill: 8 warps keep the tensor cores fed on the 64 x 128 tile.
+    Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    # Narrow experts (intermediate 256-768, as Qwen3-MoE's): deeper K steps, fewer column blocks.
+    Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+])

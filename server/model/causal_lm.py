@@ -20,6 +20,7 @@ from .checkpoint import QuantizedBlocks
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .linear import Linear, MergedLinear, can_pack, linear, pack_weight
+from .moe import FusedExperts
 from .rotary import RotaryEmbedding
 
 
@@ -99,12 +100,24 @@ class CausalLM(nn.Module):
             for source, shard in self.checkpoint_sources(name, module):
                 yield source, module, shard
 
+    def stacked_tensors(self) -> dict[str, tuple[FusedExperts, str]]:
+        """Checkpoint tensor name -> (module whose parameters stack it, its name there): the
+        per-expert matrices of MoE layers."""
+        return {f"{name}.{part}": (module, part) for name, module in self.named_modules()
+                if isinstance(module, FusedExperts) for part, _, _ in module.checkpoint_layout()}
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers names) in, converting dtype; every parameter must be set."""
         params = dict(self.named_parameters())
+        stacked = self.stacked_tensors()
         loaded: set[str] = set()
         for name, tensor in weights:
+            if name in stacked:
+                module, part = stacked[name]
+                module.load_checkpoint_tensor(part, tensor)
+                loaded.add(name)
+                continue
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             if name == "rope_freqs.weight":   # GGUF Llama 3.1+: per-frequency divisors
@@ -126,15 +139,18 @@ class CausalLM(nn.Module):
                 raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
             param.copy_(tensor)
             loaded.add(name)
-        missing = self._expected_weights() - loaded
+        missing = (self._expected_weights() | set(stacked)) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}")
 
     def _expected_weights(self) -> set[str]:
-        """Parameter names, merged ones as `name#shard` (one entry per checkpoint matrix)."""
+        """Parameter names, merged ones as `name#shard` (one entry per checkpoint matrix); stacked
+        expert parameters are accounted for by `stacked_tensors`."""
         expected = set()
         for name, _ in self.named_parameters():
             module = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(module, FusedExperts):
+                continue
             shards = len(module.output_sizes) if isinstance(module, MergedLinear) else 0
             expected.update([f"{name}#{i}" for i in range(shards)] if shards else [name])
         return expected

@@ -1,7 +1,8 @@
 """Architecture hyper-parameters of a Llama-family decoder, from HF `config.json` or GGUF metadata.
 
 Both sources land in one validated dataclass so the model code never guesses: Llama 2/3,
-SmolLM2, Mistral and Qwen2/2.5 differ only in the fields below (biases, tying, rope scaling).
+SmolLM2, Mistral and Qwen2/2.5 differ only in the fields below (biases, tying, rope scaling);
+mixture-of-experts families (Mixtral, Qwen3-MoE) add `MoEConfig`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,41 @@ from typing import Any, Mapping
 from .registry import supported_architectures
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Top-k routed experts in place of the dense MLP (Mixtral, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int               # of each expert
+    renormalize: bool                    # top-k weights rescaled to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    dense_layers: frozenset[int] = frozenset()   # layers that keep the dense MLP (Qwen3-MoE's mlp_only_layers)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"model config: num_experts_per_tok ({self.top_k}) must be between 1 and the "
+                             f"number of experts ({self.num_experts})")
+        if self.intermediate_size <= 0:
+            raise ValueError(f"model config: the expert intermediate size must be positive, got {self.intermediate_size}")
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> "MoEConfig | None":
+        """transformers' keys (`num_local_experts` for Mixtral, `num_experts` for Qwen3-MoE); None
+        for a dense model."""
+        experts = config.get("num_local_experts") or config.get("num_experts") or 0
+        if not experts:
+            return None
+        for unsupported in ("shared_expert_intermediate_size", "n_shared_experts"):
+            if config.get(unsupported):
+                raise ValueError(f"model config: shared experts ({unsupported}) are not supported")
+        layers = config["num_hidden_layers"]
+        step = config.get("decoder_sparse_step") or 1
+        dense = {i for i in range(layers) if i in set(config.get("mlp_only_layers") or []) or (i + 1) % step}
+        return cls(num_experts=experts, top_k=config["num_experts_per_tok"],
+                   intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
+                   renormalize=bool(config.get("norm_topk_prob", True)), dense_layers=frozenset(dense))
 
 
 @dataclass
@@ -31,6 +67,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
+    moe: MoEConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
@@ -83,6 +120,7 @@ class ModelConfig:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             sliding_window=config.get("sliding_window") if use_sliding else None,
+            moe=MoEConfig.from_hf(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         )

@@ -7,7 +7,8 @@ matrices. Registered for `llama`, `mistral` and `qwen2` in `registry.py`.
 
 It is also the shared pre-norm decoder of the other families: a family subclasses
 `LlamaForCausalLM` and names what it changes in `DecoderParts` (q/k norms, the feed-forward
-block), e.g. `qwen3.py`.
+block and its checkpoint names), e.g. `qwen3.py`, `mixtral.py`; a config with `moe` gets
+routed experts (`moe.py`) on its sparse layers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .linear import Linear, ParallelRole
 from .mlp import SwiGLUMLP
+from .moe import GATE_UP_DOWN, SparseMoE
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 from .self_attention import NormFactory, SelfAttention
@@ -41,10 +43,13 @@ def swiglu_mlp(config: ModelConfig, layer: int) -> nn.Module:
 
 @dataclass(frozen=True)
 class DecoderParts:
-    """What a family changes in the shared decoder layer (the defaults are Llama's)."""
+    """What a family changes in the shared decoder layer (the defaults are Llama's). Layers that
+    `config.moe` makes sparse get top-k routed SwiGLU experts instead of the dense `mlp`."""
 
     qk_norm: NormFactory | None = None                                  # per-head q/k norm before rotary
-    mlp: Callable[[ModelConfig, int], nn.Module] = swiglu_mlp           # feed-forward of layer N
+    mlp: Callable[[ModelConfig, int], nn.Module] = swiglu_mlp           # dense feed-forward of layer N
+    feed_forward_name: str = "mlp"                  # the checkpoint's module name (Mixtral: block_sparse_moe)
+    expert_names: tuple[str, str, str] = GATE_UP_DOWN   # each expert's gate, up, down (Mixtral: w1, w3, w2)
 
 
 class DecoderLayer(nn.Module):
@@ -54,7 +59,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config, backend, qk_norm=parts.qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = parts.mlp(config, index)
+        moe = config.moe
+        sparse = moe is not None and index not in moe.dense_layers
+        self.feed_forward_name = parts.feed_forward_name
+        setattr(self, parts.feed_forward_name, SparseMoE(config.hidden_size, moe, parts.expert_names) if sparse
+                else parts.mlp(config, index))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
@@ -65,7 +74,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos_sin, kv_cache, batch)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return getattr(self, self.feed_forward_name)(x), residual
 
 
 class LlamaModel(nn.Module):

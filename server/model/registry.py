@@ -88,6 +88,8 @@ _FAMILIES: dict[str, ModelFamily] = {
     "mistral": ModelFamily(_LLAMA),
     "qwen2": ModelFamily(_LLAMA),
     "qwen3": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
+    "qwen3_moe": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
+    "mixtral": ModelFamily("kubeinfer.server.model.mixtral:MixtralForCausalLM"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The two layers tensor parallelism swaps in: a row-parallel linear and a vocab-parallel embedding.
+"""The layers tensor parallelism swaps in: a row-parallel linear, row-parallel experts and a
+vocab-parallel embedding.
 
 Column-parallel layers need no class of their own: a rank's q/k/v and gate/up are ordinary
 (merged) linears over its share of the output features, built from `ShardPlan.local_config()`.
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..model.linear import Linear, linear
+from ..model.moe import FusedExperts
 
 
 class RowParallelLinear(Linear):
@@ -22,6 +24,16 @@ class RowParallelLinear(Linear):
         out = linear(x, self.weight, self.packed, None, self.quantized)
         dist.all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+
+class RowParallelExperts(FusedExperts):
+    """MoE experts over this rank's slice of every expert's intermediate units (gate/up rows,
+    down columns): the routed, weighted sum of partial outputs, then one all-reduce."""
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x, weights, ids)
+        dist.all_reduce(out)
+        return out
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -22,8 +22,9 @@ from ..model.checkpoint import Slice
 from ..model.forward_batch import ForwardBatch
 from ..model.linear import Linear, MergedLinear, ParallelRole
 from ..model.loader import fill_model, uninitialized_modules
+from ..model.moe import FusedExperts
 from ..model.registry import ModelFamily
-from .layers import RowParallelLinear, VocabParallelEmbedding
+from .layers import RowParallelExperts, RowParallelLinear, VocabParallelEmbedding
 from .plan import ShardPlan
 from .step_broadcast import send_step
 from .weights import sharded_weights
@@ -43,6 +44,9 @@ def shard_model(model: CausalLM, plan: ShardPlan) -> None:
         elif isinstance(module, Linear) and module.role is ParallelRole.VOCAB:
             replacement = Linear(module.in_features, plan.vocab_per_rank, bias=module.bias is not None,
                                  role=ParallelRole.VOCAB)
+        elif isinstance(module, FusedExperts) and plan.size > 1:
+            replacement = RowParallelExperts(module.num_experts, module.w2.shape[1], module.intermediate_size,
+                                             module.names)
         if replacement is not None:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, replacement)
@@ -66,6 +70,11 @@ def weight_slices(model: CausalLM, plan: ShardPlan) -> dict[str, Slice]:
             part = plan.slice_for(role, local, is_bias=kind == "bias")
             if part is not None:
                 slices[f"{source}.{kind}"] = part
+    for name, (module, part_name) in model.stacked_tensors().items():   # per-expert matrices, by their roles
+        role, local = next((role, local) for part, role, local in module.checkpoint_layout() if part == part_name)
+        part = plan.slice_for(role, local)
+        if part is not None:
+            slices[name] = part
     return slices
 
 

@@ -32,6 +32,9 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
                          f"{config.intermediate_size}")
+    if config.moe is not None and config.moe.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's expert intermediate size "
+                         f"{config.moe.intermediate_size}")
 
 
 def kv_heads_per_rank(config: ModelConfig, size: int) -> int:
@@ -65,10 +68,13 @@ class ShardPlan:
         return self.rank * self.vocab_per_rank
 
     def local_config(self) -> ModelConfig:
-        """The config a rank builds its layers from: its share of heads and intermediate units."""
+        """The config a rank builds its layers from: its share of heads and intermediate units
+        (every expert's too)."""
+        moe = self.config.moe
         return dataclasses.replace(self.config, num_attention_heads=self.num_heads,
                                    num_key_value_heads=self.num_kv_heads,
-                                   intermediate_size=self.config.intermediate_size // self.size)
+                                   intermediate_size=self.config.intermediate_size // self.size,
+                                   moe=moe and dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size))
 
     def slice_for(self, role: ParallelRole, local: int, is_bias: bool = False) -> Slice | None:
         """The part of a checkpoint matrix this rank loads into a layer of `role` that has `local`

@@ -12,7 +12,7 @@ process on a fixed corpus: ~384 tokens, so any UTF-8 text round-trips.
     path, hf_model = build_tiny_qwen2(tmp_path)      # also returns the transformers model (fp32, eval)
 
 Builders: Llama (tied or not, llama3 rope scaling), Qwen2 (q/k/v bias), Mistral (sliding window),
-Qwen3 (q/k norms, head_dim apart from hidden / heads).
+Qwen3 (q/k norms, head_dim apart from hidden / heads), Mixtral and Qwen3-MoE (4 experts, top-2).
 """
 
 from __future__ import annotations
@@ -157,6 +157,33 @@ def build_tiny_qwen3(tmp_path: Path, *, tie_word_embeddings: bool = False, num_k
     return _build(tmp_path, config, seed, False, None, name)
 
 
+def build_tiny_mixtral(tmp_path: Path, *, tie_word_embeddings: bool = False, num_kv_heads: int = 2, seed: int = 0,
+                       name: str = "tiny-mixtral") -> tuple[Path, torch.nn.Module]:
+    """A 2-layer Mixtral: 4 SwiGLU experts of 96 units in every layer, top-2, re-normalised."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, num_local_experts=4,
+                           num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                           tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID, **{**_DIMS, "intermediate_size": 96})
+    return _build(tmp_path, config, seed, False, None, name)
+
+
+def build_tiny_qwen3_moe(tmp_path: Path, *, tie_word_embeddings: bool = False, num_kv_heads: int = 2, seed: int = 0,
+                         norm_topk_prob: bool = True,
+                         name: str = "tiny-qwen3-moe") -> tuple[Path, torch.nn.Module]:
+    """A 3-layer Qwen3-MoE: layers 0 and 2 with 4 experts of 48 units (top-2), layer 1 dense
+    (`mlp_only_layers`), q/k norms, head_dim 32."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, head_dim=32, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=norm_topk_prob,
+                            decoder_sparse_step=1, mlp_only_layers=[1],
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                            tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                            **{**_DIMS, "num_hidden_layers": 3})
+    return _build(tmp_path, config, seed, False, None, name)
+
+
 def make_tiny_llama(tmp_path: Path, **kwargs: Any) -> Path:
     """Path of a tiny Llama HF directory; keyword arguments as `build_tiny_llama`."""
     return build_tiny_llama(tmp_path, **kwargs)[0]
@@ -170,6 +197,16 @@ def make_tiny_qwen2(tmp_path: Path, **kwargs: Any) -> Path:
 def make_tiny_qwen3(tmp_path: Path, **kwargs: Any) -> Path:
     """Path of a tiny Qwen3 HF directory; keyword arguments as `build_tiny_qwen3`."""
     return build_tiny_qwen3(tmp_path, **kwargs)[0]
+
+
+def make_tiny_mixtral(tmp_path: Path, **kwargs: Any) -> Path:
+    """Path of a tiny Mixtral HF directory; keyword arguments as `build_tiny_mixtral`."""
+    return build_tiny_mixtral(tmp_path, **kwargs)[0]
+
+
+def make_tiny_qwen3_moe(tmp_path: Path, **kwargs: Any) -> Path:
+    """Path of a tiny Qwen3-MoE HF directory; keyword arguments as `build_tiny_qwen3_moe`."""
+    return build_tiny_qwen3_moe(tmp_path, **kwargs)[0]
 
 
 def load_hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers.gguf_export import export_gguf
 from helpers.paged import PagedRunner
-from helpers.tiny_models import build_tiny_qwen3
+from helpers.tiny_models import build_tiny_mixtral, build_tiny_qwen3, build_tiny_qwen3_moe
 
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
@@ -33,17 +33,19 @@ FP32_ATOL = 1e-4
 PROMPT = [5, 17, 250, 33, 90, 91, 92, 7, 300, 12, 64, 65, 66, 1, 120, 121, 122, 200, 201, 3, 44, 45]
 DECODE_STEPS = 32
 
-# family id -> (builder(tmp_path) -> (HF directory, transformers model), GGUF export supported)
-FAMILIES: dict[str, tuple[Callable, bool]] = {
-    "qwen3": (build_tiny_qwen3, True),
+# family id -> builder(tmp_path) -> (HF directory, transformers model)
+FAMILIES: dict[str, Callable] = {
+    "qwen3": build_tiny_qwen3,
+    "mixtral": build_tiny_mixtral,
+    "qwen3_moe": build_tiny_qwen3_moe,
 }
+GGUF_FAMILIES = ["qwen3"]   # those `helpers.gguf_export` writes in llama.cpp's layout
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     """(family id, HF directory, transformers model, our float32 model loaded from the directory)."""
-    build, _ = FAMILIES[request.param]
-    path, hf_model = build(tmp_path_factory.mktemp(request.param))
+    path, hf_model = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
     return request.param, path, hf_model, load_model(str(path), dtype="float32", device="cpu").model
 
 
@@ -110,13 +112,10 @@ def _hf_greedy(hf_model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return tokens, torch.stack(logprobs)
 
 
-def test_gguf_matches_transformers(family, tmp_path):
-    name, path, hf_model, _ = family
-    if not FAMILIES[name][1]:
-        pytest.skip(f"llama.cpp's converter has no layout for {name}")
-    import copy
-
-    reference_model = export_gguf(path, copy.deepcopy(hf_model), tmp_path / f"tiny-{name}.Q8_0.gguf")
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_gguf_matches_transformers(name, tmp_path):
+    path, hf_model = FAMILIES[name](tmp_path)
+    reference_model = export_gguf(path, hf_model, tmp_path / f"tiny-{name}.Q8_0.gguf")
     loaded = load_model(str(tmp_path / f"tiny-{name}.Q8_0.gguf"), dtype="float32", device="cpu")
     assert loaded.config.architecture == name
     sequence = PROMPT + _continuation(1)[:8]
@@ -125,3 +124,23 @@ def test_gguf_matches_transformers(family, tmp_path):
     steps = [runner.step([("a", PROMPT[:9])], all_logits=True), runner.step([("a", PROMPT[9:])], all_logits=True)]
     steps += [runner.step([("a", [token])]) for token in sequence[len(PROMPT):-1]]
     torch.testing.assert_close(torch.cat(steps), reference[:-1], atol=FP32_ATOL, rtol=0)
+
+
+def test_moe_config_from_transformers_keys():
+    from kubeinfer.server.model.config import ModelConfig
+
+    base = dict(model_type="qwen3_moe", vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    moe = ModelConfig.from_hf({**base, "norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": [3]}).moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize) == (8, 2, 32, False)
+    assert moe.dense_layers == {0, 2, 3}   # sparse every 2nd layer, layer 3 forced dense
+    mixtral = ModelConfig.from_hf({**base, "model_type": "mixtral", "num_experts": None, "num_local_experts": 4,
+                                   "moe_intermediate_size": None}).moe
+    assert (mixtral.num_experts, mixtral.intermediate_size, mixtral.renormalize, mixtral.dense_layers) == \
+        (4, 128, True, frozenset())
+    with pytest.raises(ValueError, match="shared experts"):
+        ModelConfig.from_hf({**base, "shared_expert_intermediate_size": 64})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf({**base, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="mix sliding-window and full-attention"):
+        ModelConfig.from_hf({**base, "model_type": "qwen3", "num_experts": 0, "use_sliding_window": True})
