@@ -10,7 +10,7 @@ chunks, and decodes where the decode kernel is unavailable, take the padded torc
 path: K/V of each sequence's context are gathered from the paged cache by its block table into
 a padded `[S, max_seq_len, kv_heads, d]` tensor; queries are padded to
 `[S, max_query_len, heads, d]`; one boolean mask encodes causality against the cached prefix
-and padding (and, for Mistral, the sliding window); and one `scaled_dot_product_attention`
+and padding (and the sliding window of Mistral and Gemma's local layers); and one `scaled_dot_product_attention`
 call (GQA via `enable_gqa`) does the math for each group of sequences with similar query
 lengths: a 200-token chunk in one call with fifteen 32-token chunks would pad them all to 200
 queries (3,200 rows for 680 tokens). A prefill without cached prefix attends causally over
@@ -19,6 +19,9 @@ cache read, no padding and no mask, and half the scores (a masked call computes 
 prompts 7.9 ms a layer instead of 11.7 ms. Decode-only batches need no query padding. K/V of the step
 are stored first: rows copied by the C kernel of `fused_cpu`, else one `index_copy_` over
 `slot_mapping`.
+Attention soft-capping (Gemma 2) is not in SDPA nor in the C kernels: a soft-capping backend
+runs every sequence through the padded path with the scores computed, capped and masked
+explicitly. Sliding windows are in the decode kernel; windowed prefill takes the padded path.
 Measured with tests/model/bench_attention.py: `index_select` gathers 2-5x faster than advanced
 indexing, and `enable_gqa` beats expanding K/V to all heads by 2-10x.
 """
@@ -44,6 +47,11 @@ class AttentionBackend(Protocol):
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] after rotary; stores k/v at `batch.slot_mapping`
         (skipping -1) and returns [T, heads, d]."""
+        ...
+
+    def for_layer(self, sliding_window: int | None, softcap: float | None) -> "AttentionBackend":
+        """A backend of the same kind for layers with their own window / score soft-cap (Gemma's
+        interleaved local and global layers)."""
         ...
 
 
@@ -188,7 +196,7 @@ def _similar_query_lengths(seqs: list[int], query_lens: list[int]) -> list[list[
 
 
 def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
-            decode_kernel: bool, prefill_kernel: bool) -> _StepLayout:
+            decode_kernel: bool, prefill_kernel: bool, causal_sdpa: bool = True) -> _StepLayout:
     valid = batch.slot_mapping >= 0
     all_valid = bool(valid.all())
     starts = [0]
@@ -202,7 +210,7 @@ def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
             decodes.append(i)
         elif prefill_kernel:
             rest.append(i)
-        elif (query_len == seq_len and all_valid   # the cache holds nothing else it could attend to
+        elif (causal_sdpa and query_len == seq_len and all_valid   # the cache holds nothing else it could attend to
               and (sliding_window is None or seq_len <= sliding_window)):
             if fresh and fresh[-1].length == query_len and fresh[-1].rows.stop == starts[i]:
                 fresh[-1].count += 1
@@ -244,13 +252,16 @@ class TorchAttention:
     it, decodes take the torch path: a fresh pod's first tokens do not wait 5-8 s for gcc.
     `prefill_kernel`: likewise for every other sequence and the AMX prefill kernel (default:
     when it is available for the cache's dtype and head size).
+    `softcap`: scores become `softcap * tanh(score / softcap)` (Gemma 2); neither SDPA nor the C
+    kernels can, so every sequence then takes the padded path with explicit scores.
     """
 
     def __init__(self, sliding_window: int | None = None, decode_kernel: bool | None = None,
-                 prefill_kernel: bool | None = None) -> None:
+                 prefill_kernel: bool | None = None, softcap: float | None = None) -> None:
         self.sliding_window = sliding_window
-        self.decode_kernel = decode_kernel
-        self.prefill_kernel = prefill_kernel
+        self.softcap = softcap
+        self.decode_kernel = False if softcap is not None else decode_kernel
+        self.prefill_kernel = False if softcap is not None else prefill_kernel
         self._batch: ForwardBatch | None = None
         self._layout: _StepLayout | None = None
 
@@ -261,7 +272,7 @@ class TorchAttention:
             self.decode_kernel = _decide_kernel(self.decode_kernel, k_cache, paged_decode_cpu)
             self.prefill_kernel = _decide_kernel(self.prefill_kernel, k_cache, paged_prefill_cpu, k_cache.shape[-1])
             self._layout = _layout(batch, k_cache.shape[1], self.sliding_window, bool(self.decode_kernel),
-                                   bool(self.prefill_kernel))
+                                   bool(self.prefill_kernel), causal_sdpa=self.softcap is None)
         layout = self._layout
         self._store(k, v, k_cache, v_cache, batch.slot_mapping, layout)
         decode, padded, prefill = layout.decode, layout.padded, layout.prefill
@@ -284,6 +295,9 @@ class TorchAttention:
             out[group.rows] = self._padded(q[group.rows], k[group.rows], v[group.rows], k_cache, v_cache,
                                            group, scale)
         return out
+
+    def for_layer(self, sliding_window: int | None, softcap: float | None) -> "TorchAttention":
+        return TorchAttention(sliding_window, self.decode_kernel, self.prefill_kernel, softcap)
 
     @staticmethod
     def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, count: int) -> torch.Tensor:
@@ -318,8 +332,11 @@ class TorchAttention:
         else:
             queries = q.new_zeros(num_seqs * max_q, heads, head_dim).index_copy_(0, group.query_index, q)
             queries = queries.view(num_seqs, max_q, heads, head_dim)
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=group.key_mask,
-                                             scale=scale, enable_gqa=heads != kv_heads)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=group.key_mask,
+                                                 scale=scale, enable_gqa=heads != kv_heads)
+        else:
+            out = _softcapped_attention(queries.transpose(1, 2), keys, values, group.key_mask, scale, self.softcap)
         out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, head_dim)
         return out if group.query_index is None else out.index_select(0, group.query_index)
 
@@ -340,6 +357,18 @@ class TorchAttention:
         context = cache.index_select(0, group.context_blocks)
         context = context.view(num_seqs, -1, *cache.shape[2:])[:, :max_len]
         return context.transpose(1, 2)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          softcap: float) -> torch.Tensor:
+    """Attention of q [S, H, Q, d] over k/v [S, KVH, L, d] with `softcap * tanh(score / softcap)`
+    scores (as transformers' Gemma 2), `mask` [S, 1, Q, L] True = attend; softmax in float32."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def get_attention_backend(device: torch.device, sliding_window: int | None = None) -> AttentionBackend:

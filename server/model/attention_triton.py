@@ -21,6 +21,9 @@ class TritonAttention:
         self.sliding_window = sliding_window
         self.softcap = softcap
 
+    def for_layer(self, sliding_window: int | None, softcap: float | None) -> "TritonAttention":
+        return TritonAttention(sliding_window, softcap)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] after rotary; returns [T, heads, d]."""

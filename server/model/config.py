@@ -67,7 +67,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
+    # per layer "sliding_attention" / "full_attention" where they differ (Gemma); () = all alike
+    layer_types: tuple[str, ...] = ()
     moe: MoEConfig | None = None
+    # Gemma: attention scale 1/sqrt(query_pre_attn_scalar), soft-caps, the local layers' rope base
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
+    hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
@@ -97,12 +105,18 @@ class ModelConfig:
         model_type = config.get("model_type", "")
         heads = config["num_attention_heads"]
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        local_rope = {"rope_theta": config["rope_local_base_freq"]} if "rope_local_base_freq" in config else None
+        if "full_attention" in rope:   # Gemma 3 (transformers 5): one rope per layer type
+            local_rope, rope = dict(rope.get("sliding_attention") or {}), dict(rope["full_attention"])
+        if local_rope and local_rope.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope scaling type {local_rope['rope_type']!r} on sliding-window layers")
         rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
         if "type" in rope:   # pre-4.45 spelling
             rope.setdefault("rope_type", rope.pop("type"))
         eos = config.get("eos_token_id")
-        use_sliding = config.get("use_sliding_window", model_type == "mistral")
-        if len(set(config.get("layer_types") or [])) > 1 or (model_type.startswith("qwen") and use_sliding):
+        layer_types = tuple(config.get("layer_types") or _gemma_layer_types(model_type, config))
+        use_sliding = config.get("use_sliding_window", model_type == "mistral" or "sliding_attention" in layer_types)
+        if model_type.startswith("qwen") and use_sliding:
             raise ValueError("models that mix sliding-window and full-attention layers are not supported")
         return cls(
             architecture=model_type,
@@ -120,7 +134,13 @@ class ModelConfig:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             sliding_window=config.get("sliding_window") if use_sliding else None,
+            layer_types=layer_types if len(set(layer_types)) > 1 else (),
             moe=MoEConfig.from_hf(config),
+            query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=config.get("attn_logit_softcapping"),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
+            rope_local_theta=float(local_rope.get("rope_theta", 10000.0)) if local_rope is not None else None,
+            hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "silu",
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         )
@@ -167,3 +187,12 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=frozenset([] if eos is None else [int(eos)]),
         )
+
+
+def _gemma_layer_types(model_type: str, config: Mapping[str, Any]) -> list[str]:
+    """Hub configs of Gemma 2/3 written before transformers had `layer_types`: every
+    `sliding_window_pattern`-th layer global (Gemma 2: every second), the others local."""
+    pattern = {"gemma2": 2, "gemma3_text": config.get("sliding_window_pattern", 6)}.get(model_type)
+    if pattern is None:
+        return []
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(config["num_hidden_layers"])]

@@ -93,6 +93,9 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__(config)
+        if config.layer_types:
+            raise ValueError(f"{config.architecture}: models that mix sliding-window and full-attention layers are "
+                             "not supported (only Gemma 2/3's are)")
         self.model = LlamaModel(config, backend, self.parts)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, role=ParallelRole.VOCAB)

@@ -90,6 +90,8 @@ _FAMILIES: dict[str, ModelFamily] = {
     "qwen3": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
     "qwen3_moe": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
     "mixtral": ModelFamily("kubeinfer.server.model.mixtral:MixtralForCausalLM"),
+    "gemma2": ModelFamily("kubeinfer.server.model.gemma:Gemma2ForCausalLM"),
+    "gemma3_text": ModelFamily("kubeinfer.server.model.gemma:Gemma3ForCausalLM"),
 }
 
 

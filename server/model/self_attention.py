@@ -2,7 +2,8 @@
 
 The attention math itself lives behind `AttentionBackend` (torch on CPU, Triton on CUDA);
 this layer only shapes tensors for it. Families switch on its optional parts: `qk_norm`
-(Qwen3: each query and key head RMS-normalised before rotary).
+(Qwen3, Gemma 3: each query and key head normalised before rotary) and their own backend per
+layer (Gemma's sliding-window and soft-capped layers, `AttentionBackend.for_layer`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class SelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5   # Gemma: query_pre_attn_scalar
         self.backend = backend
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias,

@@ -12,7 +12,8 @@ process on a fixed corpus: ~384 tokens, so any UTF-8 text round-trips.
     path, hf_model = build_tiny_qwen2(tmp_path)      # also returns the transformers model (fp32, eval)
 
 Builders: Llama (tied or not, llama3 rope scaling), Qwen2 (q/k/v bias), Mistral (sliding window),
-Qwen3 (q/k norms, head_dim apart from hidden / heads), Mixtral and Qwen3-MoE (4 experts, top-2).
+Qwen3 (q/k norms, head_dim apart from hidden / heads), Mixtral and Qwen3-MoE (4 experts, top-2),
+Gemma 2 / Gemma 3 (a local layer with a window of 8, a global one; soft-caps that bite).
 """
 
 from __future__ import annotations
@@ -184,6 +185,38 @@ def build_tiny_qwen3_moe(tmp_path: Path, *, tie_word_embeddings: bool = False, n
     return _build(tmp_path, config, seed, False, None, name)
 
 
+def build_tiny_gemma2(tmp_path: Path, *, tie_word_embeddings: bool = True, num_kv_heads: int = 2, seed: int = 0,
+                      name: str = "tiny-gemma2") -> tuple[Path, torch.nn.Module]:
+    """A 2-layer Gemma 2: layer 0 local (window 8, shorter than the test prompts), layer 1 global;
+    score soft-cap 1.0 and logit soft-cap 3.0 (small enough to change these random models'
+    outputs), query_pre_attn_scalar 24 != head_dim 16."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, head_dim=16, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                          attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                          pad_token_id=0, **_DIMS)
+    return _build(tmp_path, config, seed, False, None, name)
+
+
+def build_tiny_gemma3(tmp_path: Path, *, tie_word_embeddings: bool = True, num_kv_heads: int = 2, seed: int = 0,
+                      name: str = "tiny-gemma3") -> tuple[Path, torch.nn.Module]:
+    """A 3-layer Gemma 3 text model: local, local, global (window 8); q/k norms; local rope base
+    10000, global 1e6 with linear scaling (factor 2)."""
+    from transformers import Gemma3TextConfig
+
+    rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    config = Gemma3TextConfig(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, head_dim=16, sliding_window=8,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                              query_pre_attn_scalar=16, rope_parameters=rope,
+                              tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                              pad_token_id=0, **{**_DIMS, "num_hidden_layers": 3})
+    return _build(tmp_path, config, seed, False, None, name)
+
+
 def make_tiny_llama(tmp_path: Path, **kwargs: Any) -> Path:
     """Path of a tiny Llama HF directory; keyword arguments as `build_tiny_llama`."""
     return build_tiny_llama(tmp_path, **kwargs)[0]
@@ -207,6 +240,16 @@ def make_tiny_mixtral(tmp_path: Path, **kwargs: Any) -> Path:
 def make_tiny_qwen3_moe(tmp_path: Path, **kwargs: Any) -> Path:
     """Path of a tiny Qwen3-MoE HF directory; keyword arguments as `build_tiny_qwen3_moe`."""
     return build_tiny_qwen3_moe(tmp_path, **kwargs)[0]
+
+
+def make_tiny_gemma2(tmp_path: Path, **kwargs: Any) -> Path:
+    """Path of a tiny Gemma 2 HF directory; keyword arguments as `build_tiny_gemma2`."""
+    return build_tiny_gemma2(tmp_path, **kwargs)[0]
+
+
+def make_tiny_gemma3(tmp_path: Path, **kwargs: Any) -> Path:
+    """Path of a tiny Gemma 3 text HF directory; keyword arguments as `build_tiny_gemma3`."""
+    return build_tiny_gemma3(tmp_path, **kwargs)[0]
 
 
 def load_hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -5,9 +5,12 @@ next to the prompt's second chunk (prefill over a cached prefix), then decodes o
 come from a shuffled pool (`PagedRunner`), so block tables are never contiguous.
 """
 
+import pytest
 import torch
 from helpers.paged import PagedRunner
-from helpers.tiny_models import make_tiny_llama
+from helpers.tiny_models import make_tiny_gemma2, make_tiny_gemma3, make_tiny_llama, make_tiny_mixtral, make_tiny_qwen3_moe
+
+from kubeinfer.kernels import ops
 
 from kubeinfer.server.model.attention import TorchAttention
 from kubeinfer.server.model.attention_triton import TritonAttention
@@ -47,5 +50,28 @@ def test_tiny_llama_decodes_the_same_tokens_through_triton_attention(tmp_path):
     want_tokens, want_logits = _greedy(torch_model)
     got_tokens, got_logits = _greedy(triton_model)
     assert got_tokens == want_tokens and [len(t) for t in got_tokens.values()] == [5, 4]
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("build", [
+    pytest.param(make_tiny_gemma2, id="gemma2-window-8-and-softcaps"),
+    pytest.param(make_tiny_gemma3, id="gemma3-local-global-rope"),
+    pytest.param(make_tiny_mixtral, id="mixtral-moe-kernel"),
+    pytest.param(make_tiny_qwen3_moe, id="qwen3-moe-kernel"),
+])
+def test_new_families_decode_the_same_tokens_on_every_triton_kernel(build, tmp_path):
+    """Every op on its Triton kernel (attention with each layer's window and soft-cap, the MoE
+    grouped GEMM, norms, rotary), interpreted, against the CPU path."""
+    path = str(build(tmp_path))
+    torch_model = load_model(path, dtype="float32", device="cpu").model
+    triton_model = load_model(path, dtype="float32", device="cpu").model
+    for layer in triton_model.model.layers:
+        backend = layer.self_attn.backend
+        layer.self_attn.backend = TritonAttention(backend.sliding_window, getattr(backend, "softcap", None))
+    want_tokens, want_logits = _greedy(torch_model)
+    with ops.use_backend("triton"):
+        got_tokens, got_logits = _greedy(triton_model)
+    assert got_tokens == want_tokens
     for got, want in zip(got_logits, want_logits):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -23,7 +23,8 @@ import pytest
 import torch
 from helpers.gguf_export import export_gguf
 from helpers.paged import PagedRunner
-from helpers.tiny_models import build_tiny_mixtral, build_tiny_qwen3, build_tiny_qwen3_moe
+from helpers.tiny_models import (build_tiny_gemma2, build_tiny_gemma3, build_tiny_mixtral, build_tiny_qwen3,
+                                 build_tiny_qwen3_moe)
 
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
@@ -38,6 +39,8 @@ FAMILIES: dict[str, Callable] = {
     "qwen3": build_tiny_qwen3,
     "mixtral": build_tiny_mixtral,
     "qwen3_moe": build_tiny_qwen3_moe,
+    "gemma2": build_tiny_gemma2,
+    "gemma3_text": build_tiny_gemma3,
 }
 GGUF_FAMILIES = ["qwen3"]   # those `helpers.gguf_export` writes in llama.cpp's layout
 
