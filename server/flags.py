@@ -130,7 +130,12 @@ SERVER_FLAGS: tuple[Flag, ...] = (
          "Refuse to start when no API key is configured, so an empty key Secret cannot turn "
          "auth off (set by the operator when spec.auth is used)."),
     Flag("max-queued-requests", int, 1024,
-         "Waiting requests beyond this are refused with 503 and Retry-After."),
+         "Most prompts waiting to be scheduled (each prompt of a multi-prompt request counts); "
+         "a request that would pass it is refused with 503 and Retry-After, unless nothing "
+         "waits: a whole batch is always admitted onto an empty queue."),
+    Flag("max-request-body-bytes", _optional(parse_bytes), None,
+         "Largest request body (e.g. 4Mi); bigger ones get 413 as they stream in, before any "
+         "parsing. Default: 64 bytes per token of the context length, at least 1Mi."),
     Flag("shutdown-timeout", float, 30.0,
          "Seconds SIGTERM waits for in-flight requests before exiting."),
     Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),

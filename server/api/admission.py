@@ -1,5 +1,9 @@
 """Who may enter: requests are refused with 503 + Retry-After while draining or when the
-waiting queue is full, so an overloaded pod sheds load fast instead of timing out."""
+waiting queue is full, so an overloaded pod sheds load fast instead of timing out.
+
+A request with a list of prompts is admitted as one unit, and always onto an empty queue:
+a 503 must invite a retry that can succeed, so a batch larger than the queue limit still
+runs on an idle server (protocol.MAX_PROMPTS bounds it with a 400)."""
 
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ class Admission:
             self.on_reject("draining")
             raise OpenAIError(503, "server is shutting down; retry on another replica",
                               code="draining", headers={"Retry-After": "5"})
-        if self.queued() + num_engine_requests > self.max_queued:
+        queued = self.queued()
+        if queued > 0 and queued + num_engine_requests > self.max_queued:
             self.on_reject("queue_full")
             raise OpenAIError(503, f"too many requests waiting (limit {self.max_queued}); retry later",
                               code="queue_full", headers={"Retry-After": "1"})

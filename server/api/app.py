@@ -15,9 +15,10 @@ from kubeinfer.server.api.errors import OpenAIError, install_error_handlers
 from kubeinfer.server.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            TokenizeRequest)
 from kubeinfer.server.api.responses import ModelCard, ModelList
-from kubeinfer.server.api.sampling import check_token_ids
+from kubeinfer.server.api.middleware import BodyLimit
 from kubeinfer.server.api.state import ServerState
 from kubeinfer.server.api.streams import ClientDisconnected
+from kubeinfer.server.engine.validation import check_token_ids
 
 
 def _api_routes(state: ServerState) -> APIRouter:
@@ -46,17 +47,23 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         state.check_model(body.model)
-        if body.messages is not None:
-            ids = render_chat(state, body.messages, body.add_generation_prompt)
-        else:
-            ids = state.engine.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        tokenizer = state.engine.tokenizer
+
+        def encode() -> list[int]:
+            if body.messages is not None:
+                text = render_chat(state, body.messages, body.add_generation_prompt)
+                return tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+
+        ids = await state.off_loop(encode)
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.check_model(body.model)
         check_token_ids(body.tokens, state.engine.tokenizer.vocab_size, "tokens")
-        return {"prompt": state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        text = await state.off_loop(lambda: state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return {"prompt": text}
 
     return router
 
@@ -73,7 +80,10 @@ def _ops_routes(state: ServerState) -> APIRouter:
 
     @router.get("/ready")
     async def ready() -> Response:
-        """Readiness: fails as soon as draining starts, so the Service stops routing here."""
+        """Readiness: fails as soon as draining starts or the engine loop stops, so the Service
+        and the router stop sending work here at once."""
+        if not state.engine.is_alive():
+            raise OpenAIError(503, "engine loop is not running", code="engine_dead")
         if state.admission.draining:
             raise OpenAIError(503, "draining", code="draining")
         return Response(status_code=200)
@@ -89,10 +99,17 @@ def _ops_routes(state: ServerState) -> APIRouter:
     return router
 
 
-def build_app(state: ServerState, api_keys: list[str]) -> FastAPI:
+def default_max_body_bytes(max_model_len: int) -> int:
+    """Room for the longest context as JSON text or token ids (64 bytes a token), at least 1 MiB."""
+    return max(1 << 20, 64 * max_model_len)
+
+
+def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | None = None) -> FastAPI:
+    """`max_body_bytes` defaults to `default_max_body_bytes` of the engine's context."""
     app = FastAPI(title="kubeinfer", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(state.engine.max_model_len))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -13,7 +14,7 @@ from kubeinfer.server.api.logprobs import chat_logprobs
 from kubeinfer.server.api.protocol import ChatCompletionRequest, ChatMessage
 from kubeinfer.server.api.responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                             ChatCompletionChunk, ChatCompletionResponse, DeltaMessage, Usage)
-from kubeinfer.server.api.sampling import check_context, sampling_params
+from kubeinfer.server.api.sampling import sampling_params
 from kubeinfer.server.api.sse import sse_response
 from kubeinfer.server.api.state import ServerState, new_request_id
 from kubeinfer.server.api.streams import Indexed, chain, submit
@@ -21,12 +22,22 @@ from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
-    """Template -> token ids (`Tokenizer.encode_chat`, which the router repeats)."""
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text (`Tokenizer.chat_prompt`, which the router repeats); it already holds any
+    BOS, so none is added when tokenizing.
+
+    `template_kwargs` are extra template variables (vLLM's `chat_template_kwargs`): there,
+    `add_generation_prompt` and `continue_final_message` override the request's fields as in
+    vLLM, while `messages` is the server's own and refused. Any failure of the template on
+    this input is the client's 400, never a 500.
+    """
+    if "messages" in (template_kwargs or {}):
+        raise OpenAIError(400, "chat_template_kwargs.messages: the template's messages come from the "
+                          "request's 'messages' field", param="chat_template_kwargs.messages")
     try:
-        return state.engine.tokenizer.encode_chat([message.to_template() for message in messages],
+        return state.engine.tokenizer.chat_prompt([message.to_template() for message in messages],
                                                   add_generation_prompt, continue_final_message, template_kwargs)
-    except ValueError as exc:  # ChatTemplateError: the template refused these roles/contents
+    except Exception as exc:  # noqa: BLE001 - ChatTemplateError, or a template tripping on odd kwargs
         raise OpenAIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
 
 
@@ -40,13 +51,13 @@ def _logprobs(body: ChatCompletionRequest, choice: CompletionOutput, token_ids: 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState) -> Response:
     state.check_model(body.model)
-    prompt = render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
-                         body.chat_template_kwargs)
-    check_context(len(prompt), body.max_new_tokens, state.engine.max_model_len, "messages")
+    prompt = await state.off_loop(lambda: render_chat(
+        state, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, body.max_new_tokens, num_logprobs)
     request_id, created = new_request_id("chatcmpl"), int(time.time())
-    first, outputs = await submit(state, request, request_id, [prompt], params)
+    first, outputs = await submit(state, request, request_id, [prompt], params, "messages",
+                                  add_special_tokens=False)
     if body.stream:
         return sse_response(_stream(body, state, request_id, created, first, outputs))
     final: RequestOutput = first[1]

@@ -8,32 +8,22 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kubeinfer.server.api.errors import OpenAIError
 from kubeinfer.server.api.logprobs import completion_logprobs
 from kubeinfer.server.api.protocol import CompletionRequest
 from kubeinfer.server.api.responses import CompletionChoice, CompletionResponse, Usage
-from kubeinfer.server.api.sampling import check_context, sampling_params
+from kubeinfer.server.api.sampling import sampling_params
 from kubeinfer.server.api.sse import sse_response
 from kubeinfer.server.api.state import ServerState, new_request_id
 from kubeinfer.server.api.streams import Indexed, chain, submit
 from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
 
 
-def _prompt_ids(body: CompletionRequest, state: ServerState) -> list[list[int]]:
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts, each a text or token ids (the engine tokenizes and checks them)."""
     prompt = body.prompt
-    if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    tokenizer = state.engine.tokenizer
-    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    for token_ids in ids:
-        if not token_ids:
-            raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        check_context(len(token_ids), body.max_tokens, state.engine.max_model_len, "prompt")
-    return ids
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
 
 
 def _choice(body: CompletionRequest, prompt_index: int, choice: CompletionOutput, text: str,
@@ -50,7 +40,7 @@ def _choice(body: CompletionRequest, prompt_index: int, choice: CompletionOutput
 
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(body.model)
-    prompts = _prompt_ids(body, state)
+    prompts = _prompts(body)
     params = sampling_params(body, body.max_tokens, body.logprobs)
     request_id, created = new_request_id("cmpl"), int(time.time())
     first, outputs = await submit(state, request, request_id, prompts, params)

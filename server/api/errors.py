@@ -53,6 +53,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0]
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None
+    cause = first.get("ctx", {}).get("error")
+    if getattr(cause, "param", None):  # protocol.InvalidText: the path is known, the location is not
+        return str(cause), cause.param
     parts = [str(part) for part in first.get("loc", ()) if part != "body"]
     reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if parts and _UNION_MEMBER.match(parts[-1]):
@@ -62,34 +65,47 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{field}: {reason}" if field else reason), field
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    from kubeinfer.server.engine.async_engine import EngineDeadError
+def as_openai_error(exc: Exception) -> OpenAIError:
+    """The client-facing form of an exception raised while serving a request."""
+    from kubeinfer.server.engine.async_engine import EngineDeadError, RequestFailedError
     from kubeinfer.server.engine.sampling_params import InvalidRequestError
 
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc)
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return OpenAIError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, EngineDeadError):
+        logger.error("request refused: %s", exc)  # /health and /ready fail; the process exits
+        return OpenAIError(503, "the engine is not running; retry on another replica", code="engine_dead",
+                           headers={"Retry-After": "1"})
+    if isinstance(exc, RequestFailedError):  # the engine logged the cause and goes on
+        return OpenAIError(500, str(exc), code="request_failed")
+    logger.error("unhandled error while serving a request", exc_info=exc)
+    return OpenAIError(500, "internal server error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Handlers for every error a route raises on purpose; anything else is answered by
+    `middleware.ContainErrors` (a handler for `Exception` would make Starlette re-raise it
+    after answering, and uvicorn close the keep-alive connection)."""
+    from kubeinfer.server.api.middleware import ContainErrors
+    from kubeinfer.server.engine.async_engine import EngineDeadError, RequestFailedError
+    from kubeinfer.server.engine.sampling_params import InvalidRequestError
+
+    app.add_middleware(ContainErrors)
+
+    async def _mapped(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(as_openai_error(exc))
+
+    for error_type in (OpenAIError, InvalidRequestError, EngineDeadError, RequestFailedError):
+        app.add_exception_handler(error_type, _mapped)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         return error_response(OpenAIError(400, message, param=param))
 
-    @app.exception_handler(InvalidRequestError)
-    async def _engine_rejected(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(OpenAIError(400, str(exc)))
-
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        logger.error("request refused: %s", exc)  # /health already fails; the kubelet restarts us
-        return error_response(OpenAIError(503, "the engine is not running; retry on another replica"))
-
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return error_response(OpenAIError(exc.status_code, message, headers=exc.headers))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(OpenAIError(500, "internal server error"))

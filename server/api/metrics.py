@@ -45,7 +45,12 @@ _ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[EngineStats], float]], ..
      lambda s: s.last_step_tokens),
     (_GAUGE, "kubeinfer:batch_size", "Sequences in the last engine step.", lambda s: s.last_step_seqs),
     (_GAUGE, "kubeinfer:kv_cache_blocks_total", "KV-cache blocks in the pool.", lambda s: s.num_blocks_total),
-    (_GAUGE, "kubeinfer:kv_cache_blocks_free", "KV-cache blocks free.", lambda s: s.num_blocks_free),
+    (_GAUGE, "kubeinfer:kv_cache_blocks_free",
+     "KV-cache blocks on the free list; excludes evictable blocks that only hold cached prefixes "
+     "(kubeinfer:kv_cache_blocks_evictable), which are reclaimed when needed.", lambda s: s.num_blocks_free),
+    (_GAUGE, "kubeinfer:kv_cache_blocks_evictable",
+     "KV-cache blocks holding only cached prefixes: reusable by a new request at once.",
+     lambda s: s.num_blocks_evictable),
 )
 
 

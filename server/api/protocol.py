@@ -2,26 +2,76 @@
 
 Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working; fields
 that would silently change the meaning of a request (tools, JSON mode, suffix) are refused.
+Numbers must be finite (JSON's `NaN`/`Infinity` extensions are refused) and text must be valid
+Unicode: a lone surrogate (`"\ud800"`) cannot be tokenized or sent back, so it is a 400 that
+names the field. The engine (`SamplingParams.validate`) owns the finer domains of the values.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kubeinfer.server.engine.sampling_params import SEED_RANGE
 
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 2048  # prompts in one /v1/completions request, OpenAI's documented limit
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _find_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, if any."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return path or "body"
+            found = _find_surrogate(item, here)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if isinstance(item, (str, dict, list)):
+                found = _find_surrogate(item, f"{path}.{index}")
+                if found:
+                    return found
+    return None
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class InvalidText(ValueError):
+    """Text that is not valid Unicode; `param` is the path of the field that holds it."""
+
+    def __init__(self, param: str) -> None:
+        super().__init__(f"{param}: contains a lone UTF-16 surrogate, which is not valid Unicode text")
+        self.param = param
+
+
+class RequestBody(OpenAIModel):
+    """A whole request body: refused before field validation if any text is invalid Unicode
+    (the 400 names the field: `errors._validation_message` reads `InvalidText.param`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = _find_surrogate(data, "")
+        if path:
+            raise InvalidText(path)
+        return data
 
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -30,7 +80,7 @@ class SamplingRequest(OpenAIModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -71,6 +121,13 @@ class CompletionRequest(SamplingRequest):
         if self.prompt == "" or self.prompt == []:
             raise ValueError("'prompt' must not be empty")
         return self
+
+    @field_validator("prompt")
+    @classmethod
+    def _at_most_max_prompts(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return prompt
 
 
 class TextPart(OpenAIModel):
@@ -128,7 +185,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: either a prompt or chat messages."""
 
     model: str | None = None
@@ -144,6 +201,6 @@ class TokenizeRequest(OpenAIModel):
         return self
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

@@ -2,7 +2,13 @@
 
 Kubernetes sends SIGTERM and keeps routing for a moment; so on the first signal readiness
 fails and new requests get 503 while in-flight ones finish (up to --shutdown-timeout),
-then the process exits 0. A second signal exits at once.
+then the process exits 0. When the timeout expires first, every open stream still gets an
+error event and `data: [DONE]`, and every waiting request a 503 with Retry-After, so no
+client mistakes a cut for a finished answer. A second signal exits at once.
+
+If the engine loop dies, /ready and /health fail at once, open streams get an error event,
+and the process exits 1 so the kubelet restarts it now rather than after its liveness
+probe has failed several times.
 """
 
 from __future__ import annotations
@@ -11,26 +17,50 @@ import argparse
 import asyncio
 import logging
 import signal
+import time
 from types import FrameType
+from typing import Callable
 
 import uvicorn
 
 from kubeinfer.kernels import cpu_build
 from kubeinfer.server.api.admission import Admission
 from kubeinfer.server.api.auth import api_keys_from_args
+from kubeinfer.server.api.errors import OpenAIError
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 
 logger = logging.getLogger("kubeinfer.serve")
+
+_ANSWER_GRACE_SECONDS = 2.0  # for failed requests to write their last bytes before exit
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the socket."""
 
-    def __init__(self, config: uvicorn.Config, admission: Admission, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, admission: Admission, shutdown_timeout: float,
+                 abort_all: Callable[[BaseException], None] | None = None) -> None:
         super().__init__(config)
         self.admission, self.shutdown_timeout = admission, shutdown_timeout
+        self.abort_all = abort_all
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drain_task: asyncio.Task | None = None
+        self.engine_error: BaseException | None = None
+
+    def engine_died(self, error: BaseException) -> None:
+        """Called on the engine thread: answers already went out with the error; now exit."""
+        self.engine_error = error
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._exit_after_answers)
+
+    def _exit_after_answers(self) -> None:
+        asyncio.ensure_future(self._wait_then_exit(_ANSWER_GRACE_SECONDS))
+
+    async def _wait_then_exit(self, grace: float) -> None:
+        """Let requests that were just failed write their answers, then stop serving."""
+        deadline = time.monotonic() + grace
+        while self.admission.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.should_exit = True
 
     async def serve(self, sockets: list | None = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -52,16 +82,21 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         if await self.admission.drain(self.shutdown_timeout):
             logger.info("drained: all in-flight requests finished")
-        else:
-            logger.warning("shutdown timeout: %d requests still in flight", self.admission.in_flight)
-        self.should_exit = True
+            self.should_exit = True
+            return
+        logger.warning("shutdown timeout: failing %d requests still in flight", self.admission.in_flight)
+        if self.abort_all is not None:
+            self.abort_all(OpenAIError(503, "the server shut down before this request finished; retry "
+                                       "on another replica", code="shutdown", headers={"Retry-After": "1"}))
+        await self._wait_then_exit(_ANSWER_GRACE_SECONDS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, ENGINE_FLAGS + SERVER_FLAGS)
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace) -> int:
+    """Serve until drained (0) or until the engine loop dies (1)."""
     from kubeinfer.server.api.app import build_app
     from kubeinfer.server.api.state import ServerState
     from kubeinfer.server.engine.async_engine import AsyncEngine
@@ -72,12 +107,18 @@ async def _serve(args: argparse.Namespace) -> None:
         cpu_build.start_building()
     try:
         state = ServerState.create(engine, args.model, args.max_queued_requests)
-        config = uvicorn.Config(build_app(state, args.api_keys), host=args.host, port=args.port,
-                                log_level=args.log_level, timeout_graceful_shutdown=1,
-                                timeout_keep_alive=5)
-        await DrainingServer(config, state.admission, args.shutdown_timeout).serve()
+        app = build_app(state, args.api_keys, args.max_request_body_bytes)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=1, timeout_keep_alive=5)
+        server = DrainingServer(config, state.admission, args.shutdown_timeout, engine.abort_all)
+        engine.on_dead = server.engine_died
+        await server.serve()
     finally:
         await engine.shutdown()
+    if server.engine_error is not None:
+        logger.error("exiting with status 1: the engine loop failed (%r)", server.engine_error)
+        return 1
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,5 +129,4 @@ def run(args: argparse.Namespace) -> int:
         logger.info("API keys required on the OpenAI routes (%d configured)", len(args.api_keys))
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
         cpu_build.start_building(cpu_build.LOADING_KERNELS)
-    asyncio.run(_serve(args))
-    return 0
+    return asyncio.run(_serve(args))

@@ -7,17 +7,13 @@ frame (vLLM's behaviour) and the stream still ends with [DONE] for clients that 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from kubeinfer.server.api.errors import error_body
+from kubeinfer.server.api.errors import as_openai_error, error_body
 from kubeinfer.server.api.streams import ClientDisconnected
-from kubeinfer.server.engine.sampling_params import InvalidRequestError
-
-logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -34,11 +30,9 @@ async def _frames(events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
             yield frame(event)
     except ClientDisconnected:
         return
-    except InvalidRequestError as exc:
-        yield f"data: {json.dumps(error_body(400, str(exc)))}\n\n"
-    except Exception:
-        logger.exception("stream failed")
-        yield f"data: {json.dumps(error_body(500, 'internal server error'))}\n\n"
+    except Exception as exc:  # noqa: BLE001 - every failure ends the stream the same way
+        error = as_openai_error(exc)
+        yield f"data: {json.dumps(error_body(error.status, error.message, error.param, error.code))}\n\n"
     yield DONE
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from kubeinfer.server.api.admission import Admission
 from kubeinfer.server.api.errors import OpenAIError
@@ -13,6 +15,8 @@ from kubeinfer.server.api.metrics import ServerMetrics
 if TYPE_CHECKING:
     from kubeinfer.server.engine.async_engine import AsyncEngine
 
+T = TypeVar("T")
+
 
 @dataclass
 class ServerState:
@@ -20,12 +24,20 @@ class ServerState:
     model_source: str
     admission: Admission
     metrics: ServerMetrics
+    # Tokenizing and rendering templates: megabytes of text take seconds, and on the event
+    # loop that would stall every other request, /health included.
+    input_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="kubeinfer-input"))
 
     @classmethod
     def create(cls, engine: AsyncEngine, model_source: str, max_queued_requests: int) -> ServerState:
         metrics = ServerMetrics(engine.stats, engine.served_model_name, lambda: admission.in_flight)
         admission = Admission(engine.stats, max_queued_requests, metrics.observe_rejected)
         return cls(engine, model_source, admission, metrics)
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """Run CPU-bound input work (tokenizing, templates) in the input pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.input_pool, work)
 
     @property
     def model_name(self) -> str:

@@ -13,6 +13,7 @@ from kubeinfer.server.api.metrics import ServerMetrics
 from kubeinfer.server.api.state import ServerState
 from kubeinfer.server.engine.outputs import RequestOutput
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubeinfer.server.engine.sequence import Request as EngineRequest
 
 
 Indexed = tuple[int, RequestOutput]  # (prompt index, output) from a multi-prompt request
@@ -55,47 +56,65 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+_DONE = object()  # a stream's end, in the merged queue
+_tasks: set[asyncio.Future] = set()  # asyncio keeps only weak references to tasks
+
+
+def _keep(task: asyncio.Future) -> asyncio.Future:
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+    return task
+
+
+async def _pump(index: int, stream: AsyncIterator[RequestOutput], items: asyncio.Queue) -> None:
+    """Move one stream's outputs into the shared queue; cancelling it aborts the request.
+
+    NOTE: each stream is read and closed in a task of its own: Starlette cancels a
+    disconnected stream with an anyio scope that would cancel any await placed in the
+    consumer's cleanup again, leaving requests running.
+    """
+    try:
+        async for output in stream:
+            items.put_nowait((index, output))
+        items.put_nowait(_DONE)
+    except Exception as error:  # noqa: BLE001 - handed to the consumer
+        items.put_nowait(error)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
 async def merged(request: Request, streams: list[AsyncIterator[RequestOutput]],
                  on_close: Callable[[], None]) -> AsyncIterator[Indexed]:
     """Yield `(stream_index, output)` as outputs arrive from any stream.
 
     Raises ClientDisconnected when the client leaves, also while the request still waits
-    for its first token. On the way out unfinished streams are aborted and `on_close` runs.
+    for its first token, and the first error any stream raises. On the way out unfinished
+    streams are aborted and `on_close` runs. The cost per output does not grow with the
+    number of streams (a 2,048-prompt batch is 2,048 streams).
     """
-    pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
+    items: asyncio.Queue = asyncio.Queue()
+    pumps = [_keep(asyncio.ensure_future(_pump(i, stream, items))) for i, stream in enumerate(streams)]
     watcher = asyncio.ensure_future(_disconnected(request))
+    get: asyncio.Future | None = None
     try:
-        while pending:
-            done, _ = await asyncio.wait({*pending, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if watcher in done:
+        open_streams = len(streams)
+        while open_streams:
+            get = asyncio.ensure_future(items.get())
+            done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
                 raise ClientDisconnected()
-            for task in done:
-                index = pending.pop(task)
-                try:
-                    output = task.result()
-                except StopAsyncIteration:
-                    continue
-                pending[asyncio.ensure_future(anext(streams[index]))] = index
-                yield index, output
+            item, get = get.result(), None
+            if item is _DONE:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
     finally:
-        # NOTE: closing the streams (which aborts their engine requests) runs in a task of its
-        # own: Starlette cancels a disconnected stream with an anyio scope that would cancel
-        # any await placed here again, leaving requests running.
-        for task in (*pending, watcher):
-            task.cancel()
-        cleanup = asyncio.ensure_future(_close(list(pending), streams))
-        _cleanups.add(cleanup)
-        cleanup.add_done_callback(_cleanups.discard)
+        for task in (get, watcher, *pumps):
+            if task is not None:
+                task.cancel()
         on_close()
-
-
-_cleanups: set[asyncio.Future] = set()  # asyncio keeps only weak references to tasks
-
-
-async def _close(cancelled: list[asyncio.Future], streams: list[AsyncIterator[RequestOutput]]) -> None:
-    await asyncio.gather(*cancelled, return_exceptions=True)
-    for stream in streams:
-        await stream.aclose()  # type: ignore[attr-defined]
 
 
 async def chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
@@ -105,12 +124,15 @@ async def chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[I
         yield item
 
 
-async def submit(state: ServerState, request: Request, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams) -> tuple[Indexed, AsyncIterator[Indexed]]:
-    """Admit, start one engine request per prompt and wait for the first output.
+async def submit(state: ServerState, request: Request, request_id: str, prompts: list[str | list[int]],
+                 params: SamplingParams, prompt_param: str = "prompt", add_special_tokens: bool = True
+                 ) -> tuple[Indexed, AsyncIterator[Indexed]]:
+    """Admit, validate and tokenize every prompt (off the event loop), start one engine
+    request per prompt and wait for the first output.
 
-    Waiting for it before any byte is sent lets engine validation errors still become a
-    400 instead of an error frame inside a 200 stream.
+    All prompts are checked before any is queued, and waiting for the first output before
+    any byte is sent lets engine errors still become a status code instead of an error
+    frame inside a 200 stream.
     """
     state.admission.admit(len(prompts))
     released = False
@@ -123,8 +145,14 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
 
     try:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [measured(state.engine.generate(engine_id, prompt, params), state.metrics, params.n)
-                   for engine_id, prompt in zip(ids, prompts)]
+        engine = state.engine
+
+        def make_requests() -> list[EngineRequest]:
+            return [engine.make_request(engine_id, prompt, params, prompt_param, add_special_tokens)
+                    for engine_id, prompt in zip(ids, prompts)]
+
+        requests = await state.off_loop(make_requests)
+        streams = [measured(engine.generate(r.request_id, r), state.metrics, params.n) for r in requests]
         outputs = merged(request, streams, release)
         first = await anext(outputs)
     except BaseException:

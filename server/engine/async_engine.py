@@ -38,6 +38,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; every in-flight request gets this error."""
 
 
+class RequestFailedError(RuntimeError):
+    """Handling this one request failed inside the engine; the engine itself goes on."""
+
+
 @dataclasses.dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -45,10 +49,13 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         """`engine`, or a function that builds it on the engine thread (see the module docstring);
-        returns once the engine exists, raising what building it raised."""
-        self._inbox: "queue.SimpleQueue[tuple[str, Request | str]]" = queue.SimpleQueue()
+        returns once the engine exists, raising what building it raised. `on_dead` is called
+        on the engine thread if the loop fails (the server exits so the kubelet restarts it)."""
+        self._inbox: "queue.SimpleQueue[tuple[str, Request | str, BaseException | None]]" = queue.SimpleQueue()
+        self.on_dead = on_dead
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _snapshot, _num_pending_adds and _stopped
         self._num_pending_adds = 0
@@ -74,21 +81,24 @@ class AsyncEngine:
 
     # -- the asyncio side ---------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request; leaving the iteration early aborts it."""
+    async def generate(self, request_id: str, prompt: str | list[int] | Request,
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request (a prompt and its params, or a Request already made
+        by `engine.make_request`); leaving the iteration early aborts it. A request that
+        fails inside the engine raises RequestFailedError."""
         if self._error is not None:
             raise EngineDeadError(f"the engine loop failed: {self._error!r}")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
-        request = self.engine.make_request(request_id, prompt, params)
+        request = prompt if isinstance(prompt, Request) else self.engine.make_request(
+            request_id, prompt, params or SamplingParams())
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:   # against shutdown: an add queued before the stop is drained, none after
             if self._stopped:
                 raise EngineDeadError("the engine is shut down")
             self._streams[request_id] = stream
             self._num_pending_adds += 1
-            self._inbox.put(("add", request))
+            self._inbox.put(("add", request, None))
         self._wake.set()
         finished = False
         try:
@@ -97,15 +107,29 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     prompt_param: str = "prompt", add_special_tokens: bool = True) -> Request:
+        """Validate and tokenize (see LLMEngine.make_request); safe to call from any thread."""
+        return self.engine.make_request(request_id, prompt, params, prompt_param, add_special_tokens)
+
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Stop a request and free its blocks; its stream ends with an "abort" output, or
+        raises `error` when one is given."""
+        self._inbox.put(("abort", request_id, error))
         self._wake.set()
+
+    def abort_all(self, error: BaseException) -> None:
+        """Fail every open stream with `error` (e.g. the drain timeout expired)."""
+        for request_id in list(self._streams):
+            self.abort(request_id, error)
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -159,6 +183,8 @@ class AsyncEngine:
             self._error = error
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"the engine loop failed: {error!r}"))
+            if self.on_dead is not None:
+                self.on_dead(error)
         finally:  # shutting down: whoever still waits gets a final "abort" output
             if self._error is None:
                 self._drain_inbox()
@@ -171,7 +197,7 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                kind, payload, error = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "add":
@@ -183,8 +209,8 @@ class AsyncEngine:
             else:
                 assert isinstance(payload, str)
                 final = self.engine.abort_request(payload)
-                if final is not None:
-                    self._deliver(payload, final)
+                if final is not None or error is not None:
+                    self._deliver(payload, error if error is not None else final)
         self._publish_stats()
 
     def _publish_stats(self) -> None:

@@ -23,13 +23,17 @@ class KVCacheManager:
         return self.cache.num_cached_blocks if self.cache else 0
 
     @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks only the prefix cache references: not free, but reclaimed on demand."""
+        if not self.cache:
+            return 0
+        refs = self.pool.ref_counts
+        return sum(1 for b in self.cache.cached_blocks() if refs[b] == 1)
+
+    @property
     def num_used_blocks(self) -> int:
         """Blocks some sequence references (cache-only blocks count as reclaimable)."""
-        cached_only = 0
-        if self.cache:
-            refs = self.pool.ref_counts
-            cached_only = sum(1 for b in self.cache.cached_blocks() if refs[b] == 1)
-        return self.pool.num_blocks - self.pool.num_free - cached_only
+        return self.pool.num_blocks - self.pool.num_free - self.num_evictable_blocks
 
     def match_prefix(self, seq: Sequence) -> int:
         """Give a fresh sequence the cached blocks of its longest prefix; returns cached tokens.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -18,12 +18,13 @@ from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SequenceStatus
 from .stats import EngineStats
-from .validation import check_fits, prompt_token_ids
+from .validation import check_fits, max_prompt_chars, prompt_token_ids
 
 if TYPE_CHECKING:
     from ..model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LLMEngine:
@@ -47,6 +48,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.model_config.eos_token_ids
         self.runner = ModelRunner(self.loaded, config)
         self.max_model_len = self._max_model_len(config, self.runner.num_blocks)
+        longest_token = max(map(len, self.tokenizer.backend.get_vocab()), default=1)
+        self.max_prompt_chars = max_prompt_chars(self.max_model_len, longest_token)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -68,20 +71,23 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                     ) -> Request:
-        """Validate and tokenize; raises InvalidRequestError with a client-facing message."""
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     prompt_param: str = "prompt", add_special_tokens: bool = True) -> Request:
+        """Validate and tokenize; raises InvalidRequestError with a client-facing message whose
+        `param` names the field at fault (`prompt_param` for the prompt). Thread-safe: the
+        server calls it off the event loop while the engine thread steps."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
         explicit = params.explicit_fields
         params = params.with_defaults(self.generation_defaults)
         params.validate()
         vocab_size = self.model_config.vocab_size
-        prompt_ids = prompt_token_ids(prompt, self.tokenizer, vocab_size)
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, vocab_size, self.max_model_len,
+                                      self.max_prompt_chars, prompt_param, add_special_tokens)
         room = self.max_model_len - len(prompt_ids)
         if "max_tokens" not in explicit and params.max_tokens is not None and room > 0:
             params.max_tokens = min(params.max_tokens, room)  # a default never overflows
-        check_fits(len(prompt_ids), params, self.max_model_len, vocab_size)
+        check_fits(len(prompt_ids), params, self.max_model_len, vocab_size, prompt_param)
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len)
         for seq in request.seqs:
             seq.detokenizer = IncrementalDetokenizer(
@@ -130,15 +136,19 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         if sampled is not None:
             now = time.monotonic()
-            for seq, token, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
-                self._append_token(seq, token, logprobs, now)
-                touched[seq.request.request_id] = seq.request
+            for row, (seq, token, logprobs) in enumerate(zip(seqs, sampled.token_ids, sampled.logprobs)):
+                request = seq.request
+                touched[request.request_id] = request
+                if request.error is None:
+                    error = sampled.errors.get(row)
+                    self._guarded(request, self._append_token, seq, token, logprobs, now, error=error)
         outputs = []
         for request in touched.values():
-            if request.finished:
+            if request.error is None and request.finished:
                 request.metrics.finished_time = time.monotonic()
                 self.requests.pop(request.request_id, None)
-            outputs.append(self._output(request))
+            output = self._guarded(request, self._output, request) if request.error is None else None
+            outputs.append(output if output is not None else self._failed_output(request))
         end = time.monotonic()
         c = self.counters
         c.num_steps += 1
@@ -175,6 +185,39 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self._retire(seq)
 
+    # -- per-request fault isolation ----------------------------------------------------------
+
+    def _guarded(self, request: Request, work: Callable[..., T], *args: Any,
+                 error: Exception | None = None) -> T | None:
+        """Run one request's share of the step; if it raises (or `error` is already known),
+        that request alone fails and the step goes on for the others."""
+        if error is None:
+            try:
+                return work(*args)
+            except Exception as raised:  # noqa: BLE001 - pinned to this request
+                error = raised
+        self._fail(request, error)
+        return None
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        log.error("request %s failed; the engine goes on", request.request_id, exc_info=error)
+        request.error = f"the server failed while generating this request ({type(error).__name__})"
+        self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.finish_reason = "error"
+                self._retire(seq)
+        request.metrics.finished_time = time.monotonic()
+
+    def _failed_output(self, request: Request) -> RequestOutput:
+        """The last output of a failed request: what was already sent, no new text."""
+        completions = [CompletionOutput(
+            index=seq.index, text=seq.detokenizer.sent_text if seq.detokenizer else "",
+            token_ids=seq.output_token_ids[:seq.num_sent_tokens], delta_text="", delta_token_ids=[],
+            logprobs=None, finish_reason="error", stop_reason=None) for seq in request.seqs]
+        return RequestOutput(request.request_id, request.prompt_token_ids, request.num_cached_tokens,
+                             completions, True, request.metrics, error=request.error)
+
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.sampler.forget(seq)
@@ -201,13 +244,15 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         c, kv = self.counters, self.kv
+        evictable = kv.num_evictable_blocks
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + sum(
                 1 for r in self.requests.values()
                 for s in r.seqs if s.status is SequenceStatus.FORK_PENDING),
-            kv_cache_usage=kv.num_used_blocks / kv.pool.num_blocks,
+            kv_cache_usage=(kv.pool.num_blocks - kv.pool.num_free - evictable) / kv.pool.num_blocks,
             num_blocks_total=kv.pool.num_blocks, num_blocks_free=kv.pool.num_free,
+            num_blocks_evictable=evictable,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens,

@@ -20,7 +20,7 @@ class CompletionOutput:
     delta_text: str  # new since the previous RequestOutput of this request
     delta_token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None  # cumulative, one dict per generated token
-    finish_reason: str | None  # None while running, then "stop" | "length" | "abort"
+    finish_reason: str | None  # None while running, then "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None  # the stop string / stop token id that ended it
 
 
@@ -43,3 +43,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: str | None = None  # set (with finished) when handling this request failed

@@ -8,11 +8,18 @@ as long as the forward pass; this takes ~1 ms.) Unseeded rows draw from one engi
 in a single call, seeded rows from their own `torch.Generator` so a request replays exactly.
 Logprobs are computed from the raw model logits, before any processing, as vLLM does by
 default: they describe the model, not the sampling knobs.
+
+A fault in one row must not fail the batch: the random numbers are drawn first, so when the
+batched pass raises (or yields a token outside the vocabulary) each row is sampled again on
+its own with the same draws, the other rows get exactly the tokens the batch would have given,
+and the faulty rows are reported in `SamplerOutput.errors`. The batched pass is the only cost
+when nothing fails.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -21,12 +28,19 @@ from .argmax import argmax_rows
 from .outputs import Logprob
 from .sequence import Sequence
 
+log = logging.getLogger(__name__)
+
+
+class InvalidTokenError(RuntimeError):
+    """Sampling produced a token outside the vocabulary (e.g. from NaN probabilities)."""
+
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # -1 in a row that failed
     # per row: None, or (top token ids, their logprobs, sampled logprob, sampled rank)
     logprobs: list[tuple[list[int], list[float], float, int] | None]
+    errors: dict[int, Exception] = field(default_factory=dict)  # row -> why it has no token
 
 
 class Sampler:
@@ -40,16 +54,57 @@ class Sampler:
         self.seeded.pop(id(seq), None)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        params = [seq.params for seq in seqs]
+        greedy = [seq.params.temperature == 0.0 for seq in seqs]
+        uniform, errors = self._draw(seqs, greedy)
+        if not errors:
+            try:
+                return self._sample_batch(logits, seqs, greedy, uniform)
+            except Exception:  # noqa: BLE001 - isolated row by row below
+                log.warning("batched sampling failed; sampling row by row", exc_info=True)
+        out = SamplerOutput([], [], errors)
+        for row in range(len(seqs)):
+            if row not in errors:
+                try:
+                    one = self._sample_batch(logits[row:row + 1], seqs[row:row + 1], greedy[row:row + 1],
+                                             None if uniform is None else uniform[row:row + 1])
+                except Exception as error:  # noqa: BLE001 - this row's request fails alone
+                    errors[row] = error
+                else:
+                    out.token_ids += one.token_ids
+                    out.logprobs += one.logprobs
+                    continue
+            out.token_ids.append(-1)
+            out.logprobs.append(None)
+        return out
+
+    def _draw(self, seqs: list[Sequence], greedy: list[bool]
+              ) -> tuple[torch.Tensor | None, dict[int, Exception]]:
+        """One uniform number per row (None when every row is greedy): unseeded rows from the
+        engine generator in one call, seeded rows from their own."""
+        errors: dict[int, Exception] = {}
+        if all(greedy):
+            return None, errors
+        uniform = torch.rand(len(seqs), 1, generator=self.generator, device=self.device)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None and not greedy[row]:
+                try:
+                    uniform[row] = torch.rand(1, generator=self._seeded_generator(seq), device=self.device)
+                except Exception as error:  # noqa: BLE001 - this row's request fails alone
+                    errors[row] = error
+        return uniform, errors
+
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
+                      uniform: torch.Tensor | None) -> SamplerOutput:
         raw = logits
         logits = self._apply_penalties(logits, seqs)
         logits = self._mask_stops_before_min_tokens(logits, seqs)
-        greedy = [p.temperature == 0.0 for p in params]
-        if all(greedy):
+        if uniform is None or all(greedy):
             tokens = argmax_rows(logits)
         else:
-            tokens = self._sample(logits, seqs, greedy)
+            tokens = self._sample(logits, seqs, greedy, uniform)
         token_list = tokens.tolist()
+        if token_list and max(token_list) >= logits.shape[1]:
+            raise InvalidTokenError(f"sampled token {max(token_list)} is outside the vocabulary")
         return SamplerOutput(token_list, self._logprobs(raw, seqs, tokens))
 
     def _column(self, values: list[float]) -> torch.Tensor:
@@ -99,15 +154,15 @@ class Sampler:
         logits[rows, cols] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]
-                ) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
+                uniform: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]
         temperature = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
         scaled = logits / temperature
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        vocab = scaled.shape[1]
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
         if any(top_k):
-            k = torch.tensor([k if k > 0 else scaled.shape[1] for k in top_k], device=self.device)
-            k = k.clamp(max=scaled.shape[1])
+            k = torch.tensor([k if k > 0 else vocab for k in top_k], device=self.device)
             kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         if any(p.top_p < 1.0 for p in params):
@@ -115,16 +170,13 @@ class Sampler:
             cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             top_p = self._column([p.top_p if p.top_p < 1.0 else float("inf") for p in params])
             drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
+            drop_sorted[:, 0] = False  # the most likely token stays, however small top_p is
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             scaled = scaled.masked_fill(drop, float("-inf"))
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0.0 for p in params):
             floor = self._column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        uniform = torch.rand(len(seqs), 1, generator=self.generator, device=self.device)
-        for row, seq in enumerate(seqs):
-            if seq.params.seed is not None and not greedy[row]:
-                uniform[row] = torch.rand(1, generator=self._seeded_generator(seq), device=self.device)
         sampled = _inverse_transform(probs, uniform)
         greedy_mask = torch.tensor(greedy, device=self.device)
         return torch.where(greedy_mask, argmax_rows(logits), sampled)

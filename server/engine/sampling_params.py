@@ -1,14 +1,34 @@
-"""Per-request sampling knobs (vLLM's names and defaults) and their validation."""
+"""Per-request sampling knobs (vLLM's names and defaults): the one home of their domains.
+
+`validate` refuses what has no meaning and normalises what the sampler could not compute
+exactly in float32 (a tiny temperature, an extreme penalty), so every value that passes
+reaches the sampler in a range where it yields finite logits and an in-vocabulary token.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+# vLLM's constants: below _SAMPLING_EPS a temperature means greedy; up to _MIN_TEMPERATURE
+# it is raised to _MIN_TEMPERATURE (logits / 1e-40 overflow float32 to inf, softmax to NaN).
+SAMPLING_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
+# A repetition penalty divides or multiplies logits: beyond these bounds the float32 result
+# overflows (or a zero logit times inf is NaN) while the choice it makes stops changing.
+PENALTY_RANGE = (1e-20, 1e20)
+SEED_RANGE = (-2**63, 2**63 - 1)  # torch.Generator seeds are 64-bit, as vLLM bounds them
+
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; the message is meant for the client."""
+    """A request the engine refuses; the message is meant for the client, `param` names the
+    offending field and `code` is OpenAI's error code where one applies."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass
@@ -61,37 +81,58 @@ class SamplingParams:
         return merged
 
     def validate(self) -> None:
-        """Model-independent checks; the engine adds context-length and vocabulary checks."""
-        def fail(message: str) -> None:
-            raise InvalidRequestError(message)
+        """Model-independent checks and normalisation; the engine adds context and vocabulary
+        checks (`validation.py`)."""
+        def fail(param: str, message: str) -> None:
+            raise InvalidRequestError(message, param=param)
 
+        def finite(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                fail(name, f"{name} must be a finite number, got {value}.")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            finite(name)
         if not isinstance(self.n, int) or self.n < 1:
-            fail(f"n must be at least 1, got {self.n}.")
+            fail("n", f"n must be at least 1, got {self.n}.")
         if self.temperature < 0.0:
-            fail(f"temperature must be non-negative, got {self.temperature}.")
+            fail("temperature", f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
-            fail(f"top_p must be in (0, 1], got {self.top_p}.")
+            fail("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
-            fail(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+            fail("top_k", f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
-            fail(f"min_p must be in [0, 1], got {self.min_p}.")
+            fail("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if self.repetition_penalty <= 0.0:
-            fail(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+            fail("repetition_penalty",
+                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+            fail("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+            fail("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            fail("seed", f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}.")
         if self.max_tokens is not None and self.max_tokens < 1:
-            fail(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            fail("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
-            fail(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+            fail("min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail(f"min_tokens ({self.min_tokens}) must be less than or equal to "
+            fail("min_tokens", f"min_tokens ({self.min_tokens}) must be less than or equal to "
                  f"max_tokens ({self.max_tokens}).")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            fail(f"logprobs must be in [0, 20], got {self.logprobs}.")
+            fail("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            fail("stop strings must be non-empty strings.")
+            fail("stop", "stop strings must be non-empty strings.")
+        self._normalise()
+
+    def _normalise(self) -> None:
+        """Map values the sampler cannot compute exactly onto ones with the same effect."""
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        elif self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        self.repetition_penalty = min(max(self.repetition_penalty, PENALTY_RANGE[0]), PENALTY_RANGE[1])
 
     @property
     def is_greedy(self) -> bool:

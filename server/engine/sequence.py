@@ -41,6 +41,7 @@ class Request:
     seqs: list["Sequence"] = field(default_factory=list)
     num_cached_tokens: int = 0  # prefix-cache hit of the first scheduling
     aborted: bool = False
+    error: str | None = None  # why handling it failed (it then finished with "error")
 
     def __post_init__(self) -> None:
         self.seqs = [Sequence(self, i) for i in range(self.params.n)]

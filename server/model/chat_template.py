@@ -59,11 +59,12 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def render_chat(source: str, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
-                special_tokens: dict[str, str | None], **kwargs: Any) -> str:
+                special_tokens: dict[str, str | None], /, **kwargs: Any) -> str:
+    """`kwargs` are template variables: any name, none of them can clash with a parameter."""
     try:
         variables = {**special_tokens, **kwargs, "messages": messages, "tools": tools,
                      "add_generation_prompt": add_generation_prompt}
-        return compile_template(source).render(**variables)
+        return compile_template(source).render(variables)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as exc:

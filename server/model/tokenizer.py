@@ -52,17 +52,27 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend.id_to_token(int(i)) for i in ids]
 
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        """A chat request's prompt text, as the server builds it. `template_kwargs` (vLLM's
+        `chat_template_kwargs`) may override `add_generation_prompt` and
+        `continue_final_message`, as in vLLM."""
+        kwargs = dict(template_kwargs or {})
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+        if kwargs.pop("continue_final_message", continue_final_message):
+            if add_generation_prompt:
+                raise ChatTemplateError("'continue_final_message' needs 'add_generation_prompt': false")
+            kwargs["continue_final_message"] = True
+        return self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """A chat request's prompt ids, as the server builds them (the router repeats this to hash
         them); the template already holds any BOS, so none is added again."""
-        kwargs = dict(template_kwargs or {})
-        if continue_final_message:
-            kwargs["continue_final_message"] = True
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs),
-                           add_special_tokens=False)
+        text = self.chat_prompt(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for `messages`; raises `ChatTemplateError` (a ValueError) for rejected input."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use the completions API with a plain prompt")

@@ -65,7 +65,7 @@ def test_cache_salt_keeps_tenants_apart(make_llm, random_prompts):
 
 @pytest.mark.parametrize("params, prompt_len, message", [
     (SamplingParams(), 4096, "maximum context length is 4096"),
-    (SamplingParams(max_tokens=4000), 200, "'max_tokens' is too large: 4000"),
+    (SamplingParams(max_tokens=4000), 200, "requested 4200 tokens (200 in the prompt, 4000 in the completion)"),
     (SamplingParams(stop_token_ids=[100000]), 5, "stop_token_ids contains 100000"),
     (SamplingParams(n=0), 5, "n must be at least 1"),
     (SamplingParams(temperature=-0.5), 5, "temperature must be non-negative"),
@@ -74,6 +74,9 @@ def test_cache_salt_keeps_tenants_apart(make_llm, random_prompts):
     (SamplingParams(top_k=-2), 5, "top_k must be -1"),
     (SamplingParams(min_tokens=20, max_tokens=10), 5, "min_tokens (20) must be less"),
     (SamplingParams(logprobs=50), 5, "logprobs must be in [0, 20]"),
+    (SamplingParams(seed=2**64), 5, "seed must be in [-9223372036854775808, 9223372036854775807]"),
+    (SamplingParams(temperature=float("nan")), 5, "temperature must be a finite number"),
+    (SamplingParams(repetition_penalty=float("inf")), 5, "repetition_penalty must be a finite number"),
 ])
 def test_bad_requests_are_rejected_clearly_and_leak_nothing(make_llm, params, prompt_len,
                                                             message):
@@ -183,5 +186,6 @@ def test_default_max_tokens_is_clamped_to_the_context(make_llm):
     llm = make_llm(max_model_len=64)
     llm.engine.generation_defaults = {"max_tokens": 1000}
     assert llm.engine.make_request("d", [5] * 40, SamplingParams()).params.max_tokens == 24
-    with pytest.raises(InvalidRequestError, match="'max_tokens' is too large"):
+    with pytest.raises(InvalidRequestError, match="1000 in the completion") as error:
         llm.engine.make_request("e", [5] * 40, SamplingParams(max_tokens=1000))
+    assert error.value.param == "max_tokens" and error.value.code == "context_length_exceeded"

@@ -105,3 +105,39 @@ def test_inverse_transform_never_lands_on_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.2, 0.0, 0.3, 0.0, 0.0]] * 3)
     uniform = torch.tensor([[0.0], [0.3], [1.0 - 2 ** -24]])
     assert _inverse_transform(probs, uniform).tolist() == [1, 1, 3]
+
+
+def test_a_faulty_row_fails_alone_and_the_others_keep_their_tokens():
+    """A NaN row samples no valid token; the rows beside it get what they get without it,
+    seeded and unseeded draws included."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=0.9, seed=7), SamplingParams(temperature=0.9),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_p=0.5)]
+    clean = Sampler(3, torch.device("cpu"))(logits, _seqs(*params))
+    broken = logits.clone()
+    broken[1] = float("nan")
+    out = Sampler(3, torch.device("cpu"))(broken, _seqs(*params))
+    assert set(out.errors) == {1} and out.token_ids[1] == -1
+    assert [t for i, t in enumerate(out.token_ids) if i != 1] == \
+        [t for i, t in enumerate(clean.token_ids) if i != 1]
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(6))
+    seqs = _seqs(*[SamplingParams(temperature=1.0, top_p=p) for p in (1e-46, 5e-324, 1e-9)])
+    out = Sampler(0, torch.device("cpu"))(logits, seqs)
+    assert not out.errors and out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_extreme_values_are_normalised_to_ones_the_sampler_computes():
+    tiny = SamplingParams(temperature=1e-40, repetition_penalty=1e-300)
+    tiny.validate()
+    assert tiny.temperature == 0.0 and tiny.repetition_penalty > 0.0
+    low = SamplingParams(temperature=1e-3)
+    low.validate()
+    assert low.temperature == 0.01
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(8))
+    huge = SamplingParams(temperature=0.5, repetition_penalty=1e300, top_k=10**30, seed=2**63 - 1)
+    huge.validate()
+    out = Sampler(0, torch.device("cpu"))(logits, _seqs(huge, tiny, prompt=[0, 1, 2]))
+    assert not out.errors and all(0 <= t < 50 for t in out.token_ids)

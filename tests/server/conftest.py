@@ -39,7 +39,7 @@ def live_server():
 
 @contextlib.contextmanager
 def engine_server(model: str, *, api_keys: list[str] | None = None, max_queued_requests: int = 1024,
-                  **engine_kwargs: object) -> Iterator[tuple[str, object]]:
+                  max_body_bytes: int | None = None, **engine_kwargs: object) -> Iterator[tuple[str, object]]:
     """The real AsyncEngine on `model` behind the real app; yields (base URL, ServerState)."""
     import asyncio
 
@@ -52,7 +52,7 @@ def engine_server(model: str, *, api_keys: list[str] | None = None, max_queued_r
     engine = AsyncEngine.from_config(config)
     try:
         state = ServerState.create(engine, model, max_queued_requests)
-        with serve_in_thread(build_app(state, api_keys or [])) as url:
+        with serve_in_thread(build_app(state, api_keys or [], max_body_bytes)) as url:
             yield url, state
     finally:
         asyncio.run(engine.shutdown())

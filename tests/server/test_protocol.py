@@ -8,10 +8,11 @@ from fastapi import Depends, FastAPI
 from pydantic import ValidationError
 
 from kubeinfer.server.api.auth import ApiKeyCheck
-from kubeinfer.server.api.errors import OpenAIError, install_error_handlers
+from kubeinfer.server.api.errors import install_error_handlers
 from kubeinfer.server.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from kubeinfer.server.api.sampling import check_context, sampling_params
-from kubeinfer.server.engine.sampling_params import InvalidRequestError
+from kubeinfer.server.api.sampling import sampling_params
+from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubeinfer.server.engine.validation import check_fits
 
 
 def _app(keys: list[str]) -> FastAPI:
@@ -114,10 +115,11 @@ def test_only_fields_the_client_set_override_model_defaults() -> None:
 
 
 def test_context_overflow_names_the_numbers() -> None:
-    check_context(10, 6, 16, "prompt")
-    with pytest.raises(OpenAIError) as info:
-        check_context(10, 7, 16, "prompt")
-    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
-    assert "maximum context length is 16" in info.value.message and "17" in info.value.message
-    with pytest.raises(OpenAIError):
-        check_context(16, None, 16, "messages")
+    check_fits(10, SamplingParams(max_tokens=6), 16, 100)
+    with pytest.raises(InvalidRequestError) as info:
+        check_fits(10, SamplingParams(max_tokens=7), 16, 100)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
+    assert "maximum context length is 16" in str(info.value) and "17" in str(info.value)
+    with pytest.raises(InvalidRequestError) as info:
+        check_fits(16, SamplingParams(max_tokens=None), 16, 100, "messages")
+    assert info.value.param == "messages"

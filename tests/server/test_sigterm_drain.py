@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 from helpers.serve_process import wait_until_ready
@@ -71,3 +72,56 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(tiny_model_path: str) -
         assert usage["completion_tokens"] == TOKENS
         finish = [json.loads(l[6:])["choices"][0]["finish_reason"] for l in lines[:-2]]
         assert finish[-1] == "length"
+
+
+def _num_waiting(url: str) -> float:
+    metrics = httpx.get(url + "/metrics").text.splitlines()
+    return float(next(line for line in metrics if line.startswith("vllm:num_requests_waiting{")).split()[-1])
+
+
+def test_when_the_drain_timeout_expires_open_requests_are_told(tiny_model_path: str) -> None:
+    """Streams still open get an error event and [DONE], waiting requests a 503 with Retry-After:
+    no client mistakes the cut for a finished answer."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubeinfer.server.cli", "serve", "--model", tiny_model_path, "--port", str(port),
+         "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "8Mi", "--max-model-len", "4096",
+         "--max-num-seqs", "1", "--shutdown-timeout", "1", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until_ready(process, url, timeout=180)
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        waiting: list[httpx.Response] = []
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        assert started.wait(60)
+        waiter = threading.Thread(target=lambda: waiting.append(httpx.post(
+            url + "/v1/completions", json={"prompt": "queued", "max_tokens": 4}, timeout=120)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while _num_waiting(url) < 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.05)
+
+        process.send_signal(signal.SIGTERM)
+        streamer.join(30)
+        waiter.join(30)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "shutdown"
+    assert len(waiting) == 1 and waiting[0].status_code == 503 and waiting[0].headers["retry-after"]
+    assert waiting[0].json()["error"]["code"] == "shutdown"

@@ -1,0 +1,80 @@
+"""ASGI middleware that keeps one bad request from costing more than its own answer.
+
+`BodyLimit` refuses a body over the limit while it streams in (413 in OpenAI's format), so a
+10 MB upload is never buffered, parsed or tokenized. `ContainErrors` turns an unexpected
+exception into a 500 in OpenAI's format and ends there: Starlette's own handler for
+`Exception` re-raises after answering, and uvicorn then closes the connection, so the
+client's next keep-alive request on it was reset.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kubeinfer.server.api.errors import error_body
+
+logger = logging.getLogger(__name__)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` once the body passes the limit; FastAPI lets HTTPExceptions from
+    body reading through, and the app's handler answers it in OpenAI's format."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than the limit of {limit} bytes "
+                              "(--max-request-body-bytes)")
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            error = BodyTooLarge(self.max_bytes)
+            await JSONResponse(error_body(413, error.detail), status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class ContainErrors:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:  # noqa: BLE001 - answered here, not re-raised (see module docstring)
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await JSONResponse(error_body(500, "internal server error"), status_code=500)(
+                    scope, receive, send)
