@@ -99,9 +99,12 @@ def _ops_routes(state: ServerState) -> APIRouter:
     return router
 
 
+MIN_BODY_BYTES = 1 << 20
+
+
 def default_max_body_bytes(max_model_len: int) -> int:
     """Room for the longest context as JSON text or token ids (64 bytes a token), at least 1 MiB."""
-    return max(1 << 20, 64 * max_model_len)
+    return max(MIN_BODY_BYTES, 64 * max_model_len)
 
 
 def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | None = None) -> FastAPI:
@@ -109,7 +112,11 @@ def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | Non
     app = FastAPI(title="kubeinfer", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(state.engine.max_model_len))
+    if max_body_bytes:
+        app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    else:
+        app.add_middleware(BodyLimit, max_bytes=lambda: default_max_body_bytes(state.engine.max_model_len),
+                           at_least=MIN_BODY_BYTES)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected) -> Response:

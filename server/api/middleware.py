@@ -9,7 +9,9 @@ client's next keep-alive request on it was reset.
 
 from __future__ import annotations
 
+import functools
 import logging
+from typing import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
@@ -30,15 +32,25 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int | Callable[[], int], at_least: int = 0) -> None:
+        """`max_bytes`, or a function giving it (the default depends on the engine's context
+        length), called once and only for a body bigger than `at_least`, its lower bound."""
+        self.app, self.at_least = app, at_least
+        self._max_bytes = max_bytes if callable(max_bytes) else (lambda: max_bytes)
+
+    @functools.cached_property
+    def max_bytes(self) -> int:
+        return self._max_bytes()
+
+    def _too_large(self, size: int) -> bool:
+        return size > self.at_least and size > self.max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
+        if declared.isdigit() and self._too_large(int(declared)):
             error = BodyTooLarge(self.max_bytes)
             await JSONResponse(error_body(413, error.detail), status_code=413)(scope, receive, send)
             return
@@ -49,7 +61,7 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if self._too_large(received):
                     raise BodyTooLarge(self.max_bytes)
             return message
 

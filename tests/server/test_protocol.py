@@ -123,3 +123,18 @@ def test_context_overflow_names_the_numbers() -> None:
     with pytest.raises(InvalidRequestError) as info:
         check_fits(16, SamplingParams(max_tokens=None), 16, 100, "messages")
     assert info.value.param == "messages"
+
+
+async def test_the_default_body_limit_is_sized_to_the_context() -> None:
+    from types import SimpleNamespace
+
+    from kubeinfer.server.api.app import build_app
+
+    state = SimpleNamespace(engine=SimpleNamespace(max_model_len=32768))  # 64 B a token: 2 MiB
+    transport = httpx.ASGITransport(app=build_app(state, []), raise_app_exceptions=False)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        for size, refused in ((2**21 - 64, False), (2**21 + 1, True)):
+            body = b'{"prompt": "' + b"a" * (size - 14) + b'"}'
+            response = await client.post("/tokenize", content=body, headers={"content-type": "application/json"})
+            assert (response.status_code == 413) == refused, (size, response.status_code)
+    assert response.json()["error"]["message"].startswith("request body is larger than the limit of 2097152")
