@@ -147,3 +147,25 @@ def test_moe_config_from_transformers_keys():
         ModelConfig.from_hf({**base, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match="mix sliding-window and full-attention"):
         ModelConfig.from_hf({**base, "model_type": "qwen3", "num_experts": 0, "use_sliding_window": True})
+
+
+@pytest.mark.parametrize("change, message", [
+    pytest.param({"model_type": "gemma3"}, r"unsupported architecture 'gemma3'; supported: .*qwen3_moe.*gemma3_text",
+                 id="multimodal-gemma3"),
+    pytest.param({"model_type": "gpt_oss"}, r"unsupported architecture 'gpt_oss'; supported: llama, mistral", id="gpt-oss"),
+    pytest.param({"model_type": "llama", "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+                 "llama: models that mix sliding-window and full-attention layers are not supported", id="llama-mixed"),
+    pytest.param({"model_type": "gemma2", "hidden_activation": "relu"}, "hidden activation 'relu' is not supported",
+                 id="gemma-activation"),
+    pytest.param({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+                 "unsupported rope scaling type 'yarn'; supported: default", id="rope-type"),
+])
+def test_unsupported_architecture_or_feature_is_refused_at_load(change, message, tmp_path):
+    """Never garbage output: what the engine cannot run is refused by name, with what it can."""
+    import json
+
+    path = build_tiny_qwen3(tmp_path)[0]
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        load_model(str(path), dtype="float32", device="cpu")

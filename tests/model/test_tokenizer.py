@@ -109,3 +109,52 @@ def test_template_cannot_reach_python_internals(tmp_path):
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ChatTemplateError):
         read_hf_directory(path).tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def _sentencepiece_tokenizer_dir(tmp_path, kind: str):
+    """A HF directory with a SentencePiece-style tokenizer.json trained by `tokenizers`: a Unigram
+    model, or a BPE with byte fallback (Gemma's and Llama 2's layout: metaspace, `<0xNN>` bytes)."""
+    from tokenizers import SentencePieceBPETokenizer, SentencePieceUnigramTokenizer
+
+    corpus = [text for text in TEXTS if text] * 20
+    special = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    if kind == "unigram":
+        tokenizer = SentencePieceUnigramTokenizer()
+        tokenizer.train_from_iterator(corpus, vocab_size=300, special_tokens=special, unk_token="<unk>",
+                                      show_progress=False)
+    else:
+        tokenizer = SentencePieceBPETokenizer(unk_token="<unk>", fuse_unk=True)
+        tokenizer.train_from_iterator(corpus, vocab_size=300, special_tokens=special, show_progress=False)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>"}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind", ["unigram", "bpe-metaspace"])
+def test_sentencepiece_tokenizers_match_transformers_and_stream(kind, tmp_path):
+    """Gemma-style tokenizers (SentencePiece pieces with a metaspace) through `tokenizers`: the
+    same ids and text as transformers, and streamed detokenization equals the whole decode."""
+    from transformers import PreTrainedTokenizerFast
+
+    from kubeinfer.server.engine.detokenizer import IncrementalDetokenizer
+    from kubeinfer.server.model.tokenizer_files import hf_tokenizer
+
+    path = _sentencepiece_tokenizer_dir(tmp_path, kind)
+    ours = hf_tokenizer(path)
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    assert ours.eos_token_ids == {ours.backend.token_to_id("<eos>")}
+    assert json.loads(ours.backend.to_str())["model"]["type"] == ("Unigram" if kind == "unigram" else "BPE")
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == reference.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+        prompt, output = ids[:3], ids[3:]
+        detokenizer = IncrementalDetokenizer(ours, prompt, stop=[])
+        streamed = ""
+        for token in output:
+            detokenizer.add_token(token)
+            streamed += detokenizer.take_delta(finished=False)
+        streamed += detokenizer.take_delta(finished=True)
+        assert streamed == ours.decode(prompt + output)[len(ours.decode(prompt)):]

@@ -13,7 +13,7 @@ from kubeinfer.operator.children import desired_children
 from kubeinfer.operator.resource import InferenceService
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "crds" / "examples"
-OURS = ["embedded-model.yaml", "tp2-gpu-pvc.yaml", "autoscaled.yaml", "api-keys.yaml"]
+OURS = ["embedded-model.yaml", "tp2-gpu-pvc.yaml", "autoscaled.yaml", "api-keys.yaml", "qwen3.yaml", "gemma.yaml"]
 
 
 @pytest.mark.parametrize("name", OURS)
