@@ -4,6 +4,8 @@ Why: these machines have no container runtime, so kube-apiserver & co. run as pl
 Each component is built once into ``<cache>/bin/<name>-<version>/`` and rebuilt only when its pin
 changes. ``python -m e2e.binaries`` builds everything; cold, on 2 busy cores, this took ~42 min
 (kubernetes alone 38 min), so CI machines should keep ``~/.cache/kubeinfer/bin`` between runs.
+A build says every 30 s which component it is on (n of m) and how far it got: modules
+downloaded, then packages compiled out of the total ``go list`` counted (``go build -v``).
 """
 from __future__ import annotations
 
@@ -14,11 +16,14 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 CACHE = Path(os.environ.get("KUBEINFER_CACHE", Path.home() / ".cache" / "kubeinfer"))
+PROGRESS_SECONDS = 30.0
+TOTAL_MARK = "# kubeinfer: packages to compile: "
 ETCD_MAIN = """package main
 
 import (
@@ -61,7 +66,9 @@ def binary(name: str, pins: Pins = PINS) -> Path:
 
 def _go(args: list[str], cwd: Path, log, env: dict[str, str] | None = None) -> dict:
     """Run one go command with static, trimmed, 2-job settings; its output goes to the log."""
-    full_env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-trimpath -buildvcs=false", **(env or {})}
+    full_env = _go_env(env)
+    if args[0] in ("build", "install"):
+        args = [args[0], "-v", *args[1:]]  # names each package as it compiles: the progress count
     log.write(f"$ go {' '.join(args)}  (in {cwd})\n")
     log.flush()
     out = subprocess.run(["go", *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -69,6 +76,49 @@ def _go(args: list[str], cwd: Path, log, env: dict[str, str] | None = None) -> d
     if out.returncode:
         raise RuntimeError(f"go {args[0]} failed; see {log.name}")
     return json.loads(out.stdout) if args[:2] == ["mod", "download"] else {}
+
+
+def _go_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-trimpath -buildvcs=false", **(env or {})}
+
+
+def _count_packages(pkgs: list[str], cwd: Path, log, flags: tuple[str, ...] = ()) -> None:
+    """Write how many non-standard packages the build compiles, for the progress line."""
+    out = subprocess.run(["go", "list", *flags, "-deps", "-f", "{{if not .Standard}}{{.ImportPath}}{{end}}", *pkgs],
+                         cwd=cwd, env=_go_env(), stdout=subprocess.PIPE, stderr=log, text=True)
+    if out.returncode == 0:
+        log.write(f"{TOTAL_MARK}{len(out.stdout.split())}\n")
+        log.flush()
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a build got, read from its log."""
+
+    downloaded: int
+    compiled: int
+    total: int | None
+    last: str
+
+    def describe(self) -> str:
+        if not self.compiled:
+            return f"downloading modules ({self.downloaded} so far)"
+        of = f" of {self.total}" if self.total else ""
+        return f"compiled {self.compiled}{of} packages (last: {self.last})"
+
+
+def read_progress(log_text: str) -> Progress:
+    """Modules downloaded, non-standard packages `go build -v` compiled, and the counted total."""
+    downloaded = compiled = 0
+    total, last = None, ""
+    for line in log_text.splitlines():
+        if line.startswith("go: downloading "):
+            downloaded += 1
+        elif line.startswith(TOTAL_MARK):
+            total = int(line.removeprefix(TOTAL_MARK))
+        elif line and " " not in line and "." in line.split("/")[0]:  # an import path outside std
+            compiled, last = compiled + 1, line
+    return Progress(downloaded, compiled, total, last)
 
 
 def _module(path: str, version: str, log) -> dict:
@@ -108,6 +158,7 @@ def _build_kubernetes(version: str, out: Path, work: Path, log) -> None:
     info = _module("k8s.io/kubernetes", version, log)
     (work / "go.mod").write_text(_kubernetes_go_mod(version, info))
     pkgs = [f"k8s.io/kubernetes/cmd/{name}" for name in COMMANDS["kubernetes"]]
+    _count_packages(pkgs, work, log, ("-mod=mod",))
     _go(["build", "-mod=mod", "-p", "2", "-ldflags", _kubernetes_ldflags(version, info), "-o", str(out) + "/", *pkgs],
         work, log)
 
@@ -118,6 +169,7 @@ def _build_etcd(version: str, out: Path, work: Path, log) -> None:
     (work / "go.mod").write_text(go_mod)
     (work / "main.go").write_text(ETCD_MAIN)
     _go(["mod", "tidy"], work, log)
+    _count_packages(["."], work, log)
     _go(["build", "-p", "2", "-ldflags", "-s -w", "-o", str(out / "etcd"), "."], work, log)
 
 
@@ -138,8 +190,9 @@ def _build_helm(version: str, out: Path, work: Path, log) -> None:
 BUILDERS = {"etcd": _build_etcd, "kwok": _build_kwok, "helm": _build_helm, "kubernetes": _build_kubernetes}
 
 
-def ensure(component: str, pins: Pins = PINS) -> Path:
-    """Build one component unless its pinned binaries are already cached; returns its bin dir."""
+def ensure(component: str, pins: Pins = PINS, step: str = "") -> Path:
+    """Build one component unless its pinned binaries are already cached; returns its bin dir.
+    ``step`` ("2/4") says where this component stands among those being built."""
     out = bin_dir(component, pins)
     stamp = out / ".built"
     if stamp.exists():
@@ -150,18 +203,38 @@ def ensure(component: str, pins: Pins = PINS) -> Path:
     with open(work.parent / f"{work.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another session may be building it right now
         if not stamp.exists():
-            _build(component, version, out, work, stamp)
+            _build(component, version, out, work, stamp, step)
     return out
 
 
-def _build(component: str, version: str, out: Path, work: Path, stamp: Path) -> None:
+def progress_line(what: str, log_path: Path, elapsed: float) -> str:
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        text = ""
+    return f"{what}: {read_progress(text).describe()}, {elapsed / 60:.1f} min"
+
+
+def _report(what: str, log_path: Path, start: float, done: threading.Event) -> None:
+    while not done.wait(PROGRESS_SECONDS):
+        print(progress_line(what, log_path, time.monotonic() - start), file=sys.stderr, flush=True)
+
+
+def _build(component: str, version: str, out: Path, work: Path, stamp: Path, step: str = "") -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    print(f"building {component} {version} (log: {work}.log)", file=sys.stderr, flush=True)
-    with open(f"{work}.log", "w") as log:
-        BUILDERS[component](version, out, work, log)
+    what = f"[{step}] {component} {version}" if step else f"{component} {version}"
+    print(f"building {what} (log: {work}.log)", file=sys.stderr, flush=True)
+    done = threading.Event()
+    reporter = threading.Thread(target=_report, args=(what, Path(f"{work}.log"), start, done), daemon=True)
+    reporter.start()
+    try:
+        with open(f"{work}.log", "w") as log:
+            BUILDERS[component](version, out, work, log)
+    finally:
+        done.set()
     missing = [n for n in COMMANDS[component] if not (out / n).exists()]
     if missing:
         raise RuntimeError(f"{component} {version}: build produced no {missing}")
@@ -169,10 +242,12 @@ def _build(component: str, version: str, out: Path, work: Path, stamp: Path) -> 
 
 
 def ensure_all(pins: Pins = PINS) -> dict[str, Path]:
-    return {component: ensure(component, pins) for component in BUILDERS}
+    missing = [c for c in BUILDERS if not (bin_dir(c, pins) / ".built").exists()]
+    return {c: ensure(c, pins, f"{missing.index(c) + 1}/{len(missing)}" if c in missing else "") for c in BUILDERS}
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or list(BUILDERS):
+    names = sys.argv[1:] or list(BUILDERS)
+    for number, name in enumerate(names, 1):
         t0 = time.monotonic()
-        print(f"{name}: {ensure(name)} ({time.monotonic() - t0:.0f} s)", flush=True)
+        print(f"{name}: {ensure(name, step=f'{number}/{len(names)}')} ({time.monotonic() - t0:.0f} s)", flush=True)

@@ -1,8 +1,10 @@
-"""``python -m e2e.cluster up|down|status``: the local Kubernetes cluster (test/demo infrastructure).
+"""``python -m e2e.cluster up|down|status|env``: the local Kubernetes cluster (test/demo infrastructure).
 
 etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok run as plain processes on
-127.0.0.1, plus the local pod runner (e2e/podrunner.py). ``up`` reuses a healthy cluster,
-``down`` stops every process by pid and deletes the state dir.
+127.0.0.1, plus the local pod runner (e2e/podrunner.py) and service proxy (e2e/svcproxy.py).
+``up`` reuses a healthy cluster, ``down`` stops every process by pid and deletes the state dir,
+``status`` lists the processes and the Services' local URLs, ``env`` prints the shell lines
+that put kubeinfer, helm and KUBECONFIG in place (``eval "$(make -s env)"``).
 """
 from __future__ import annotations
 
@@ -10,20 +12,22 @@ import argparse
 import contextlib
 import fcntl
 import os
+import shlex
 import shutil
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import yaml
 from kubernetes import client, config as kube_config
 
-from e2e import components, nodes, pki as pki_mod, processes
-from e2e.binaries import ensure_all
-from e2e.config import ClusterConfig
+from e2e import components, nodes, pki as pki_mod, processes, svcproxy
+from e2e.binaries import binary, ensure_all
+from e2e.config import CLUSTER_ENV, ClusterConfig
 from e2e.health import http_ok, wait_until
 
-ORDER = ["podrunner", "*", "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
+ORDER = ["svcproxy", "podrunner", "*", "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
 
 
 @contextlib.contextmanager
@@ -47,15 +51,37 @@ def healthy(cfg: ClusterConfig) -> bool:
     return http_ok(f"{cfg.server}/readyz", pki.ca, pki.token("admin"))
 
 
-def _start(cfg: ClusterConfig, name: str, argv: list[str], ready_url: str | None = None, **auth) -> None:
-    pid = processes.spawn(name, argv, cfg.state_dir)
+def _start(cfg: ClusterConfig, name: str, argv: list[str], ready_url: str | None = None,
+           env: dict[str, str] | None = None, **auth) -> None:
+    pid = processes.spawn(name, argv, cfg.state_dir, env=env)
     if ready_url:
         wait_until(lambda: http_ok(ready_url, **auth), name, timeout=45, alive=lambda: processes.pid_alive(pid))
 
 
+def _install_kwok_crds(ext: client.ApiextensionsV1Api) -> None:
+    """kwok reads its kubelet-API targets from these CRDs (it does not install them itself)."""
+    for path in sorted(components.KWOK_CRDS.glob("*.yaml")):
+        ext.create_custom_resource_definition(yaml.safe_load(path.read_text()))
+    names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in components.KWOK_CRDS.glob("*.yaml")}
+    wait_until(lambda: names <= {c.metadata.name for c in ext.list_custom_resource_definition().items
+                                 if any(k.type == "Established" and k.status == "True"
+                                        for k in c.status.conditions or [])}, "kwok CRDs established", timeout=30)
+
+
+def _start_service_proxy(cfg: ClusterConfig) -> None:
+    argv = [sys.executable, "-m", "e2e.svcproxy", "--kubeconfig", str(cfg.kubeconfig),
+            "--ports", f"{cfg.service_ports.start}-{cfg.service_ports.stop - 1}",
+            "--table", str(cfg.service_table)]
+    processes.spawn("svcproxy", argv, cfg.state_dir, env={"PYTHONPATH": str(Path(__file__).parents[1])})
+
+
+def _pod_path() -> str:
+    """Pod commands like `python`/`kubeinfer` come from this interpreter's bin dir."""
+    return f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def _start_runner(cfg: ClusterConfig) -> None:
-    """The runner starts pod commands like `python`/`kubeinfer` from this interpreter's bin dir."""
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    path = _pod_path()
     argv = [sys.executable, "-m", "e2e.podrunner", "--kubeconfig", str(cfg.kubeconfig),
             "--state-dir", str(cfg.state_dir / "pods"), "--pid-dir", str(cfg.state_dir / "pids"),
             "--node-selector", "type=kwok"]
@@ -89,8 +115,11 @@ def _start_all(cfg: ClusterConfig) -> None:
     with api_client(cfg) as api:
         core = client.CoreV1Api(api)
         names = nodes.create_all(core, cfg)
-        _start(cfg, "kwok", components.kwok(cfg, pki))
+        _install_kwok_crds(client.ApiextensionsV1Api(api))
+        _start(cfg, "kwok", components.kwok(cfg, pki), f"https://127.0.0.1:{cfg.ports['kwok']}/healthz",
+               env={"PATH": _pod_path()}, **auth)  # `kubectl exec` commands are looked up on kwok's PATH
         _start_runner(cfg)
+        _start_service_proxy(cfg)
         wait_until(lambda: _nodes_ready(core, names), "fake GPU nodes Ready", timeout=30)
         wait_until(lambda: _has_default_sa(core), "default ServiceAccount", timeout=30)
     for name in ("kube-controller-manager", "kube-scheduler"):
@@ -119,12 +148,30 @@ def status(cfg: ClusterConfig) -> str:
     names = [n for n in ORDER if n != "*"] + sorted(set(alive) - set(ORDER))
     lines = [f"{name:<24} {'pid ' + str(alive[name]) if name in alive else 'not running'}" for name in names]
     lines.append(f"state: {cfg.state_dir}  healthy: {healthy(cfg)}")
+    rows = svcproxy.read_table(cfg.service_table) if "svcproxy" in alive else []
+    if rows:
+        lines.append("services (from this machine, through the local service proxy):")
+    for row in rows:
+        where = f"http://{row['local']}" if row["serving"] else f"{row['local']} (not listening)"
+        lines.append(f"  {row['namespace']}/{row['name']}:{row['port']:<6} {where:<26} "
+                     f"endpoints: {', '.join(row['endpoints']) or 'none Ready'}")
     return "\n".join(lines)
+
+
+def env_lines(cfg: ClusterConfig) -> list[str]:
+    """Shell lines for `eval`: this cluster's settings, KUBECONFIG, and kubeinfer and helm on PATH."""
+    settings = [f"export {name}={shlex.quote(os.environ[name])}" for name in CLUSTER_ENV if name in os.environ]
+    path = os.pathsep.join(dict.fromkeys([str(Path(sys.executable).parent), str(binary("helm").parent)]))
+    lines = [*settings, f"export KUBECONFIG={shlex.quote(str(cfg.kubeconfig))}",
+             f'export PATH="{path}{os.pathsep}$PATH"']
+    if not shutil.which("kubectl"):
+        lines.append("echo 'kubectl (1.32+) is not on PATH: install it to use the cluster' >&2")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("command", choices=["up", "down", "status", "env"])
     args = parser.parse_args(argv)
     cfg = ClusterConfig()
     if args.command == "up":
@@ -137,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("reused the running cluster" if seconds == 0 else f"cluster up in {seconds:.1f} s")
         print(f"export KUBECONFIG={cfg.kubeconfig}")
+    elif args.command == "env":
+        print("\n".join(env_lines(cfg)))
     elif args.command == "down":
         with locked(cfg):
             print(f"stopped pids: {down(cfg)}")

@@ -4,7 +4,14 @@ Why these flags: no default route exists here, so the apiserver gets explicit bi
 addresses and no endpoint reconciler; the controller-manager runs only the controllers a
 workload needs (no node lifecycle: kwok owns node health, so the admission plugin that taints
 new nodes not-ready until that controller clears it is off), with per-controller service-account
-credentials so RBAC is exercised the way a real cluster does.
+credentials so RBAC is exercised the way a real cluster does. No endpointslice controller:
+the API rejects loopback addresses in every EndpointSlice (``may not be in the loopback
+range``), so it could only post a warning per Service; the local service proxy
+(e2e/svcproxy.py) picks a Service's Ready pods itself.
+
+kwok also plays each node's kubelet API (logs, exec, port-forward) on its server port, which
+the nodes advertise as their kubelet port; the per-pod targets are kwok's ``Logs``,
+``PortForward`` and ``Exec`` objects that the pod runner writes (e2e/kwok/README.md).
 """
 from __future__ import annotations
 
@@ -16,9 +23,11 @@ from e2e.pki import Pki
 from e2e.runner_rules import runner_managed_jq
 
 STAGES = Path(__file__).parent / "kwok"
+KWOK_CRDS = STAGES / "crds"  # Logs, PortForward, Exec: the kubelet-API targets kwok watches
+KWOK_KINDS = ("Logs", "PortForward", "Exec")
 CONTROLLERS = tuple(f"{name}-controller" for name in (
     "serviceaccount", "serviceaccount-token", "namespace", "deployment", "replicaset", "statefulset", "daemonset",
-    "job", "cronjob", "garbage-collector", "disruption", "endpointslice", "pod-garbage-collector",
+    "job", "cronjob", "garbage-collector", "disruption", "pod-garbage-collector",
     "ttl-after-finished", "horizontal-pod-autoscaler", "resourcequota", "clusterrole-aggregation",
     "root-ca-certificate-publisher", "service-cidr", "taint-eviction"))
 
@@ -45,6 +54,8 @@ def kube_apiserver(cfg: ClusterConfig, pki: Pki) -> list[str]:
             f"--requestheader-client-ca-file={pki.ca}", "--requestheader-username-headers=X-Remote-User",
             "--requestheader-group-headers=X-Remote-Group", "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             "--disable-admission-plugins=TaintNodesByCondition",  # its not-ready taint needs node lifecycle
+            # kwok serves the nodes' kubelet API at 127.0.0.1 (nodes have no resolvable hostname)
+            "--kubelet-preferred-address-types=InternalIP", f"--kubelet-certificate-authority={pki.ca}",
             "--enable-priority-and-fairness=false", "--profiling=false", "--v=1"]
 
 
@@ -82,4 +93,6 @@ def kwok(cfg: ClusterConfig, pki: Pki) -> list[str]:
     return [str(binary("kwok")), f"--kubeconfig={pki.kubeconfig('kwok')}", f"--config={kwok_config(cfg)}",
             "--manage-all-nodes=false", "--manage-nodes-with-label-selector=type=kwok",
             "--node-ip=127.0.0.1", f"--cidr={cfg.pod_cidr}", "--node-lease-duration-seconds=40",
-            f"--server-address=127.0.0.1:{cfg.ports['kwok']}"]
+            f"--server-address=127.0.0.1:{cfg.ports['kwok']}", f"--node-port={cfg.ports['kwok']}",
+            f"--tls-cert-file={pki.serving_cert}", f"--tls-private-key-file={pki.serving_key}",
+            f"--enable-crds={','.join(KWOK_KINDS)}"]

@@ -9,6 +9,21 @@ from pathlib import Path
 
 from e2e.binaries import CACHE
 
+# What selects a cluster (and the cache its binaries come from): a second cluster's shell needs them.
+CLUSTER_ENV = ("KUBEINFER_CACHE", "KUBEINFER_CLUSTER_DIR", "KUBEINFER_CLUSTER_PORT_BASE", "KUBEINFER_CLUSTER_POD_CIDR")
+# `make test`'s own cluster when none is chosen: never the one `make demo`/`cluster-up` use.
+TEST_CLUSTER_ENV = {"KUBEINFER_CLUSTER_DIR": str(CACHE / "cluster-test"), "KUBEINFER_CLUSTER_PORT_BASE": "62000",
+                    "KUBEINFER_CLUSTER_POD_CIDR": "127.3.0.0/16"}
+
+
+def use_test_cluster(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Point this process (and its children) at the test cluster unless a cluster was chosen
+    explicitly (any KUBEINFER_CLUSTER_* set); True when it did."""
+    if any(name in environ for name in TEST_CLUSTER_ENV):
+        return False
+    environ.update(TEST_CLUSTER_ENV)
+    return True
+
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
@@ -35,6 +50,16 @@ class ClusterConfig:
     def ports(self) -> dict[str, int]:
         names = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
         return {name: self.port_base + i for i, name in enumerate(names)}
+
+    @property
+    def service_ports(self) -> range:
+        """Loopback ports the local service proxy hands to Services (e2e/svcproxy.py)."""
+        return range(self.port_base + 10, self.port_base + 100)
+
+    @property
+    def service_table(self) -> Path:
+        """Which Service port the service proxy serves on which loopback port (JSON)."""
+        return self.state_dir / "services.json"
 
     @property
     def server(self) -> str:

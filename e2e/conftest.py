@@ -4,10 +4,14 @@ Stable API for every e2e test (operator, autoscaler, ...); mark tests ``@pytest.
 
 - ``cluster`` (session): an ``e2e.helpers.Cluster`` — ``.kubeconfig``, ``.api`` (kubernetes
   ApiClient), ``.core``/``.apps``, ``.kubectl(*args, stdin=...)``, ``.kubectl_json(...)``,
-  ``.helm(*args)``, ``.pods(namespace, selector)``. A healthy running cluster (``make cluster-up``)
+  ``.helm(*args)``, ``.pods(namespace, selector)``. Tests use their own cluster
+  (``config.TEST_CLUSTER_ENV``: its own directory, ports and pod IPs), never the one ``make demo``
+  and ``make cluster-up`` use, unless KUBEINFER_CLUSTER_* choose one. A healthy running cluster
   is reused and left running; otherwise the fixture builds/starts one, and the last test session
   using it stops every process at its end, also when tests fail or the run is interrupted
-  (finalizer + atexit). Concurrent sessions share one cluster (up/down hold a file lock).
+  (finalizer + atexit). Concurrent sessions share one cluster (up/down hold a file lock). On a
+  cluster the tests did not start, a ``kubeinfer`` Helm release the tests did not install makes
+  every e2e test fail with the reason instead of upgrading someone's release.
   With ``KUBEINFER_E2E_KUBECONFIG`` set, that cluster is used instead (``.local`` is False;
   see e2e/kind/) and never torn down.
 - ``local_cluster`` (function): the ``cluster``, skipping the test on an external one (for
@@ -34,8 +38,10 @@ from kubernetes import config as kube_config
 
 from e2e import cluster as cluster_mod
 from e2e import processes
-from e2e.config import ClusterConfig
-from e2e.helpers import Cluster, wait_for
+from e2e.config import ClusterConfig, use_test_cluster
+from e2e.helpers import Cluster, foreign_release, wait_for
+
+use_test_cluster()
 
 STARTED_BY_PYTEST = "started-by-pytest"  # absent when a developer ran `make cluster-up`
 
@@ -59,7 +65,12 @@ def cluster() -> Iterator[Cluster]:
     atexit.register(_leave, cfg)  # covers interrupts that skip fixture teardown
     api = cluster_mod.api_client(cfg)
     try:
-        yield Cluster(cfg, api, cfg.kubeconfig)
+        kube = Cluster(cfg, api, cfg.kubeconfig)
+        if not (cfg.state_dir / STARTED_BY_PYTEST).exists() and (foreign := foreign_release(kube)):
+            pytest.fail(f"refusing to run e2e tests on the cluster in {cfg.state_dir}: {foreign}. make test "
+                        "never changes a release it did not install; unset KUBEINFER_CLUSTER_DIR/_PORT_BASE/"
+                        "_POD_CIDR to let the tests use their own cluster", pytrace=False)
+        yield kube
     finally:
         api.close()
         _leave(cfg)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,17 +23,16 @@ import httpx
 import yaml
 from openai import OpenAI
 
-from e2e import cluster as cluster_mod, processes
-from e2e.binaries import BUILDERS, CACHE, bin_dir, ensure_all
-from e2e.config import ClusterConfig
+from e2e import cluster as cluster_mod, processes, svcproxy
+from e2e.binaries import BUILDERS, CACHE, PROGRESS_SECONDS, bin_dir, ensure_all
+from e2e.config import CLUSTER_ENV, ClusterConfig
 from e2e.helpers import Cluster, pod_ready
 
 REPO = Path(__file__).resolve().parents[1]
 CHART, EXAMPLE = REPO / "helm" / "kubeinfer", REPO / "crds" / "examples" / "embedded-model.yaml"
 RELEASE, SYSTEM_NS, CRD = "kubeinfer", "kubeinfer-system", "inferenceservices.kubeinfer.io"
-CLUSTER_ENV = ("KUBEINFER_CACHE", "KUBEINFER_CLUSTER_DIR", "KUBEINFER_CLUSTER_PORT_BASE", "KUBEINFER_CLUSTER_POD_CIDR")
 OPERATOR_PODS = f"app.kubernetes.io/component=operator,app.kubernetes.io/instance={RELEASE}"
-STAGES, BUILD_HEARTBEAT = 5, 60.0
+STAGES = 5
 DEGRADED_GRACE = 90.0  # Degraded this long means waiting will not fix it
 
 
@@ -85,15 +84,9 @@ def build_binaries() -> None:
         print(f"      Kubernetes binaries cached in {CACHE / 'bin'}")
         return
     print(f"      first run: building {', '.join(missing)} from the Go module proxy into {CACHE / 'bin'}\n"
-          f"      (~40 min on 2 cores, cached afterwards; build logs: {CACHE / 'build'}/<component>-<version>.log)")
-    start = time.monotonic()
-    with ThreadPoolExecutor(1) as pool:
-        build = pool.submit(ensure_all)
-        while wait([build], timeout=BUILD_HEARTBEAT).not_done:
-            logs = sorted((CACHE / "build").glob("*.log"), key=lambda p: p.stat().st_mtime)
-            print(f"      still building ({(time.monotonic() - start) / 60:.0f} min; now: {logs[-1] if logs else '?'})",
-                  flush=True)
-        build.result()
+          f"      (Kubernetes takes longest: 10.5 min cold measured on 2 cores; progress every "
+          f"{PROGRESS_SECONDS:.0f} s; logs: {CACHE / 'build'}/<component>-<version>.log)", flush=True)
+    ensure_all()
 
 
 def bring_up_cluster(cfg: ClusterConfig) -> bool:
@@ -129,10 +122,10 @@ def operator_state(kube: Cluster) -> tuple[bool, str]:
     return done, f"operator pods: {pods or 'none yet'}"
 
 
-def install_chart(kube: Cluster) -> None:
+def install_chart(kube: Cluster, *flags: str) -> None:
     print(f"      helm upgrade --install {RELEASE} {CHART.relative_to(REPO)} -n {SYSTEM_NS}", flush=True)
     kube.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS, "--create-namespace",
-              "--reset-then-reuse-values")  # keeps values someone set on an existing release
+              "--reset-then-reuse-values", *flags)  # keeps values someone set on an existing release
     kube.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
     wait_reporting(lambda: operator_state(kube), "operator Ready", timeout=300)
 
@@ -166,13 +159,26 @@ def apply_example(kube: Cluster, namespace: str, timeout: float) -> dict[str, An
     return kube.kubectl_json("get", "inferenceservice", name, "-n", namespace)
 
 
-def chat(kube: Cluster, isvc: dict[str, Any], prompt: str) -> tuple[str, str, Path]:
-    """(base URL, served model, pod log) after one chat completion through a Ready pod's loopback IP."""
-    pod = next((p for p in kube.pods(isvc["metadata"]["namespace"], isvc["status"]["selector"]) if pod_ready(p)), None)
-    if pod is None:
-        raise RuntimeError(f"no Ready pod matches {isvc['status']['selector']}")
-    port = next(p.container_port for c in pod.spec.containers for p in c.ports or [] if p.name == "http")
-    base = f"http://{pod.status.pod_ip}:{port}/v1"
+def service_url(kube: Cluster, isvc: dict[str, Any], timeout: float = 60) -> str:
+    """The local service proxy's URL for the InferenceService's Service, once it has a Ready pod."""
+    ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
+
+    def check() -> tuple[bool, str]:
+        rows = [r for r in svcproxy.read_table(kube.config.service_table)
+                if (r["namespace"], r["name"]) == (ns, name) and r["serving"]]
+        if not rows:
+            return False, f"waiting for the local service proxy to serve {ns}/{name}"
+        return bool(rows[0]["endpoints"]), f"{ns}/{name} on http://{rows[0]['local']}: " \
+            f"endpoints {', '.join(rows[0]['endpoints']) or 'none Ready yet'}"
+    wait_reporting(check, f"{ns}/{name} reachable from this machine", timeout)
+    url = svcproxy.local_url(kube.config.service_table, ns, name)
+    assert url is not None
+    return url
+
+
+def chat(kube: Cluster, isvc: dict[str, Any], prompt: str) -> tuple[str, str]:
+    """(base URL, served model) after one chat completion through the Service's local URL."""
+    base = service_url(kube, isvc) + "/v1"
     with httpx.Client(trust_env=False) as http:  # loopback only: never through a configured proxy
         api = OpenAI(base_url=base, api_key="unused", http_client=http, timeout=300, max_retries=0)
         model = api.models.list().data[0].id
@@ -185,19 +191,27 @@ def chat(kube: Cluster, isvc: dict[str, Any], prompt: str) -> tuple[str, str, Pa
         raise RuntimeError(f"empty answer (finish_reason={reply.choices[0].finish_reason})")
     print(f"      < {answer}\n      ({reply.usage.completion_tokens} tokens in {time.monotonic() - start:.1f} s,"
           f" finish_reason={reply.choices[0].finish_reason})")
-    pod_dir = kube.config.state_dir / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}"
-    return base, model, pod_dir / f"{pod.spec.containers[0].name}.log"
+    return base, model
 
 
-def next_steps(cfg: ClusterConfig, isvc: dict[str, Any], base: str, model: str, log: Path) -> None:
-    ns = isvc["metadata"]["namespace"]
-    env = "".join(f"{k}={os.environ[k]} " for k in CLUSTER_ENV if k in os.environ)  # a second cluster's
+def env_line() -> str:
+    """The line that gives a shell this cluster's kubectl, helm and kubeinfer (`make env`)."""
+    settings = "".join(f"{k}={shlex.quote(os.environ[k])} " for k in CLUSTER_ENV if k in os.environ)
+    here = "" if Path.cwd().resolve() == REPO else f"-C {shlex.quote(str(REPO))} "
+    return f'eval "$({settings}make -s {here}env)"'
+
+
+def next_steps(cfg: ClusterConfig, isvc: dict[str, Any], base: str, model: str) -> None:
+    ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
+    env = "".join(f"{k}={shlex.quote(os.environ[k])} " for k in CLUSTER_ENV if k in os.environ)
     body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}]}' % model
-    print(f"""      export KUBECONFIG={cfg.kubeconfig}
+    print(f"""      {env_line()}   # kubectl, helm, kubeinfer and KUBECONFIG in this shell
       kubectl get kis -n {ns} -o wide
+      kubectl logs -n {ns} deploy/{name}
       curl -s {base}/chat/completions -H 'Content-Type: application/json' \\
         -d '{body}'
-      pod log: {log}
+      ({base} is Service {ns}/{name} through the local service proxy; `make cluster-status` lists them all.
+       Or: kubectl port-forward -n {ns} svc/{name} 8000:80, then http://localhost:8000/v1)
       tear down: {env}make cluster-down""")
 
 
@@ -230,10 +244,10 @@ def run(args: argparse.Namespace, cfg: ClusterConfig) -> None:
                lambda: describe(kube, "inferenceservice", "-n", ns) + describe(kube, "pods", "-n", ns)
                + pod_logs(cfg, ns)):
         isvc = apply_example(kube, ns, args.timeout)
-    with stage(4, "chat completion (OpenAI API)", lambda: pod_logs(cfg, ns)):
-        base, model, log = chat(kube, isvc, args.prompt)
+    with stage(4, "chat completion (OpenAI API, through the Service)", lambda: pod_logs(cfg, ns)):
+        base, model = chat(kube, isvc, args.prompt)
     with stage(5, "query it again"):
-        next_steps(cfg, isvc, base, model, log)
+        next_steps(cfg, isvc, base, model)
     if args.down:
         tear_down(cfg, kube, started, ns, isvc["metadata"]["name"])
 
@@ -255,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; whatever started keeps running (`python -m e2e.cluster status`)", file=sys.stderr)
         return 130
     print(f"\ndemo finished in {time.monotonic() - start:.0f} s")
+    if not args.down:
+        print(f"kubectl, helm and kubeinfer for this cluster in your shell:\n{env_line()}")
     return 0
 
 

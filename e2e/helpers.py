@@ -18,6 +18,7 @@ T = TypeVar("T")
 CHART = Path(__file__).resolve().parents[1] / "helm" / "kubeinfer"
 RELEASE, SYSTEM_NS = "kubeinfer", "kubeinfer-system"
 HELM_WAIT = 300  # seconds helm waits for the release's pods
+TEST_RELEASE_DESCRIPTION = "installed by kubeinfer's e2e tests"  # how tests recognise their own release
 
 
 def wait_for(fetch: Callable[[], T | None], what: str, timeout: float = 60.0, interval: float = 0.5) -> T:
@@ -77,7 +78,7 @@ class Cluster:
         def upgrade() -> bool:
             result = self.helm("upgrade", "--install", RELEASE, str(chart), "--namespace",
                                SYSTEM_NS, "--create-namespace", "--reset-values", "--wait",
-                               "--timeout", f"{HELM_WAIT}s",
+                               "--timeout", f"{HELM_WAIT}s", "--description", TEST_RELEASE_DESCRIPTION,
                                *[arg for s in sets for arg in ("--set", s)], check=False)
             assert result.returncode == 0 or "another operation" in result.stderr, \
                 f"helm upgrade --install failed:\n{result.stderr}{result.stdout}"
@@ -86,6 +87,18 @@ class Cluster:
 
     def pods(self, namespace: str, selector: str = "") -> list[client.V1Pod]:
         return self.core.list_namespaced_pod(namespace, label_selector=selector).items
+
+
+def foreign_release(cluster: Cluster) -> str:
+    """Why the cluster's `kubeinfer` release is not the tests' own ("" when it is, or there is none)."""
+    result = cluster.helm("history", RELEASE, "--namespace", SYSTEM_NS, "--max", "1", "-o", "json", check=False)
+    if result.returncode:  # no such release
+        return ""
+    last = json.loads(result.stdout)[-1]
+    if last.get("description") == TEST_RELEASE_DESCRIPTION:
+        return ""
+    return (f"Helm release {SYSTEM_NS}/{RELEASE} revision {last.get('revision')} was not installed by the tests "
+            f"({last.get('description')!r})")
 
 
 def pod_ready(pod: client.V1Pod) -> bool:

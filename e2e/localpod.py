@@ -3,9 +3,15 @@
 Why a kubeconfig per pod: in-cluster clients look for the token at a fixed path
 (/var/run/secrets/...), which local processes cannot share; the Python client, kopf and kubectl
 all fall back to ``$KUBECONFIG``, which here holds the pod's own bound service-account token.
+
+Why kwok objects per pod: kwok answers the kubelet API (``kubectl logs``, ``port-forward``,
+``exec``) from ``Logs``, ``PortForward`` and ``Exec`` objects named after the pod. The pod owns
+them, so they go when it goes. The ``Exec`` environment leaves out values taken from Secrets
+(they would otherwise sit in a plain object).
 """
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from dataclasses import dataclass, field
@@ -15,10 +21,11 @@ from kubernetes import client
 
 from e2e.pki import kubeconfig
 from e2e.podenv import ConfigError, command_line, container_env
-from e2e.podprocess import LocalContainer, now_iso
+from e2e.podprocess import INHERITED_ENV, LocalContainer, now_iso
 from e2e.runner_rules import image_prefixes
 
 WILDCARDS = ("0.0.0.0", "::", "")
+KWOK_GROUP, KWOK_VERSION = "kwok.x-k8s.io", "v1alpha1"
 
 
 @dataclass
@@ -40,6 +47,7 @@ class LocalPod:
     errors: dict[str, str] = field(default_factory=dict)  # container -> CreateContainerConfigError
     lock: threading.Lock = field(default_factory=threading.Lock)
     created: str = field(default_factory=now_iso)
+    exec_env: dict[str, dict[str, str]] = field(default_factory=dict)  # container -> env without secrets
     ready_state: tuple[bool, str] = (False, "")  # (ready, lastTransitionTime)
 
     @property
@@ -75,18 +83,53 @@ class LocalPod:
             if not container.get("image", "").startswith(image_prefixes()):
                 continue
             try:
-                env = {**base, **container_env(core, self.pod, container)}
+                secret: set[str] = set()
+                env = {**base, **container_env(core, self.pod, container, secret)}
                 if env.get("KUBEINFER_HOST") in WILDCARDS:  # one shared network namespace here:
                     env["KUBEINFER_HOST"] = self.ip  # a wildcard would take every pod's port
             except ConfigError as err:
                 self.errors[container["name"]] = str(err)
                 continue
+            inherited = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+            self.exec_env[container["name"]] = {k: v for k, v in {**inherited, **env}.items() if k not in secret}
             local = LocalContainer(container, command_line(container, env, entrypoint), env, self.dir,
                                    self.dir / f"{container['name']}.log", self.ip, spec.get("restartPolicy", "Always"),
                                    float(spec.get("terminationGracePeriodSeconds", 30)),
                                    pid_dir / f"pod-{self.dir.name}-{container['name']}.pid")
             self.containers[container["name"]] = local
             local.start()
+
+    def kubelet_targets(self) -> list[tuple[str, dict]]:
+        """(plural, body) of the kwok Logs, PortForward and Exec objects for this pod."""
+        meta = self.pod["metadata"]
+        owner = {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}
+        names = list(self.containers)
+        logs = [{"containers": [name], "logsFile": str(local.logs.current), "previousLogsFile":
+                 str(local.logs.previous), "follow": True} for name, local in self.containers.items()]
+        ports = sorted({p["containerPort"] for c in self.pod["spec"]["containers"] if c["name"] in names
+                        for p in c.get("ports") or [] if p.get("protocol", "TCP") == "TCP"})
+        forwards = [{"ports": [port], "target": {"address": self.ip, "port": port}} for port in ports]
+        execs = [{"containers": [name], "local": {"workDir": str(self.dir), "envs": [
+            {"name": k, "value": v} for k, v in sorted(self.exec_env[name].items())]}} for name in names]
+        specs = {"logs": {"logs": logs}, "portforwards": {"forwards": forwards}, "execs": {"execs": execs}}
+        kinds = {"logs": "Logs", "portforwards": "PortForward", "execs": "Exec"}
+        return [(plural, {"apiVersion": f"{KWOK_GROUP}/{KWOK_VERSION}", "kind": kinds[plural],
+                          "metadata": {"name": meta["name"], "namespace": meta["namespace"],
+                                       "ownerReferences": [owner]}, "spec": spec})
+                for plural, spec in specs.items() if next(iter(spec.values()))]
+
+    def publish(self, custom: client.CustomObjectsApi) -> None:
+        """Create (or take over a dead namesake's) kwok objects for this pod."""
+        for plural, body in self.kubelet_targets():
+            namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+            try:
+                custom.create_namespaced_custom_object(KWOK_GROUP, KWOK_VERSION, namespace, plural, body)
+            except client.ApiException as err:
+                if err.status != 409:
+                    raise
+                custom.patch_namespaced_custom_object(KWOK_GROUP, KWOK_VERSION, namespace, plural, name,
+                                                      {"metadata": body["metadata"], "spec": body["spec"]},
+                                                      _content_type="application/merge-patch+json")
 
     def tick(self) -> None:
         with self.lock:

@@ -57,7 +57,7 @@ def _key_ref(core: client.CoreV1Api, namespace: str, kind: str, ref: dict) -> st
     return value
 
 
-def _env_from(core: client.CoreV1Api, namespace: str, source: dict) -> dict[str, str]:
+def _env_from(core: client.CoreV1Api, namespace: str, source: dict, secret: set[str]) -> dict[str, str]:
     kind = "secretRef" if "secretRef" in source else "configMapRef"
     ref = source[kind]
     try:
@@ -70,17 +70,24 @@ def _env_from(core: client.CoreV1Api, namespace: str, source: dict) -> dict[str,
         if err.status != 404 or not ref.get("optional"):
             raise ConfigError(f"envFrom {kind} {ref['name']}: {err.reason}") from None
         data = {}
-    return {source.get("prefix", "") + k: v for k, v in data.items()}
+    found = {source.get("prefix", "") + k: v for k, v in data.items()}
+    if kind == "secretRef":
+        secret.update(found)
+    return found
 
 
-def container_env(core: client.CoreV1Api, pod: dict, container: dict) -> dict[str, str]:
-    """The variables the container would see (envFrom first, then env, in order)."""
+def container_env(core: client.CoreV1Api, pod: dict, container: dict,
+                  secret: set[str] | None = None) -> dict[str, str]:
+    """The variables the container would see (envFrom first, then env, in order); the names
+    whose value came from a Secret are added to ``secret``."""
     namespace = pod["metadata"]["namespace"]
     env: dict[str, str] = {}
+    secret = set() if secret is None else secret
     for source in container.get("envFrom") or []:
-        env.update(_env_from(core, namespace, source))
+        env.update(_env_from(core, namespace, source, secret))
     for var in container.get("env") or []:
         source = var.get("valueFrom")
+        secret.discard(var["name"])
         if source is None:
             env[var["name"]] = expand(var.get("value", ""), env)
         elif "fieldRef" in source:
@@ -90,6 +97,8 @@ def container_env(core: client.CoreV1Api, pod: dict, container: dict) -> dict[st
             value = _key_ref(core, namespace, kind, source[kind])
             if value is not None:
                 env[var["name"]] = value
+                if kind == "secretKeyRef":
+                    secret.add(var["name"])
         else:
             raise ConfigError(f"env {var['name']}: unsupported valueFrom {sorted(source)}")
     return env

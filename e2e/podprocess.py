@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from e2e.podlogs import ContainerLog
 from e2e.probes import Probe
 from e2e.processes import record
 
@@ -43,8 +44,10 @@ class LocalContainer:
     last_state: dict = field(default_factory=dict)
     terminated: dict | None = None
     probes: dict[str, Probe] = field(default_factory=dict)
+    logs: ContainerLog = field(init=False)
 
     def __post_init__(self) -> None:
+        self.logs = ContainerLog(self.log_path, self.cwd / "cri" / self.spec["name"])
         ports = {p["name"]: p["containerPort"] for p in self.spec.get("ports") or [] if p.get("name")}
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             if kind in self.spec:
@@ -52,11 +55,10 @@ class LocalContainer:
 
     def start(self) -> None:
         base = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
-        with open(self.log_path, "ab") as log:
-            log.write(f"--- {now_iso()} starting {self.argv}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.argv, env={**base, **self.env}, cwd=self.cwd, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.logs.begin(self.restarts, f"--- {now_iso()} starting {self.argv}")
+        self.proc = subprocess.Popen(self.argv, env={**base, **self.env}, cwd=self.cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.logs.pump(self.proc.stdout, self.proc.stderr)
         record(self.pid_file, self.proc.pid)
         self.started_at, self.started_iso, self.terminated = time.monotonic(), now_iso(), None
         for kind, probe in self.probes.items():
@@ -83,6 +85,7 @@ class LocalContainer:
         return b"\n".join(run.splitlines()[-80:])[-2048:].decode(errors="replace").strip()
 
     def _exited(self, code: int, reason: str) -> None:
+        self.logs.end()
         self.terminated = {"exitCode": code, "reason": reason, "startedAt": self.started_iso, "finishedAt": now_iso()}
         if message := self._termination_message(code):
             self.terminated["message"] = message

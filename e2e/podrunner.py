@@ -8,7 +8,9 @@ pod IP (also over a wildcard the pod sets: all pods share one network namespace 
 ``kubeinfer serve`` binds there; restarts per restartPolicy;
 reflects probes into Ready/ContainersReady and containerStatuses; stops the process group when
 the pod goes away. Init containers and volumes are not run/mounted (init containers are
-reported Completed). Logs: ``<state>/pods/<namespace>_<pod>/<container>.log``.
+reported Completed). Logs: ``<state>/pods/<namespace>_<pod>/<container>.log``, and in the
+CRI format under ``…/cri/`` for ``kubectl logs``, which reaches them (and ``exec``,
+``port-forward``) through kwok's kubelet API and the kwok objects each pod gets (e2e/localpod.py).
 """
 from __future__ import annotations
 
@@ -55,6 +57,10 @@ class Runner:
             log.info("starting %s/%s on %s", meta["namespace"], meta["name"], local.ip)
             self.pods[uid] = local
             local.start(self.core, self.api, self.entrypoint, self.pid_dir)
+            try:
+                local.publish(client.CustomObjectsApi(self.core.api_client))
+            except client.ApiException as err:  # the pod runs; only kubectl logs/exec/port-forward miss it
+                log.warning("kwok objects for %s/%s: %s", meta["namespace"], meta["name"], err.reason)
         elif uid in self.pods:
             self.pods[uid].pod = pod
 

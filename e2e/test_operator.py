@@ -71,16 +71,29 @@ def test_embedded_example_serves_a_chat_completion(cluster: Cluster, operator: s
     obj = wait_condition(cluster, namespace, "smollm2", "Ready", timeout=600)
     assert obj["status"]["url"] == f"http://smollm2.{namespace}.svc.cluster.local"
     pod = next(p for p in cluster.pods(namespace, obj["status"]["selector"]) if pod_ready(p))
-    body = json.dumps({"model": "smollm2", "max_tokens": 8,
+    body = json.dumps({"model": obj["status"]["servedModelName"], "max_tokens": 8,
                        "messages": [{"role": "user", "content": "Say hello."}]}).encode()
     request = urllib.request.Request(f"http://{pod.status.pod_ip}:8000/v1/chat/completions", body,
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         answer = json.load(response)
     assert answer["choices"][0]["message"]["content"].strip()
+    assert answer["model"] == "SmolLM2-135M-Instruct"
     table = cluster.kubectl("get", "kis", "-n", namespace, "-o", "wide").stdout.split("\n")
-    assert table[0].split() == ["NAME", "READY", "REPLICAS", "MODEL", "TP", "AGE", "URL"]
-    assert table[1].split()[:5] == ["smollm2", "True", "1/1", "embedded", "1"]
+    assert table[0].split() == ["NAME", "READY", "REPLICAS", "MODEL", "SERVED", "TP", "AGE", "URL"]
+    assert table[1].split()[:6] == ["smollm2", "True", "1/1", "embedded", "SmolLM2-135M-Instruct", "1"]
+
+
+def test_a_service_without_model_or_device_becomes_ready_on_cpu(cluster: Cluster, operator: str,
+                                                                namespace: str) -> None:
+    """The defaults alone (embedded model, device auto) serve on a cluster whose GPUs are fake."""
+    apply(cluster, namespace, manifest("bare", {}, image=None))
+    obj = wait_condition(cluster, namespace, "bare", "Ready", timeout=600)
+    args = deployment(cluster, namespace, "bare")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--device") + 1] == "cpu"
+    assert obj["status"]["servedModelName"] == "SmolLM2-135M-Instruct"
+    pods = cluster.pods(namespace, obj["status"]["selector"])
+    assert all(s.restart_count == 0 for p in pods for s in p.status.container_statuses)
 
 
 def test_spec_edit_rolls_the_deployment(cluster: Cluster, operator: str, namespace: str) -> None:

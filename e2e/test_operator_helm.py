@@ -3,6 +3,7 @@ the operator but keeps the CRD (and so every InferenceService)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -59,10 +60,11 @@ def test_namespaced_install_serves_its_namespace_with_roles(cluster: Cluster,
         install(cluster, CHART)
 
 
-def test_helm_test_hook_passes(cluster: Cluster) -> None:
+def test_helm_test_hook_passes_and_shows_its_log(cluster: Cluster) -> None:
     install(cluster, CHART)
-    result = cluster.helm("test", RELEASE, "--namespace", SYSTEM_NS, "--timeout", "2m")
+    result = cluster.helm("test", RELEASE, "--namespace", SYSTEM_NS, "--timeout", "2m", "--logs")
     assert "Phase:          Succeeded" in result.stdout, result.stdout
+    assert re.search(r"POD LOGS: kubeinfer-test\n.*/healthz 200", result.stdout), result.stdout
 
 
 def test_uninstall_removes_the_operator_and_keeps_the_crd(cluster: Cluster) -> None:

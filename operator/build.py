@@ -22,11 +22,19 @@ GRACE_MARGIN_SECONDS = 10
 PROGRESS_DEADLINE_SECONDS = 900
 
 
+def device(isvc: InferenceService) -> str:
+    """The engine's device; `auto` asks for GPUs only when a GPU product is named, so a spec
+    that names no GPU runs (and becomes Ready) on a cluster without any."""
+    if isvc.spec.engine.device != "auto":
+        return isvc.spec.engine.device
+    return "cuda" if isvc.spec.resources.gpu_product else "cpu"
+
+
 def engine_args(isvc: InferenceService, model_path: str, served_name: str | None) -> list[str]:
     """`kubeinfer serve` arguments, rendered by the shared flag table (defaults are omitted)."""
     model, engine = isvc.spec.model, isvc.spec.engine
     values = {"model": model_path, "served_model_name": model.served_name or served_name,
-              "dtype": model.dtype, "device": engine.device, "block_size": engine.block_size,
+              "dtype": model.dtype, "device": device(isvc), "block_size": engine.block_size,
               "kv_cache_memory": engine.kv_cache_memory,
               "gpu_memory_utilization": engine.kv_cache_memory_fraction,
               "max_num_seqs": engine.max_num_seqs,
@@ -68,7 +76,7 @@ def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
 def engine_resources(isvc: InferenceService) -> dict[str, Any]:
     res = isvc.spec.resources
     limits: dict[str, Any] = {"memory": str(res.memory)}
-    if isvc.spec.engine.device == "cuda":
+    if device(isvc) == "cuda":
         limits[GPU_RESOURCE] = isvc.spec.engine.tensor_parallel_size
     return {"requests": {"cpu": str(res.cpu), "memory": str(res.memory)}, "limits": limits}
 
@@ -104,7 +112,7 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
     tolerations = list(spec.tolerations)
     if spec.resources.gpu_product:
         node_selector[GPU_PRODUCT_LABEL] = spec.resources.gpu_product
-    if spec.engine.device == "cuda":  # GPU nodes are commonly tainted for GPU workloads only
+    if device(isvc) == "cuda":  # GPU nodes are commonly tainted for GPU workloads only
         tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     pod: dict[str, Any] = {
         # Service links would inject <SERVICE>_PORT variables, e.g. KUBEINFER_PORT for a

@@ -38,6 +38,8 @@ PRINTER_COLUMNS = [
     {"name": "Replicas", "type": "string", "jsonPath": ".status.replicaSummary",
      "description": "ready/desired replicas"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
+    {"name": "Served", "type": "string", "jsonPath": ".status.servedModelName",
+     "description": "the model id clients send"},
     {"name": "TP", "type": "integer", "jsonPath": ".spec.engine.tensorParallelSize",
      "description": "tensor-parallel size (GPUs per replica)"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -15,6 +15,8 @@ from kubeinfer.operator import api
 from kubeinfer.operator.security import restricted_container
 from kubeinfer.operator.resource import InferenceService
 
+EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded GGUF's own name, the engine's default id
+
 
 @dataclass(frozen=True)
 class ModelMounts:
@@ -28,7 +30,7 @@ class ModelMounts:
 def model_mounts(isvc: InferenceService, image: str) -> ModelMounts:
     source = isvc.spec.model.source
     if source == "embedded":
-        return ModelMounts(model_path="embedded")
+        return ModelMounts(model_path="embedded", served_name=EMBEDDED_SERVED_NAME)
     scheme, _, rest = source.partition("://")
     claim_or_org, _, path = rest.partition("/")
     if scheme == "pvc":

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from kubeinfer.operator.gateway.build import gateway_name, needs_gateway
+from kubeinfer.operator.model_source import model_mounts
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
 from kubeinfer.operator.status import Condition, InferenceServiceStatus
 
@@ -158,4 +159,6 @@ def observe(isvc: InferenceService, seen: Observed, config: OperatorConfig,
         "replicas": dep_status.get("replicas", 0), "ready_replicas": ready,
         "updated_replicas": dep_status.get("updatedReplicas", 0),
         "desired_replicas": isvc.spec.replicas, "replica_summary": f"{ready}/{isvc.spec.replicas}",
-        "selector": isvc.selector, "url": isvc.url(config)})
+        "selector": isvc.selector, "url": isvc.url(config),
+        "served_model_name": isvc.spec.model.served_name
+        or model_mounts(isvc, isvc.spec.engine.image or config.engine_image).served_name})

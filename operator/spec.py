@@ -116,8 +116,9 @@ class EngineSpec(Section):
 
     image: str | None = Field(None, max_length=512,
                               description="Engine image (default: the operator's --engine-image).")
-    device: Literal["cuda", "cpu"] = Field(
-        "cuda", description="cuda requests tensorParallelSize GPUs per pod; cpu requests none.")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="cuda requests tensorParallelSize GPUs per pod; cpu requests none; "
+                            "auto is cuda when resources.gpuProduct names a GPU, cpu otherwise.")
     tensor_parallel_size: int = Field(
         flag("tensor_parallel_size").default, ge=1, le=8,
         description="GPUs per replica, one rank each; must divide the model's attention heads.")

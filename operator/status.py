@@ -75,5 +75,8 @@ class InferenceServiceStatus(Section):
     selector: str | None = Field(None, max_length=1024,
                                  description="Label selector of the pods (scale subresource).")
     url: str | None = Field(None, max_length=1024, description="In-cluster endpoint.")
+    served_model_name: str | None = Field(
+        None, max_length=1024, description="The model id clients send (`model` in requests, /v1/models); "
+                                           "unset when the engine names it from the weights (pvc://).")
     last_scale_time: datetime | None = Field(None, description="Last autoscaler change.")
     autoscaler: AutoscalerStatus | None = Field(None, description=AutoscalerStatus.__doc__)

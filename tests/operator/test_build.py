@@ -9,6 +9,8 @@ from isvc_builders import CONFIG, make_isvc
 
 from kubeinfer.operator.build import deployment
 from kubeinfer.operator.children import desired_children, stale_children
+from kubeinfer.operator.model_source import EMBEDDED_SERVED_NAME
+from kubeinfer.server.model.loader import EMBEDDED_FILE
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 
 
@@ -143,3 +145,18 @@ def test_pdb_only_above_one_replica() -> None:
 
 def test_builders_are_pure() -> None:
     assert deployment(make_isvc(), CONFIG) == deployment(make_isvc(), CONFIG)
+
+
+def test_device_auto_asks_for_gpus_only_when_a_gpu_product_is_named() -> None:
+    """A spec naming no GPU runs on a cluster without GPUs (the default is auto)."""
+    cpu = engine()
+    assert parsed_args(cpu).device == "cpu" and "nvidia.com/gpu" not in cpu["resources"]["limits"]
+    gpu = engine({"resources": {"gpuProduct": "NVIDIA-L4"}})
+    assert parsed_args(gpu).device == "cuda" and gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    forced = engine({"engine": {"device": "cuda"}})
+    assert parsed_args(forced).device == "cuda" and forced["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_embedded_model_is_served_under_its_own_name() -> None:
+    assert EMBEDDED_FILE.startswith(EMBEDDED_SERVED_NAME + ".")
+    assert parsed_args(engine()).served_model_name == EMBEDDED_SERVED_NAME

@@ -119,3 +119,11 @@ def test_events_on_transitions() -> None:
                                       applied_generation=1), ready)
     reasons = [(e.type, e.reason) for e in transition_events(ready.conditions, broken.conditions)]
     assert reasons == [("Warning", "NotReady"), ("Normal", "RollingOut"), ("Warning", "Unschedulable")]
+
+
+def test_status_names_the_model_id_clients_send() -> None:
+    seen = Observed(deployment_with(1, 1), [], applied_generation=1)
+    assert status_of(None, seen).served_model_name == "SmolLM2-135M-Instruct"  # embedded, by default
+    assert status_of({"model": {"servedName": "chat"}}, seen).served_model_name == "chat"
+    assert status_of({"model": {"source": "hf://Qwen/Qwen3-0.6B"}}, seen).served_model_name == "Qwen/Qwen3-0.6B"
+    assert status_of({"model": {"source": "pvc://w/llama"}}, seen).served_model_name is None  # the engine names it
