@@ -9,6 +9,11 @@ the headers it may include (`cpu_math.h`, `amx_tiles.h`), flags, compiler and th
 (-march=native code only runs on the same features). It links the OpenMP runtime torch has already loaded (`libgomp.so.1`), so `torch.set_num_threads`
 governs these kernels too. Without a compiler `load` returns None and callers keep torch;
 `KUBEINFER_CPU_KERNELS=0` forces that.
+
+`KUBEINFER_CPU_ISA` builds for less than this CPU has, so the paths other CPUs take run (and are
+tested) here too: `native` (default: all this CPU has, AMX included), `avx512` (no AMX: an AMD
+EPYC with AVX512-BF16) or `avx2` (no AVX-512). Each variant is cached apart; `forced_isa` switches
+a process over (tests), clearing what the kernel modules cached per variant (`per_isa`).
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +44,57 @@ _BACKGROUND: dict[str, Future] = {}
 _BACKGROUND_LOCK = threading.Lock()
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+# variant -> (flags added to CFLAGS, /proc/cpuinfo flags it needs); -mno-avx512f drops every AVX-512 part.
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "native": ((), ()),
+    "avx512": (_NO_AMX, ("avx512f", "avx512_bf16")),
+    "avx2": (("-mno-avx512f", *_NO_AMX), ("avx2",)),
+}
+_PER_ISA: list = []
+F = TypeVar("F", bound=Callable)
+
+
+def isa() -> str:
+    """The variant this process builds and loads (`KUBEINFER_CPU_ISA`, default native)."""
+    name = os.environ.get("KUBEINFER_CPU_ISA", "native")
+    if name not in ISAS:
+        raise ValueError(f"KUBEINFER_CPU_ISA={name!r}: expected one of {', '.join(ISAS)}")
+    return name
+
+
+def missing_cpu_flags(name: str) -> list[str]:
+    """The instruction-set flags variant `name` needs that this CPU lacks."""
+    have = set(_cpu_flags().split())
+    return [flag for flag in ISAS[name][1] if flag not in have]
+
+
+def per_isa(function: F) -> F:
+    """`functools.cache`, emptied when `forced_isa` switches variants (kernel modules' bindings)."""
+    cached = cache(function)
+    _PER_ISA.append(cached)
+    return cached  # type: ignore[return-value]
+
+
+@contextmanager
+def forced_isa(name: str) -> Iterator[None]:
+    """Build and load variant `name` inside the block (tests); the previous one after it."""
+    before = os.environ.get("KUBEINFER_CPU_ISA")
+    os.environ["KUBEINFER_CPU_ISA"] = name
+    _clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("KUBEINFER_CPU_ISA", None)
+        else:
+            os.environ["KUBEINFER_CPU_ISA"] = before
+        _clear()
+
+
+def _clear() -> None:
+    for cached in _PER_ISA:
+        cached.cache_clear()
 
 
 def cache_dir() -> Path:
@@ -51,18 +110,20 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(source: Path, compiler: str) -> Path:
+def _build(source: Path, compiler: str, variant: str = "native") -> Path:
+    flags = [*CFLAGS, *ISAS[variant][0]]
     headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, *CFLAGS, _cpu_flags()]).encode()).hexdigest()
-    target = cache_dir() / f"{source.stem}-{key[:16]}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, *flags, _cpu_flags()]).encode()).hexdigest()
+    stem = source.stem if variant == "native" else f"{source.stem}.{variant}"  # variants never replace each other
+    target = cache_dir() / f"{stem}-{key[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *CFLAGS, str(source), "-o", str(built), "-lm"],
+            subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
                            check=True, capture_output=True, text=True)
             built.replace(target)   # atomic: concurrent builders never load a half-written file
-        for stale in target.parent.glob(f"{source.stem}-*.so"):   # older sources' builds
+        for stale in target.parent.glob(f"{stem}-*.so"):   # older sources' builds
             if stale != target:
                 stale.unlink(missing_ok=True)   # a process that loaded it keeps its mapping
         log.info("built CPU kernels %s", target)
@@ -84,11 +145,11 @@ def load(name: str) -> ctypes.CDLL | None:
 def compiled(name: str) -> Path | None:
     """The shared object of `kernels/<name>.c`, built if needed, without loading it."""
     with _LOCKS[name]:   # a caller and `start_building`'s thread never compile the same file twice
-        return _compiled(name)
+        return _compiled(name, isa())
 
 
 @cache
-def _compiled(name: str) -> Path | None:
+def _compiled(name: str, variant: str) -> Path | None:
     if os.environ.get("KUBEINFER_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -96,7 +157,7 @@ def _compiled(name: str) -> Path | None:
         log.warning("no C compiler found: CPU kernels %s unavailable, using the slower torch ops", name)
         return None
     try:
-        return _build(Path(__file__).with_name(f"{name}.c"), compiler)
+        return _build(Path(__file__).with_name(f"{name}.c"), compiler, variant)
     except (OSError, subprocess.CalledProcessError) as error:
         log.warning("CPU kernels %s unavailable (%s): using torch ops", name, getattr(error, "stderr", "") or error)
         return None

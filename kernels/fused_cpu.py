@@ -9,7 +9,6 @@ same roundings (see the C file). The store copies rows where `index_copy_` moved
 
 from __future__ import annotations
 
-from functools import cache
 
 import torch
 
@@ -18,7 +17,7 @@ from . import cpu_build
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-@cache
+@cpu_build.per_isa
 def _functions(dtype: torch.dtype) -> tuple | None:
     library = cpu_build.load("fused_cpu")
     if library is None or dtype not in _SUFFIX:

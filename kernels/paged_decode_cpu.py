@@ -8,7 +8,6 @@ The C kernel reads K/V in place through the block tables.
 
 from __future__ import annotations
 
-from functools import cache
 
 import torch
 
@@ -17,7 +16,7 @@ from . import cpu_build
 _FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 
 
-@cache
+@cpu_build.per_isa
 def _function(dtype: torch.dtype):
     library = cpu_build.load("paged_decode_cpu")
     if library is None or dtype not in _FUNCTIONS:

@@ -7,7 +7,6 @@ kernel reads K/V through the block tables and computes only the causal half, wit
 
 from __future__ import annotations
 
-from functools import cache
 
 import torch
 
@@ -16,7 +15,7 @@ from . import cpu_build, quant_linear_cpu
 HEAD_DIMS = (64, 128)
 
 
-@cache
+@cpu_build.per_isa
 def _function():
     library = cpu_build.load("paged_prefill_cpu")
     if library is None or not quant_linear_cpu.amx_available():   # the process's AMX permission

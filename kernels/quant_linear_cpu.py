@@ -10,7 +10,6 @@ version took 0.67 s of the embedded model's start).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
@@ -37,7 +36,7 @@ class QuantizedWeight:
     in_features: int
 
 
-@cache
+@cpu_build.per_isa
 def _functions() -> tuple | None:
     library = cpu_build.load("quant_linear_cpu")
     if library is None:
@@ -51,7 +50,7 @@ def _functions() -> tuple | None:
             cpu_build.bind(library, "quant_dequantize_bf16", pointers=2, ints=3))
 
 
-@cache
+@cpu_build.per_isa
 def amx_available() -> bool:
     """Whether the kernel may use AMX tiles (built with AMX, and Linux granted this process the state)."""
     functions = _functions()

@@ -37,3 +37,73 @@ def triton_backend():
 
     with ops.use_backend("triton"):
         yield
+
+
+# --- CPU kernel build variants (kernels/cpu_build.py ISAS): each CPU-kernel test runs once per
+# variant its module (or its `cpu_isas` mark) names, so the paths CPUs without AMX or AVX-512
+# take are tested here too. A variant is skipped only for an instruction set this CPU lacks; the
+# summary says which variants ran.
+from kubeinfer.kernels import cpu_build  # noqa: E402
+
+_COVERED: dict[str, dict[str, int]] = {}  # variant -> outcome -> tests
+_SKIPPED: dict[str, str] = {}  # variant -> why
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cpu_isas(*variants): the KUBEINFER_CPU_ISA builds a test runs under")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cpu_isa" not in metafunc.fixturenames:
+        return
+    mark = metafunc.definition.get_closest_marker("cpu_isas")
+    metafunc.parametrize("cpu_isa", mark.args if mark else tuple(cpu_build.ISAS), indirect=True)
+
+
+@pytest.fixture
+def cpu_isa(request: pytest.FixtureRequest):
+    """This test's kernels built for one variant (KUBEINFER_CPU_ISA)."""
+    name = request.param
+    missing = cpu_build.missing_cpu_flags(name)
+    if missing:
+        pytest.skip(f"the {name} kernels need {', '.join(missing)}, which this CPU lacks")
+    with cpu_build.forced_isa(name):
+        yield name
+
+
+@pytest.fixture
+def amx() -> None:
+    """Skip, naming what is missing, where this process cannot run AMX tiles."""
+    from kubeinfer.kernels import quant_linear_cpu
+
+    if quant_linear_cpu.amx_available():
+        return
+    lacks = [f for f in ("amx_tile", "amx_bf16") if f not in set(cpu_build._cpu_flags().split())]
+    pytest.skip(f"needs {', '.join(lacks)}, which this CPU lacks" if lacks else
+                "needs AMX, which Linux did not grant this process (arch_prctl XCOMP_PERM)")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    variant = _variant(report.nodeid)
+    if variant is None or (report.when != "call" and not report.skipped):
+        return
+    counts = _COVERED.setdefault(variant, {})
+    counts[report.outcome] = counts.get(report.outcome, 0) + 1
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _SKIPPED.setdefault(variant, report.longrepr[2].removeprefix("Skipped: "))
+
+
+def _variant(nodeid: str) -> str | None:
+    params = nodeid.rpartition("[")[2].rstrip("]").split("-") if nodeid.endswith("]") else []
+    return next((p for p in params if p in cpu_build.ISAS), None)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _COVERED:
+        return
+    terminalreporter.write_sep("-", "CPU kernel paths covered (KUBEINFER_CPU_ISA variants)")
+    for variant in cpu_build.ISAS:
+        counts = _COVERED.get(variant, {})
+        ran = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "not run"
+        why = f" ({_SKIPPED[variant]})" if variant in _SKIPPED else ""
+        terminalreporter.write_line(f"{variant:>7}: {ran}{why}")

@@ -12,8 +12,8 @@ from paged_batches import BATCH_KINDS, make_paged_batch
 from kubeinfer.kernels import paged_prefill_cpu
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 
-pytestmark = pytest.mark.skipif(not paged_prefill_cpu.available(torch.bfloat16, 64),
-                                reason="needs AMX (the kernel's only path)")
+# AMX is the kernel's only path (test_cpu_isa.py: without it the engine keeps torch)
+pytestmark = [pytest.mark.usefixtures("cpu_isa", "amx"), pytest.mark.cpu_isas("native")]
 TOLERANCE = 2e-2   # bf16 probabilities and output, float32 sums
 
 CASES = {
