@@ -18,7 +18,7 @@ test-unit: venv
 	$(VENV)/bin/python -m pytest -q tests
 
 # The local Kubernetes cluster (e2e/): binaries built once into ~/.cache/kubeinfer/bin.
-.PHONY: cluster-binaries cluster-up cluster-down cluster-status test-e2e
+.PHONY: cluster-binaries cluster-up cluster-down cluster-status test-e2e env service-url
 cluster-binaries: venv
 	$(VENV)/bin/python -m e2e.binaries
 cluster-up: venv
@@ -27,6 +27,12 @@ cluster-down: venv
 	$(VENV)/bin/python -m e2e.cluster down
 cluster-status: venv
 	$(VENV)/bin/python -m e2e.cluster status
+# eval "$(make -s env)": kubeinfer, helm and KUBECONFIG (and a second cluster's settings) in this shell.
+env: venv
+	@$(VENV)/bin/python -m e2e.cluster env
+# make -s service-url SERVICE=[namespace/]name: the Service's http://127.0.0.1:<port> on this machine.
+service-url: venv
+	@$(VENV)/bin/python -m e2e.cluster url $(SERVICE)
 test-e2e: venv
 	$(VENV)/bin/python -m pytest -q -m e2e e2e
 

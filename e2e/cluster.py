@@ -3,8 +3,9 @@
 etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok run as plain processes on
 127.0.0.1, plus the local pod runner (e2e/podrunner.py) and service proxy (e2e/svcproxy.py).
 ``up`` reuses a healthy cluster, ``down`` stops every process by pid and deletes the state dir,
-``status`` lists the processes and the Services' local URLs, ``env`` prints the shell lines
-that put kubeinfer, helm and KUBECONFIG in place (``eval "$(make -s env)"``).
+``status`` lists the processes and the Services' local URLs, ``url [ns/]name`` prints one,
+``env`` prints the shell lines that put kubeinfer, helm and KUBECONFIG in place
+(``eval "$(make -s env)"``).
 """
 from __future__ import annotations
 
@@ -171,7 +172,8 @@ def env_lines(cfg: ClusterConfig) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "down", "status", "env"])
+    parser.add_argument("command", choices=["up", "down", "status", "env", "url"])
+    parser.add_argument("service", nargs="?", help="url: [namespace/]name of a Service (namespace: default)")
     args = parser.parse_args(argv)
     cfg = ClusterConfig()
     if args.command == "up":
@@ -186,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export KUBECONFIG={cfg.kubeconfig}")
     elif args.command == "env":
         print("\n".join(env_lines(cfg)))
+    elif args.command == "url":
+        namespace, _, name = (args.service or "").rpartition("/")
+        url = svcproxy.local_url(cfg.service_table, namespace or "default", name) if name else None
+        if url is None:
+            print(f"error: no Service {args.service!r} served by the local service proxy (see `make cluster-status`)",
+                  file=sys.stderr)
+            return 1
+        print(url)
     elif args.command == "down":
         with locked(cfg):
             print(f"stopped pids: {down(cfg)}")

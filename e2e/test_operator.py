@@ -8,6 +8,7 @@ tests stay fast; the embedded-model test runs a real `kubeinfer serve` and chats
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,19 @@ def test_embedded_example_serves_a_chat_completion(cluster: Cluster, operator: s
     table = cluster.kubectl("get", "kis", "-n", namespace, "-o", "wide").stdout.split("\n")
     assert table[0].split() == ["NAME", "READY", "REPLICAS", "MODEL", "SERVED", "TP", "AGE", "URL"]
     assert table[1].split()[:6] == ["smollm2", "True", "1/1", "embedded", "SmolLM2-135M-Instruct", "1"]
+
+
+def test_autoscaled_example_settles_without_restarts(cluster: Cluster, operator: str,
+                                                     namespace: str) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "autoscaled.yaml"))
+    obj = wait_condition(cluster, namespace, "smollm2-autoscaled", "Ready", timeout=600)
+    time.sleep(25)  # two autoscaler rounds (intervalSeconds 10) on the idle service
+    obj = get_isvc(cluster, namespace, "smollm2-autoscaled")
+    assert condition(obj, "Ready")["status"] == "True" and condition(obj, "Degraded")["status"] == "False"
+    pods = cluster.pods(namespace, obj["status"]["selector"])
+    assert [s.restart_count for p in pods for s in p.status.container_statuses] == [0]
+    events = cluster.kubectl_json("get", "events", "-n", namespace)["items"]
+    assert not [e for e in events if e["type"] == "Warning" or e["reason"] == "Recovered"], events
 
 
 def test_a_service_without_model_or_device_becomes_ready_on_cpu(cluster: Cluster, operator: str,
@@ -159,7 +173,7 @@ def test_invalid_manifests_are_refused(cluster: Cluster, operator: str, namespac
 
 def test_tensor_parallel_pods_request_their_gpus(cluster: Cluster, operator: str,
                                                  namespace: str) -> None:
-    apply(cluster, namespace, manifest("tp3", {"engine": {"tensorParallelSize": 3}}))
+    apply(cluster, namespace, manifest("tp3", {"engine": {"device": "cuda", "tensorParallelSize": 3}}))
     obj = wait_condition(cluster, namespace, "tp3", "Ready")
     pod = cluster.pods(namespace, obj["status"]["selector"])[0]
     assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "3"
@@ -185,7 +199,7 @@ def test_more_gpus_than_the_cluster_has_is_degraded(cluster: Cluster, operator: 
     gpus = sum(int(n["status"]["allocatable"].get("nvidia.com/gpu", 0)) for n in nodes)
     replicas = gpus // 8 + 1  # pods of tensorParallelSize 8: one more than the GPUs can hold
     apply(cluster, namespace, manifest("toomany", {"replicas": replicas,
-                                                   "engine": {"tensorParallelSize": 8}}))
+                                                   "engine": {"device": "cuda", "tensorParallelSize": 8}}))
     obj = wait_condition(cluster, namespace, "toomany", "Degraded", timeout=90)
     degraded = condition(obj, "Degraded")
     assert degraded["reason"] == "Unschedulable"

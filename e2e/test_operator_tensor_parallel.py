@@ -65,7 +65,7 @@ def test_tensor_parallel_3_serves_a_chat_completion(local_cluster: Cluster, oper
     assert status == 200
     assert answer["choices"][0]["message"]["content"].strip(), answer
     table = local_cluster.kubectl("get", "kis", "tp3", "-n", namespace, "-o", "wide").stdout.split("\n")
-    assert table[1].split()[:5] == ["tp3", "True", "1/1", "embedded", "3"]
+    assert table[1].split()[:6] == ["tp3", "True", "1/1", "embedded", "smollm2", "3"]
 
 
 def test_tensor_parallel_size_not_dividing_the_heads_is_degraded(local_cluster: Cluster,
