@@ -6,19 +6,28 @@ one down matmul over all of its tokens (no per-token loop; experts no token chos
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.nn import functional as F
 
 from kubeinfer.kernels.activation_ref import silu_and_mul_ref
 
 
+# (rows [n, in], expert, 0 = gate|up or 1 = down) -> rows @ that matrix.T
+ExpertLinear = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, expert_linear: ExpertLinear | None = None) -> torch.Tensor:
     """`sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` over `e = ids[t, j]`.
 
     x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights [T, k] float32;
     ids [T, k] int. Each expert's output is scaled in float32 and rounded to x's dtype, then
-    the k outputs of a token are summed (transformers' Mixtral rounds the same way)."""
+    the k outputs of a token are summed (transformers' Mixtral rounds the same way).
+    `expert_linear` replaces `F.linear` on w13[e] / w2[e] (e.g. with prepacked CPU weights)."""
+    if expert_linear is None:
+        expert_linear = lambda rows, e, which: F.linear(rows, (w13, w2)[which][e])  # noqa: E731
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -30,7 +39,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            out[rows] = F.linear(silu_and_mul_ref(F.linear(grouped[rows], w13[expert])), w2[expert])
+            out[rows] = expert_linear(silu_and_mul_ref(expert_linear(grouped[rows], expert, 0)), expert, 1)
             start += count
     scaled = (out.float() * weights.reshape(-1)[order, None].float()).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, scaled)

@@ -62,7 +62,7 @@ class CausalLM(nn.Module):
         """Prepack every GEMM weight for oneDNN where that is faster (CPU bf16, see linear.py).
         Call once after `load_weights`: packed layers cannot be reloaded."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedExperts)):
                 module.pack()
         embedding = self.input_embeddings().weight
         if self.lm_head is None and self.packed_tied_head is None and can_pack(embedding):

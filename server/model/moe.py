@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from kubeinfer.kernels import ops
+from kubeinfer.kernels.moe_ref import fused_moe_ref
 
 from .config import MoEConfig
-from .linear import Linear, ParallelRole
+from .linear import Linear, ParallelRole, can_pack, linear, pack_weight
 
 # transformers' per-expert names (gate, up, down): Qwen3-MoE's; Mixtral's are w1, w3, w2
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
@@ -36,7 +37,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 class FusedExperts(nn.Module):
-    """Every expert's gate|up and down matrices in two stacked parameters (`w13`, `w2`)."""
+    """Every expert's gate|up and down matrices in two stacked parameters (`w13`, `w2`). On CPU
+    bf16, `pack()` gives each expert's matrices a oneDNN-prepacked copy (see `linear.py`:
+    without it every expert matmul reorders its weight first)."""
+
+    packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  names: tuple[str, str, str] = GATE_UP_DOWN) -> None:
@@ -65,8 +70,18 @@ class FusedExperts(nn.Module):
             raise ValueError(f"expert weight {name}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
         target.copy_(tensor)
 
+    def pack(self) -> None:
+        """Prepack every expert's matrices (after loading: reloading would not update them)."""
+        if self.packed is None and can_pack(self.w13):
+            self.packed = [(pack_weight(self.w13[e]), pack_weight(self.w2[e])) for e in range(self.num_experts)]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and not ops.uses_triton(x):
+            return fused_moe_ref(x, self.w13, self.w2, weights, ids, self._packed_linear)
         return ops.fused_moe(x, self.w13, self.w2, weights, ids)
+
+    def _packed_linear(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor:
+        return linear(rows, (self.w13, self.w2)[which][expert], self.packed[expert][which])
 
 
 class SparseMoE(nn.Module):
