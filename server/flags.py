@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 ENV_PREFIX = "KUBEINFER_"
+# --quantization values besides auto/none: the formats of HF checkpoints' quantization_config
+# (must match the checkpoint's), then the ones applied at load to an unquantized checkpoint.
+QUANTIZATION_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "int8")
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -95,9 +98,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "bf16 matmul, else float32.", ("auto", "float32", "bfloat16", "float16")),
     Flag("device", str, "auto", "auto = cuda when available, else cpu.", ("auto", "cpu", "cuda")),
     Flag("quantization", str, "auto",
-         "auto = GGUF weights stored as Q4_0, Q4_1 or Q8_0 stay quantized for decode-sized batches "
-         "on CPUs with AVX512-BF16 (same values as dequantized, 3.5x fewer bytes to read); "
-         "none = dequantize every weight to --dtype.", ("auto", "none")),
+         "auto = a Hugging Face checkpoint's quantization_config (compressed-tensors W4A16/W8A16/"
+         "W8A8-int8/FP8, GPTQ 4/8-bit, AWQ 4-bit) keeps its weights quantized in memory; GGUF "
+         "weights stored as Q4_0, Q4_1 or Q8_0 stay quantized for decode-sized batches on CPUs "
+         "with AVX512-BF16; none = dequantize GGUF weights to --dtype; compressed-tensors, gptq, "
+         "awq = as auto, but refuse a checkpoint not quantized that way; fp8, int8 = quantize an "
+         "unquantized checkpoint's linear weights at load (per output channel, dynamic per-token "
+         "activations).", ("auto", "none", *QUANTIZATION_METHODS)),
     Flag("block-size", int, 16, "Tokens per KV-cache block."),
     Flag("kv-cache-memory", _optional(parse_bytes), None,
          "KV-cache pool size in bytes (e.g. 2GiB). Default on CPU: 1GiB; on CUDA: "

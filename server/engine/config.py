@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from ..flags import ENGINE_FLAGS
+from ..flags import ENGINE_FLAGS, QUANTIZATION_METHODS
 
 
 @dataclass
@@ -42,8 +42,9 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.quantization not in ("auto", "none"):
-            raise ValueError(f"quantization must be auto or none, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of auto, none, {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 

@@ -32,6 +32,9 @@ class Checkpoint:
     weights: WeightStream
     # GGUF matrices in a type the CPU quantized-linear kernel reads, filled as `weights` streams
     quantized: QuantizedBlocks = field(default_factory=dict)
+    # a HF checkpoint's config.json `quantization_config` (see quantization/)
+    quantization_config: dict | None = None
+    gguf: bool = False   # a GGUF file: its tensor types are its quantization
 
 
 @dataclass(frozen=True)

@@ -102,5 +102,5 @@ def read_gguf_file(path: Path) -> Checkpoint:
                 yield ahead.popleft().result()
 
     return Checkpoint(config=config, tokenizer=tokenizer, generation_defaults=defaults,
-                      name=_QUANT_SUFFIX.sub("", path.stem), num_tensors=len(gguf.tensors), weights=weights,
+                      name=_QUANT_SUFFIX.sub("", path.stem), num_tensors=len(gguf.tensors), weights=weights, gguf=True,
                       quantized=quantized)

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from .checkpoint import GENERATION_KEYS, Checkpoint, loading_threads
 from .config import ModelConfig
+from .quantization import QUANTIZED_TENSOR_SUFFIXES
 from .tokenizer_files import hf_tokenizer, read_json
 
 
@@ -43,13 +44,16 @@ def read_hf_directory(path: Path) -> Checkpoint:
     defaults = {("max_tokens" if key == "max_new_tokens" else key): value for key, value in generation.items()}
     files = _safetensors_files(path)
 
+    quantization_config = hf_config.get("quantization_config")
+
     def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for name in handle.keys():
                     tensor = handle.get_slice(name)
                     with loading_threads(math.prod(tensor.get_shape())):
-                        yield name, handle.get_tensor(name).to(dtype)
+                        tensor = handle.get_tensor(name)
+                        yield name, tensor if quantization_config and _stored_as_is(name, tensor) else tensor.to(dtype)
 
     num_tensors = 0
     for file in files:
@@ -57,4 +61,12 @@ def read_hf_directory(path: Path) -> Checkpoint:
             num_tensors += len(handle.keys())
     return Checkpoint(config=config, tokenizer=tokenizer,
                       generation_defaults={k: v for k, v in defaults.items() if k in GENERATION_KEYS},
-                      name=path.resolve().name, num_tensors=num_tensors, weights=weights)
+                      name=path.resolve().name, num_tensors=num_tensors, weights=weights,
+                      quantization_config=quantization_config)
+
+
+def _stored_as_is(name: str, tensor: torch.Tensor) -> bool:
+    """Quantized weights (integers, 8-bit floats) and their scales and zero points reach the
+    quantized layer in the checkpoint's dtypes: a scale rounded to bf16 would shift every weight."""
+    return (not tensor.is_floating_point() or tensor.element_size() == 1
+            or name.rpartition(".")[2] in QUANTIZED_TENSOR_SUFFIXES)

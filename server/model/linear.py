@@ -15,6 +15,7 @@ batches run on it (3.5x fewer bytes than bf16 for Q4_1), larger ones on the bf16
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from torch.nn import functional as F
 
 from kubeinfer.kernels import quant_linear_cpu
 from kubeinfer.kernels.quant_linear_cpu import QuantizedWeight
+
+if TYPE_CHECKING:
+    from .quantization.weights import QuantizedLinearWeight
 
 
 class ParallelRole(enum.Enum):
@@ -62,10 +66,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 
 class Linear(nn.Linear):
     """nn.Linear that runs on a prepacked weight once `pack()` was called (CPU bf16 only), and on
-    a quantized copy of the weight once `quantized` is set (see `linear`)."""
+    a quantized copy of the weight once `quantized` is set (see `linear`). A layer of a quantized
+    HF checkpoint has no plain weight: `weight_quant` computes it (see `quantization/`)."""
 
     packed: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    weight_quant: "QuantizedLinearWeight | None" = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  role: ParallelRole = ParallelRole.REPLICATED) -> None:
@@ -74,10 +80,12 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         """Reorder the weight for oneDNN (after loading: reloading weights would not update it)."""
-        if self.packed is None and can_pack(self.weight):
+        if self.packed is None and self.weight is not None and can_pack(self.weight):
             self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_quant is not None:
+            return self.weight_quant.forward(x, self.bias)
         return linear(x, self.weight, self.packed, self.bias, self.quantized)
 
 

@@ -26,6 +26,7 @@ from .checkpoint import Checkpoint, one_intra_op_thread
 from .config import ModelConfig
 from .gguf_checkpoint import read_gguf_file
 from .hf_checkpoint import read_hf_directory
+from .quantization import QuantizationMethod, QuantizedLoad, resolve_for_checkpoint
 from .registry import model_family
 from .tokenizer import Tokenizer
 from .tokenizer_files import embedded_model_path
@@ -101,11 +102,19 @@ def uninitialized_modules(device: torch.device, dtype: torch.dtype) -> Iterator[
         torch.set_default_dtype(default_dtype)
 
 
-def fill_model(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> float:
+def fill_model(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device,
+               quantization: QuantizationMethod | None = None) -> float:
     """Stream checkpoint tensors into a model built under `uninitialized_modules`, freeze it and
-    prepack its GEMM weights (the steps every loader shares); returns the prepack's seconds."""
+    prepack its GEMM weights (the steps every loader shares); returns the prepack's seconds.
+    With a `quantization` method, its linear layers get their quantized form instead."""
     model.reset_rotary(device)   # float32 again after the model's .to(dtype)
+    hook = None if quantization is None else QuantizedLoad(quantization, model)
+    if hook is not None:
+        hook.prepare()
+        weights = hook.divert(weights)
     model.load_weights((name, tensor.to(device)) for name, tensor in weights)
+    if hook is not None:
+        hook.finish(device)
     model.requires_grad_(False).eval()
     start = time.perf_counter()
     with one_intra_op_thread():   # ~120 small reorders: 0.1 s instead of ~1 s of thread barriers
@@ -126,12 +135,14 @@ def read_checkpoint(source: str) -> Checkpoint:
 def load_model(source: str = "embedded", dtype: str = "auto", device: str = "auto",
                quantization: str = "auto") -> LoadedModel:
     """Build the model of `source` on `device` in `dtype`; with quantization 'auto', GGUF matrices
-    in a type `quant_linear_cpu` reads keep that form too (CPU, bf16, kernel available)."""
+    in a type `quant_linear_cpu` reads keep that form too (CPU, bf16, kernel available), and the
+    linear layers of a quantized HF checkpoint stay quantized (see `quantization/`)."""
     start = time.perf_counter()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     checkpoint = read_checkpoint(source)
     config = checkpoint.config
+    method = resolve_for_checkpoint(checkpoint, quantization)
     logger.info("model %s: %s, %d layers, hidden %d; config and tokenizer read in %.2fs", checkpoint.name,
                 config.architecture, config.num_hidden_layers, config.hidden_size, time.perf_counter() - start)
 
@@ -140,12 +151,13 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
         model = model_family(config.architecture).build(
             config, get_attention_backend(torch_device, config.sliding_window)).to(torch_dtype)
     built = time.perf_counter()
-    pack_seconds = fill_model(model, checkpoint.weights(torch_dtype), torch_device)
+    pack_seconds = fill_model(model, checkpoint.weights(torch_dtype), torch_device, method)
     end = time.perf_counter()
     weighted = end - pack_seconds
-    logger.info("loaded %d tensors as %s on %s in %.2fs (build %.2fs, weights %.2fs, prepack %.2fs; total %.2fs)",
+    logger.info("loaded %d tensors as %s on %s in %.2fs (build %.2fs, weights %.2fs, prepack %.2fs; total %.2fs)%s",
                 checkpoint.num_tensors, str(torch_dtype).removeprefix("torch."), torch_device, end - stage,
-                built - stage, weighted - built, end - weighted, end - start)
+                built - stage, weighted - built, end - weighted, end - start,
+                "" if method is None else f"; linear layers quantized with {method.name}")
     if (quantization == "auto" and checkpoint.quantized and torch_device.type == "cpu"
             and torch_dtype == torch.bfloat16 and quant_linear_cpu.available()):
         stage = time.perf_counter()

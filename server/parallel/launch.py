@@ -20,6 +20,7 @@ import torch.multiprocessing
 
 from ..engine.config import EngineConfig
 from ..model.loader import LoadedModel, embedded_model_path, read_checkpoint, resolve_device, resolve_dtype
+from ..model.quantization import resolve_for_checkpoint
 from ..model.registry import model_family
 from .group import free_port, init_group
 from .model import load_shard
@@ -92,6 +93,9 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = read_checkpoint(config.model)
+    if resolve_for_checkpoint(checkpoint, config.quantization) is not None:
+        raise ValueError("quantized Hugging Face checkpoints (and --quantization fp8/int8) are not supported with "
+                         "tensor parallelism yet; use --tensor-parallel-size 1")
     plan = ShardPlan(checkpoint.config, 0, size)   # validates the split before anything starts
     architecture = checkpoint.config.architecture
     family = model_family(architecture)

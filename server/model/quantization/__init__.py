@@ -1,0 +1,176 @@
+"""Quantized HF checkpoints: the format comes from config.json's `quantization_config`
+(compressed-tensors, GPTQ, AWQ) or from `--quantization` (fp8 / int8 quantize an unquantized
+checkpoint's linear weights at load, per output channel, as vLLM's `--quantization fp8` does).
+
+`resolve` picks the method (or refuses a conflict); `QuantizedLoad` is the loader's one hook:
+before the weights stream in it takes the plain weight off every quantized linear layer, while
+they stream it diverts that layer's tensors, and at the end it gives each layer its compute form
+(`Linear.weight_quant`, see `weights.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ...flags import QUANTIZATION_METHODS
+from ..checkpoint import Checkpoint
+from ..linear import Linear
+from ..moe import FusedExperts
+from .base import QuantizationMethod
+from .weights import QuantizedLinearWeight, quantize_per_channel
+
+# checkpoint tensor suffixes that belong to a quantized layer (kept in the checkpoint's dtype)
+QUANTIZED_TENSOR_SUFFIXES = frozenset({
+    "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale",
+    "qweight", "qzeros", "scales", "g_idx"})
+
+
+class DenseAtLoad(QuantizationMethod):
+    """`--quantization fp8|int8` on an unquantized checkpoint: every linear layer of the decoder
+    (not the lm_head, as vLLM) quantized per output channel, activations dynamic per token."""
+
+    dense_checkpoint = True
+
+    def __init__(self, kind: str) -> None:
+        self.name = kind
+
+    def layer_scheme(self, name: str, module: nn.Module) -> Any | None:
+        return self.name if name.startswith("model.layers.") else None
+
+    def tensor_suffixes(self, scheme: Any) -> tuple[str, ...]:
+        return ("weight",)
+
+    def build(self, name: str, scheme: Any, tensors: dict[str, torch.Tensor]) -> QuantizedLinearWeight:
+        return quantize_per_channel(tensors["weight"], self.name)
+
+
+def resolve(quantization_config: dict[str, Any] | None, requested: str) -> QuantizationMethod | None:
+    """The method for a HF checkpoint's `quantization_config` and the `--quantization` flag:
+    'auto' follows the checkpoint, 'none' is only for unquantized checkpoints and GGUF, a named
+    method must agree with the checkpoint's own."""
+    checkpoint_method = (quantization_config or {}).get("quant_method")
+    if quantization_config is not None and checkpoint_method not in QUANTIZATION_METHODS[:3]:
+        raise ValueError(f"quantization method {checkpoint_method!r} of this checkpoint is not supported; "
+                         f"supported: {', '.join(QUANTIZATION_METHODS[:3])}")
+    if requested not in ("auto", "none", *QUANTIZATION_METHODS):
+        raise ValueError(f"unknown quantization {requested!r}; choose auto, none, {', '.join(QUANTIZATION_METHODS)}")
+    if checkpoint_method is not None and requested not in ("auto", checkpoint_method):
+        raise ValueError(f"--quantization {requested} conflicts with the checkpoint's quantization_config "
+                         f"(quant_method {checkpoint_method}); use --quantization auto or {checkpoint_method}")
+    if checkpoint_method is None and requested in QUANTIZATION_METHODS[:3]:
+        raise ValueError(f"--quantization {requested} needs a checkpoint quantized with {requested}; this one "
+                         "has no quantization_config (fp8 and int8 quantize an unquantized checkpoint at load)")
+    method = checkpoint_method or (requested if requested in ("fp8", "int8") else None)
+    if method == "compressed-tensors":
+        from .compressed_tensors import CompressedTensorsMethod
+        return CompressedTensorsMethod(quantization_config)
+    if method in ("gptq", "awq"):
+        from .gptq import AWQMethod, GPTQMethod
+        return (GPTQMethod if method == "gptq" else AWQMethod)(quantization_config)
+    return DenseAtLoad(method) if method else None
+
+
+def resolve_for_checkpoint(checkpoint: Checkpoint, requested: str) -> QuantizationMethod | None:
+    """`resolve` for any model source: a GGUF file carries its own quantization, so only
+    auto/none apply to it."""
+    if checkpoint.gguf:
+        if requested not in ("auto", "none"):
+            raise ValueError(f"--quantization {requested} does not apply to a GGUF file (its tensor types are its "
+                             "quantization); use auto or none")
+        return None
+    return resolve(checkpoint.quantization_config, requested)
+
+
+class QuantizedLoad:
+    """The loader hook for one model: `prepare` before the weights stream, `divert` around the
+    stream, `finish` after it."""
+
+    def __init__(self, method: QuantizationMethod, model: nn.Module) -> None:
+        self.method = method
+        # checkpoint module name -> (Linear holding it, shard index or None, scheme)
+        self.layers: dict[str, tuple[Linear, int | None, Any]] = {}
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        by_module: dict[int, list[tuple[str, Any]]] = {}
+        for source, module, shard in model.checkpoint_modules():
+            if isinstance(module, FusedExperts):
+                if method.layer_scheme(source, module) is not None:
+                    raise ValueError(f"{method.name}: quantized {type(module).__name__} layers ({source}) are not "
+                                     "supported; only linear layers are")
+            if not isinstance(module, Linear):
+                continue
+            scheme = method.layer_scheme(source, module)
+            by_module.setdefault(id(module), []).append((source, scheme))
+            if scheme is not None:
+                self.layers[source] = (module, shard, scheme)
+        for parts in by_module.values():
+            if len({scheme is None for _, scheme in parts}) > 1:
+                names = ", ".join(source for source, _ in parts)
+                raise ValueError(f"{method.name}: {names} are computed as one matrix, so they must be quantized "
+                                 "alike; this checkpoint quantizes only some of them")
+        self.modules = {id(module): module for module, _, _ in self.layers.values()}
+
+    def prepare(self) -> int:
+        """Drop the plain weight of every quantized layer (the checkpoint has none to fill it)."""
+        for module in self.modules.values():
+            module.weight = None
+        return len(self.modules)
+
+    def divert(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream without the quantized layers' tensors, which are kept for `finish`."""
+        for name, tensor in weights:
+            module_name, _, suffix = name.rpartition(".")
+            if module_name in self.layers and suffix != "bias":
+                self.tensors.setdefault(module_name, {})[suffix] = tensor
+            else:
+                yield name, tensor
+
+    def finish(self, device: torch.device) -> None:
+        """Each quantized layer's compute form, from its (merged) checkpoint modules' tensors."""
+        parts: dict[int, list[tuple[int | None, QuantizedLinearWeight]]] = {}
+        for source, (module, shard, scheme) in self.layers.items():
+            tensors = {suffix: tensor.to(device) for suffix, tensor in self.tensors.pop(source, {}).items()}
+            missing = [suffix for suffix in self.method.tensor_suffixes(scheme) if suffix not in tensors]
+            if missing:
+                raise ValueError(f"{self.method.name} checkpoint is missing {', '.join(f'{source}.{s}' for s in missing)}")
+            parts.setdefault(id(module), []).append((shard, self.method.build(source, scheme, tensors)))
+        for key, built in parts.items():
+            module = self.modules[key]
+            weight = _merge([form for _, form in sorted(built, key=lambda part: part[0] or 0)])
+            if (weight.out_features, weight.in_features) != (module.out_features, module.in_features):
+                raise ValueError(f"{self.method.name}: quantized weight of shape [{weight.out_features}, "
+                                 f"{weight.in_features}] for a layer of [{module.out_features}, {module.in_features}]")
+            module.weight_quant = weight
+
+
+def _merge(forms: list[QuantizedLinearWeight]) -> QuantizedLinearWeight:
+    """Row blocks of one merged linear (q|k|v, gate|up) as one compute form: stacked along the
+    output features, which every form keeps as its own dimension."""
+    from dataclasses import replace
+
+    from .weights import Fp8Weight, Int8Weight, PackedIntWeight
+    first = forms[0]
+    if len(forms) == 1:
+        return first
+    if any(type(form) is not type(first) for form in forms):
+        raise ValueError("the parts of a merged linear layer are quantized in different forms")
+    if isinstance(first, PackedIntWeight):
+        same = all((f.bits, f.group_size, f.in_features) == (first.bits, first.group_size, first.in_features)
+                   for f in forms)
+        perms = [f.perm for f in forms]
+        if not same or any((p is None) != (perms[0] is None) or (p is not None and not torch.equal(p, perms[0]))
+                           for p in perms):
+            raise ValueError("the parts of a merged linear layer differ in bits, group size or act-order")
+        return replace(first, qweight=torch.cat([f.qweight for f in forms], 1),
+                       scales=torch.cat([f.scales for f in forms], 1), zeros=torch.cat([f.zeros for f in forms], 1),
+                       out_features=sum(f.out_features for f in forms))
+    assert isinstance(first, (Int8Weight, Fp8Weight))
+    if any(f.activations != first.activations for f in forms):
+        raise ValueError("the parts of a merged linear layer quantize activations differently")
+    input_scale = None
+    if first.activations == "static":   # one scale for the merged input: the largest, as vLLM
+        input_scale = torch.stack([f.input_scale for f in forms]).max()
+    return replace(first, weight=torch.cat([f.weight for f in forms]), scale=torch.cat([f.scale for f in forms]),
+                   input_scale=input_scale)

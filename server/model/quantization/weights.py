@@ -1,0 +1,209 @@
+"""Compute forms of checkpoint-quantized linear weights.
+
+Every format the loader reads (compressed-tensors, GPTQ, AWQ, on-the-fly fp8/int8) is converted
+once, at load, into one of three forms that stay quantized in memory; each forward computes from
+that form, so a 4-bit model holds about a quarter of its bf16 bytes:
+
+- `PackedIntWeight`: 4- or 8-bit integers packed along the input dimension in GPTQ's int32
+  layout, with a scale and a zero point per group of input features (W4A16, W8A16, GPTQ, AWQ).
+  CUDA runs the Triton dequant-in-GEMM kernel (`kernels/w4a16.py`); elsewhere the layer's
+  weight is dequantized for the matmul and dropped again.
+- `Int8Weight`: int8 weights with per-output-channel scales; with activation quantization
+  (W8A8) x is quantized per token (dynamic) or with the checkpoint's scale (static) and the GEMM
+  runs on int8 (`torch._int_mm`: oneDNN's AMX-INT8 / VNNI on CPU), scaled back in float32.
+- `Fp8Weight`: float8 e4m3 weights with per-tensor or per-channel scales; activations are
+  quantized to e4m3 per token (dynamic) or with the checkpoint's scale (static), as on an FP8
+  GPU, and the product is computed in float32 from the dequantized operands.
+
+Dynamic per-token scales are amax/127 (int8) and amax/448 (e4m3), vLLM's convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+_INT8_EPS = 1e-10
+
+
+def unpack_rows(qweight: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """int32 [ceil(rows * bits / 32), N] packed along rows, lowest bits first (GPTQ's layout)
+    -> int32 [rows, N] unsigned values."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    values = (qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
+    return values.reshape(qweight.shape[0] * per_word, qweight.shape[1])[:rows]
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `unpack_rows`: unsigned values [K, N] -> int32 [ceil(K / (32/bits)), N]."""
+    per_word = 32 // bits
+    rows = -(-values.shape[0] // per_word) * per_word
+    values = F.pad(values.to(torch.int32), (0, 0, 0, rows - values.shape[0]))
+    values = values.view(rows // per_word, per_word, values.shape[1])
+    packed = torch.zeros(rows // per_word, values.shape[2], dtype=torch.int32, device=values.device)
+    for index in range(per_word):
+        packed |= values[:, index] << (bits * index)
+    return packed
+
+
+@dataclass
+class PackedIntWeight:
+    """w[n, k] = (q[k', n] - zeros[k' // group_size, n]) * scales[k' // group_size, n], where
+    k' is k's position after `perm` (GPTQ act-order: input features sorted by group)."""
+
+    qweight: torch.Tensor          # int32 [ceil(K / (32 / bits)), N]
+    scales: torch.Tensor           # float32 [ceil(K / group_size), N]
+    zeros: torch.Tensor            # float32 [ceil(K / group_size), N] (2^(bits-1) when symmetric)
+    bits: int
+    group_size: int
+    in_features: int
+    out_features: int
+    perm: torch.Tensor | None = None   # int64 [K]: the layer reads x[:, perm]
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"{self.bits}-bit packed weights are not supported (4 and 8 are)")
+
+    def dequantize_kn(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight transposed, [K, N] in `dtype` (rows in `perm` order): computed in float32."""
+        q = unpack_rows(self.qweight, self.bits, self.in_features).float()
+        groups = torch.arange(self.in_features, device=q.device) // self.group_size
+        return ((q - self.zeros[groups]) * self.scales[groups]).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] in checkpoint input order, as `F.linear` takes it."""
+        weight = self.dequantize_kn(dtype)
+        if self.perm is not None:
+            weight = torch.empty_like(weight).index_copy_(0, self.perm, weight)
+        return weight.t()
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        rows = x.reshape(-1, self.in_features)
+        if rows.is_cuda and self.bits == 4:
+            from kubeinfer.kernels import w4a16
+            out = w4a16.matmul(rows, self.qweight, self.scales, self.zeros, self.group_size)
+        else:
+            out = rows @ self.dequantize_kn(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], float32 scales [M, 1]) with scale amax/127 per row."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=_INT8_EPS) / 127.0
+    return torch.round(x / scale).clamp(-128, 127).to(torch.int8), scale
+
+
+def quantize_int8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.round(x.float() / scale).clamp(-128, 127).to(torch.int8)
+
+
+def _int_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] @ int8 [K, N] -> int32 exactly. CUDA's `_int_mm` needs more than 16 rows and
+    K, N multiples of 8: fewer rows are padded; other shapes go through int32 on the host."""
+    if a.is_cuda:
+        if a.shape[1] % 8 or b_t.shape[1] % 8:
+            return (a.cpu().int() @ b_t.cpu().int()).to(a.device)
+        if a.shape[0] <= 16:
+            return torch._int_mm(F.pad(a, (0, 0, 0, 17 - a.shape[0])), b_t)[:a.shape[0]]
+    return torch._int_mm(a.contiguous(), b_t)
+
+
+@dataclass
+class Int8Weight:
+    """int8 weights [N, K] with float32 scales per output channel; `activations` None (W8A16),
+    "dynamic" (per-token scales) or "static" (the checkpoint's `input_scale`)."""
+
+    weight: torch.Tensor                   # int8 [N, K]
+    scale: torch.Tensor                    # float32 [N]
+    activations: str | None = None
+    input_scale: torch.Tensor | None = None   # float32 scalar, static activations
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.activations is None:
+            out = F.linear(rows, self.dequantize(x.dtype))
+        else:
+            if self.activations == "dynamic":
+                xq, x_scale = quantize_int8_per_token(rows)
+            else:
+                xq, x_scale = quantize_int8_static(rows, self.input_scale), self.input_scale
+            out = (_int_mm(xq, self.weight.t()).float() * (x_scale * self.scale)).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x rounded through e4m3 with `scale` (None: amax/448 per row), back in float32."""
+    x = x.float()
+    if scale is None:
+        scale = x.abs().amax(-1, keepdim=True).clamp(min=_INT8_EPS) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+@dataclass
+class Fp8Weight:
+    """float8 e4m3 weights [N, K] with float32 scales per output channel (a per-tensor scale is
+    broadcast); `activations` as `Int8Weight`'s."""
+
+    weight: torch.Tensor                   # float8_e4m3fn [N, K]
+    scale: torch.Tensor                    # float32 [N]
+    activations: str | None = None
+    input_scale: torch.Tensor | None = None
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.activations is None:
+            out = F.linear(rows, self.dequantize(x.dtype))
+        else:
+            xq = fake_quantize_fp8(rows, self.input_scale if self.activations == "static" else None)
+            out = F.linear(xq, self.dequantize()).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+QuantizedLinearWeight = PackedIntWeight | Int8Weight | Fp8Weight
+
+
+def quantize_per_channel(weight: torch.Tensor, kind: str) -> QuantizedLinearWeight:
+    """A dense weight [N, K] quantized at load with one scale per output channel, activations
+    dynamic per token (`--quantization fp8` / `int8` on an unquantized checkpoint, as vLLM)."""
+    weight = weight.float()
+    amax = weight.abs().amax(-1).clamp(min=_INT8_EPS)
+    if kind == "fp8":
+        scale = amax / FP8_MAX
+        return Fp8Weight((weight / scale[:, None]).to(torch.float8_e4m3fn), scale, "dynamic")
+    scale = amax / 127.0
+    return Int8Weight(torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8), scale, "dynamic")
