@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from .registry import supported_architectures
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,8 @@ class ModelConfig:
         rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
         if "type" in rope:   # pre-4.45 spelling
             rope.setdefault("rope_type", rope.pop("type"))
+        if rope.get("rope_type") == "yarn":
+            rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 4096))
         eos = config.get("eos_token_id")
         layer_types = tuple(config.get("layer_types") or _gemma_layer_types(model_type, config))
         use_sliding = config.get("use_sliding_window", model_type == "mistral" or "sliding_attention" in layer_types)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings in the Hugging Face `rotate_half` layout, with Llama-3 scaling.
+"""Rotary position embeddings in the Hugging Face `rotate_half` layout, with linear, Llama-3 and
+YaRN scaling (YaRN also scales cos and sin by its attention factor, as transformers does).
 
 Angles are computed per step from the token positions (float32, as transformers does), so no
 table is sized by the context length and long-context models cost nothing extra.
@@ -16,12 +17,14 @@ from kubeinfer.kernels.rope_cache import cos_sin_table
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] for `rope_type` default, linear or llama3."""
+    """Inverse frequencies [head_dim / 2] for `rope_type` default, linear, llama3 or yarn."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if rope_type != "llama3":
         return inv_freq   # "default"; "freq_factors" divisors are loaded with the weights
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -34,10 +37,43 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: frequencies that turn more than `beta_fast` times over the original context kept,
+    fewer than `beta_slow` times divided by `factor`, a linear ramp between (transformers' math)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dimension(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.get("beta_fast") or 32), dimension(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by (`attention_factor`, else from `mscale` / `factor`); 1 otherwise."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.attention_factor = rope_attention_factor(scaling)
         self.reset_inv_freq(torch.device("cpu"))
 
     def reset_inv_freq(self, device: torch.device) -> None:
@@ -51,6 +87,8 @@ class RotaryEmbedding(nn.Module):
         (after loading, so GGUF rope_freqs divisors are in)."""
         if self._table is None or self._table.shape[0] < max_positions:
             self._table = cos_sin_table(self.inv_freq, max_positions, self.inv_freq.device)
+            if self.attention_factor != 1.0:
+                self._table.mul_(self.attention_factor)
         return self._table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +97,8 @@ class RotaryEmbedding(nn.Module):
         The sin's first half is negated, folding `rotate_half`'s negation into the table."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
         sin[..., :freqs.shape[1]].neg_()
-        return emb.cos().to(dtype), sin.to(dtype)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)

@@ -147,12 +147,12 @@ def build_tiny_mistral(tmp_path: Path, *, sliding_window: int = 8, num_kv_heads:
 
 
 def build_tiny_qwen3(tmp_path: Path, *, tie_word_embeddings: bool = False, num_kv_heads: int = 2, seed: int = 0,
-                     name: str = "tiny-qwen3") -> tuple[Path, torch.nn.Module]:
+                     rope_scaling: dict | None = None, name: str = "tiny-qwen3") -> tuple[Path, torch.nn.Module]:
     """A 2-layer Qwen3: q/k RMS norms, no q/k/v bias, head_dim 32 (4 heads x 32 = 128 != hidden 64)."""
     from transformers import Qwen3Config
 
     config = Qwen3Config(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, head_dim=32,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, **(rope_scaling or {})},
                          tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                          **_DIMS)
     return _build(tmp_path, config, seed, False, None, name)
