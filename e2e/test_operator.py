@@ -164,6 +164,9 @@ def test_deleting_the_service_removes_every_child(cluster: Cluster, operator: st
     ("scheme", {"model": {"source": "s3://bucket/llama"}}, "model.source must be 'embedded'"),
     ("x" * 51, {}, "metadata.name must be at most 50 characters"),
     ("chat-gateway", {}, "metadata.name must not end in '-gateway'"),
+    ("no-routers", {"routing": {"strategy": "prefix-aware", "replicas": 0}},
+     "routing.replicas must be at least 1 unless routing.strategy is none"),
+    ("strategy", {"routing": {"strategy": "random"}}, "supported values"),
 ])
 def test_invalid_manifests_are_refused(cluster: Cluster, operator: str, namespace: str,
                                        name: str, spec: dict, message: str) -> None:

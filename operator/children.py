@@ -1,9 +1,10 @@
 """Everything an InferenceService owns: Deployment, ClusterIP Service, PodDisruptionBudget,
-and at `autoscaling.minReplicas: 0` the scale-from-zero gateway (operator/gateway/build.py).
+and the gateway — the router, also holding requests at zero replicas (operator/gateway/build.py).
 
 `desired_children` is the whole answer to "what should exist"; `stale_children` names what
 must go (the PDB once replicas drop to 1 or less, where it would block node drains; the
-gateway once the service can no longer scale to zero).
+gateway with `routing.strategy: none` once the service can no longer scale to zero, and its
+PodDisruptionBudget below 2 router replicas).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from typing import Any
 
 from kubeinfer.operator import api
 from kubeinfer.operator.build import deployment
-from kubeinfer.operator.gateway.build import (gateway_children, gateway_name, needs_gateway,
-                                              service_selector)
+from kubeinfer.operator.gateway.build import (gateway_children, gateway_name, gateway_replicas,
+                                              needs_gateway, service_selector)
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
 
-GATEWAY_KINDS = ("Deployment", "RoleBinding", "Role", "ServiceAccount")  # deletion order
+GATEWAY_KINDS = ("PodDisruptionBudget", "Deployment", "RoleBinding", "Role", "ServiceAccount")  # deletion order
 
 
 def service(isvc: InferenceService) -> dict[str, Any]:
@@ -53,4 +54,6 @@ def stale_children(isvc: InferenceService) -> list[tuple[str, str]]:
     stale = [] if isvc.spec.replicas > 1 else [("PodDisruptionBudget", isvc.name)]
     if not needs_gateway(isvc):
         stale += [(kind, gateway_name(isvc)) for kind in GATEWAY_KINDS]
+    elif gateway_replicas(isvc) < 2:
+        stale.append(("PodDisruptionBudget", gateway_name(isvc)))
     return stale

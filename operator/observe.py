@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from kubeinfer.operator.gateway.build import gateway_name, needs_gateway
+from kubeinfer.operator.gateway.build import gateway_name, scales_from_zero
 from kubeinfer.operator.model_source import model_mounts
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
 from kubeinfer.operator.status import Condition, InferenceServiceStatus
@@ -100,7 +100,7 @@ def rollout_in_flight(deployment: dict[str, Any], desired: int) -> bool:
 def conditions(isvc: InferenceService, seen: Observed, ready: int,
                was_ready: bool = False) -> list[tuple[str, bool, str, str]]:
     """(type, status, reason, message) for Ready, Progressing and Degraded."""
-    desired, gateway = isvc.spec.replicas, needs_gateway(isvc)
+    desired, gateway = isvc.spec.replicas, scales_from_zero(isvc)
     problems = ([("ReconcileError", seen.error)] if seen.error else []) \
         + gpu_product_problems(isvc.spec.resources.gpu_product, seen.gpu_products) \
         + pod_problems(seen.pods) + pod_problems(seen.gateway_pods)

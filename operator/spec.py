@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
+from kubeinfer.operator.gateway.route_cli import routing_flag
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, Flag
 
 MODEL_SOURCE_PATTERN = (r"^(embedded|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
@@ -212,6 +213,35 @@ class AuthSpec(Section):
                           "changing the Secret. Unset: no key needed.")
 
 
+class RoutingSpec(Section):
+    """The router in front of the engines (`kubeinfer gateway`): which replica serves a request."""
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("self.strategy == 'none' || !has(self.replicas) || self.replicas >= 1",
+         "routing.replicas must be at least 1 unless routing.strategy is none")))
+    strategy: Literal["prefix-aware", "least-load", "round-robin", "none"] = Field(
+        "prefix-aware",
+        description="prefix-aware: the replica holding the longest cached prefix of the request "
+                    "(from the engines' published block hashes), minus a load penalty, within "
+                    "bounded loads; least-load: fewest requests in flight; round-robin; none: the "
+                    "Service goes straight to the engine pods (a scale-from-zero gateway still "
+                    "runs at autoscaling.minReplicas 0).")
+    replicas: int | None = Field(
+        None, ge=0, le=100,
+        description="Router pods (a PodDisruptionBudget keeps one up from 2). Default: 2 when the "
+                    "service may run 2 or more engine replicas, else 1.")
+    load_penalty_tokens: float = Field(routing_flag("load_penalty_tokens").default, ge=0, le=1e6,
+                                       description=routing_flag("load_penalty_tokens").help)
+    balance_factor: float = Field(routing_flag("balance_factor").default, ge=0, le=100,
+                                  description=routing_flag("balance_factor").help)
+    balance_slack: float = Field(routing_flag("balance_slack").default, ge=0, le=1e6,
+                                 description=routing_flag("balance_slack").help)
+    kv_usage_limit: float = Field(routing_flag("kv_usage_limit").default, gt=0, le=1.0,
+                                  description=routing_flag("kv_usage_limit").help)
+    prefix_key_tokens: int = Field(routing_flag("prefix_key_tokens").default, ge=1, le=1 << 20,
+                                   description=routing_flag("prefix_key_tokens").help)
+
+
 class InferenceServiceSpec(Section):
     """A model served by a set of identical kubeinfer engine pods behind one Service."""
 
@@ -224,6 +254,7 @@ class InferenceServiceSpec(Section):
     autoscaling: AutoscalingSpec = section(AutoscalingSpec, AutoscalingSpec.__doc__ or "")
     rollout: RolloutSpec = section(RolloutSpec, RolloutSpec.__doc__ or "")
     auth: AuthSpec = section(AuthSpec, AuthSpec.__doc__ or "")
+    routing: RoutingSpec = section(RoutingSpec, RoutingSpec.__doc__ or "")
     node_selector: dict[str, str] = Field(default_factory=dict,
                                           description="Extra node labels pods must match.")
     tolerations: list[KubeObject] = Field(default_factory=list, max_length=32,

@@ -1,9 +1,12 @@
-"""What an InferenceService with `autoscaling.minReplicas: 0` owns for its gateway (pure).
+"""What an InferenceService owns for its gateway — the router in front of its engines (pure).
 
-A Deployment running `kubeinfer gateway`, and the identity it acts with: a ServiceAccount
+It exists when `spec.routing.strategy` is not `none` (the cache-aware router) or at
+`autoscaling.minReplicas: 0` (requests at zero replicas are held while one starts). A
+Deployment running `kubeinfer gateway` (2 pods by default when the service may run 2 or more
+engines, with a PodDisruptionBudget from 2), and the identity it acts with: a ServiceAccount
 and a Role limited to this one InferenceService (read it, patch its scale subresource) plus
-listing pods to find Ready engines. The InferenceService's Service selects the gateway pods
-instead of the engines (`service_selector`), so its URL keeps answering at zero replicas.
+listing and watching pods to find Ready engines. The InferenceService's Service selects the
+gateway pods instead of the engines (`service_selector`).
 """
 
 from __future__ import annotations
@@ -12,17 +15,50 @@ from typing import Any
 
 from kubeinfer.operator import api
 from kubeinfer.operator.build import auth_env
+from kubeinfer.operator.gateway.route_cli import ROUTING_FLAGS
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
 from kubeinfer.operator.security import restricted_container, restricted_pod
+from kubeinfer.server.flags import to_args
 
 GATEWAY_PORT = 8080
 COMPONENT = "app.kubernetes.io/component"
 
 
 def needs_gateway(isvc: InferenceService) -> bool:
-    """`minReplicas: 0`, whoever scales: the built-in autoscaler, or KEDA/HPA/kubectl with
-    `enabled: false` — a request at zero replicas must be held and wake a pod either way."""
+    """A routing strategy, or `minReplicas: 0` whoever scales (the built-in autoscaler, or
+    KEDA/HPA/kubectl with `enabled: false`): a request at zero replicas must be held and wake a
+    pod either way."""
+    return isvc.spec.routing.strategy != "none" or isvc.spec.autoscaling.min_replicas == 0
+
+
+def scales_from_zero(isvc: InferenceService) -> bool:
+    """The gateway holds requests at zero replicas and wakes one (a router without
+    `minReplicas: 0` leaves a service scaled to zero by hand alone)."""
     return isvc.spec.autoscaling.min_replicas == 0
+
+
+def gateway_strategy(isvc: InferenceService) -> str:
+    """`none` still holds requests at zero replicas: least-load, as the gateway always did."""
+    strategy = isvc.spec.routing.strategy
+    return "least-load" if strategy == "none" else strategy
+
+
+def gateway_replicas(isvc: InferenceService) -> int:
+    """`spec.routing.replicas`, else 2 when the service may run 2 or more engines (one router
+    going away must not stop the service), else 1."""
+    if isvc.spec.routing.replicas is not None:
+        return max(1, isvc.spec.routing.replicas)
+    scaling = isvc.spec.autoscaling
+    most = scaling.max_replicas if scaling.enabled else isvc.spec.replicas
+    return 2 if max(most, isvc.spec.replicas) >= 2 else 1
+
+
+def gateway_pdb(isvc: InferenceService) -> dict[str, Any]:
+    """At most one router evicted at a time."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {**isvc.metadata(gateway_name(isvc)),
+                         "labels": {**isvc.labels, COMPONENT: "gateway"}},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": gateway_selector_labels(isvc.name)}}}
 
 
 def gateway_name(isvc: InferenceService) -> str:
@@ -35,12 +71,13 @@ def gateway_selector_labels(name: str) -> dict[str, str]:
 
 
 def service_selector(isvc: InferenceService) -> dict[str, str]:
-    """Pods behind the InferenceService's Service: the gateway when it can scale to zero."""
+    """Pods behind the InferenceService's Service: the gateway whenever there is one."""
     return gateway_selector_labels(isvc.name) if needs_gateway(isvc) else isvc.selector_labels
 
 
 def gateway_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[str, Any]]:
-    """ServiceAccount, Role, RoleBinding and Deployment, each owned by the InferenceService."""
+    """ServiceAccount, Role, RoleBinding and Deployment (and a PodDisruptionBudget from 2
+    replicas), each owned by the InferenceService."""
     name = gateway_name(isvc)
     meta = {**isvc.metadata(name), "labels": {**isvc.labels, COMPONENT: "gateway"}}
     rules = [
@@ -48,8 +85,9 @@ def gateway_children(isvc: InferenceService, config: OperatorConfig) -> list[dic
          "verbs": ["get"]},
         {"apiGroups": [api.GROUP], "resources": [f"{api.PLURAL}/scale"],
          "resourceNames": [isvc.name], "verbs": ["get", "patch"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     ]
+    pdb = [gateway_pdb(isvc)] if gateway_replicas(isvc) >= 2 else []
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
@@ -58,7 +96,17 @@ def gateway_children(isvc: InferenceService, config: OperatorConfig) -> list[dic
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}]},
         gateway_deployment(isvc, config, meta),
+        *pdb,
     ]
+
+
+def routing_args(isvc: InferenceService) -> list[str]:
+    """`spec.routing` as the router's flags (those left at their default are omitted)."""
+    routing = isvc.spec.routing
+    values = {"strategy": gateway_strategy(isvc), "load_penalty_tokens": routing.load_penalty_tokens,
+              "balance_factor": routing.balance_factor, "balance_slack": routing.balance_slack,
+              "kv_usage_limit": routing.kv_usage_limit, "prefix_key_tokens": routing.prefix_key_tokens}
+    return to_args(values, ROUTING_FLAGS)
 
 
 def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
@@ -68,7 +116,8 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
         "name": "gateway", "image": isvc.spec.engine.image or config.engine_image,
         "command": ["kubeinfer"],
         "args": ["gateway", "--inferenceservice", isvc.name, "--port", str(GATEWAY_PORT),
-                 "--activation-timeout", str(isvc.spec.autoscaling.activation_timeout_seconds)],
+                 "--activation-timeout", str(isvc.spec.autoscaling.activation_timeout_seconds),
+                 *routing_args(isvc)],
         # The gateway checks the engines' API keys itself, so an unauthenticated request never
         # wakes a service at zero; the kubelet reads the Secret, the Role needs no access to it.
         "env": [{"name": "POD_NAMESPACE",
@@ -85,7 +134,8 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
         "spec": {
-            "replicas": 1, "selector": {"matchLabels": gateway_selector_labels(isvc.name)},
+            "replicas": gateway_replicas(isvc),
+            "selector": {"matchLabels": gateway_selector_labels(isvc.name)},
             "template": {
                 "metadata": {"labels": meta["labels"], "annotations": annotations},
                 "spec": {"serviceAccountName": meta["name"], "enableServiceLinks": False,

@@ -1,7 +1,8 @@
-"""`kubeinfer gateway`: the per-InferenceService scale-from-zero gateway process.
+"""`kubeinfer gateway`: the per-InferenceService router and scale-from-zero gateway process.
 
-Runs in the gateway Deployment the operator creates when `autoscaling.minReplicas` is 0; its
-Service is the InferenceService's URL. Options default from the environment so the pod spec
+Runs in the gateway Deployment the operator creates for `spec.routing` (or at
+`autoscaling.minReplicas` 0); its Service is the InferenceService's URL. The routing flags
+are `kubeinfer route`'s. Options default from the environment so the pod spec
 stays short (the namespace comes from the downward API or the service-account mount).
 """
 
@@ -12,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from kubeinfer.operator.gateway.route_cli import ROUTING_FLAGS
 from kubeinfer.server.flags import SERVER_FLAGS, add_flags
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -47,25 +49,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # the engine's own key flags, so the operator gives both processes the same env
     add_flags(parser, tuple(f for f in SERVER_FLAGS
                             if f.dest in ("api_keys", "api_keys_file", "require_api_key")))
+    add_flags(parser, ROUTING_FLAGS)
 
 
 def run(args: argparse.Namespace) -> int:
+    import httpx
     import uvicorn
 
     from kubeinfer.operator.autoscaler.kube import KubeScaleApi
     from kubeinfer.operator.gateway.activator import Activator, ActivatorConfig, GatewayMetrics
     from kubeinfer.operator.gateway.backends import KubeBackends
     from kubeinfer.operator.gateway.proxy import build_app
+    from kubeinfer.operator.gateway.route_cli import build_routing
     from kubeinfer.server.api.auth import api_keys_from_args
 
     # uvicorn configures only its own loggers: show ours (wake-ups, API trouble) at the
     # chosen level, and other libraries' (httpx logs every forwarded request) from warnings.
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kubeinfer").setLevel(args.log_level.upper())
-    backends = KubeBackends(KubeScaleApi(), args.namespace, args.inferenceservice)
+    scale = KubeScaleApi()
+    backends = KubeBackends(scale, args.namespace, args.inferenceservice, scale.kube.api_client)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    picker, routing = build_routing(args, client)
     activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),
-                          GatewayMetrics())
-    app = build_app(activator, args.inferenceservice, retry_after=args.retry_after,
-                    api_keys=api_keys_from_args(args))
+                          GatewayMetrics(), picker)
+    routing.views.in_flight = activator.in_flight
+    app = build_app(activator, args.inferenceservice, retry_after=args.retry_after, http=client,
+                    api_keys=api_keys_from_args(args), routing=routing)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

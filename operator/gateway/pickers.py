@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
 from kubeinfer.operator.gateway.engine_views import EngineViews
+from kubeinfer.operator.gateway.route_cli import routing_flag
 from kubeinfer.operator.gateway.routing_key import RoutingKey
 
 log = logging.getLogger(__name__)
@@ -81,12 +82,12 @@ class LeastLoad:
 
 @dataclass(frozen=True)
 class PrefixAwareConfig:
-    """The load-balance knobs (`spec.routing` / `kubeinfer route` flags)."""
+    """The load-balance knobs; defaults and meaning from the router's flags (`route_cli`)."""
 
-    load_penalty_tokens: float = 32.0   # one request in flight costs this many cached tokens
-    balance_factor: float = 1.0         # a replica past (1 + this) x the mean load ...
-    balance_slack: float = 2.0          # ... plus this many requests gets no new ones
-    kv_usage_limit: float = 0.95        # nor one whose KV cache is this full
+    load_penalty_tokens: float = routing_flag("load_penalty_tokens").default
+    balance_factor: float = routing_flag("balance_factor").default
+    balance_slack: float = routing_flag("balance_slack").default
+    kv_usage_limit: float = routing_flag("kv_usage_limit").default
     max_sessions: int = 65536
 
 

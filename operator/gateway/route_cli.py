@@ -43,6 +43,12 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
     Flag("poll-interval", float, 0.25, "Seconds between reads of each engine's /kv/blocks."),
 )
 
+
+def routing_flag(dest: str) -> Flag:
+    """The router flag behind a `spec.routing` field or a `PrefixAwareConfig` default."""
+    return {f.dest: f for f in ROUTING_FLAGS}[dest]
+
+
 STANDALONE_FLAGS: tuple[Flag, ...] = (
     Flag("host", str, "127.0.0.1", "Address to bind."),
     Flag("port", int, 8000, "Port to bind."),

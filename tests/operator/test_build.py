@@ -122,7 +122,7 @@ def test_rollout_and_replicas_follow_the_spec() -> None:
 
 
 def test_every_child_is_owned_and_labelled() -> None:
-    isvc = make_isvc({"replicas": 2})
+    isvc = make_isvc({"replicas": 2, "routing": {"strategy": "none"}})   # no router: engines only
     children = desired_children(isvc, CONFIG)
     assert [c["kind"] for c in children] == ["Deployment", "Service", "PodDisruptionBudget"]
     for child in children:
@@ -137,7 +137,7 @@ def test_every_child_is_owned_and_labelled() -> None:
 
 
 def test_pdb_only_above_one_replica() -> None:
-    single = make_isvc({"replicas": 1})
+    single = make_isvc({"replicas": 1, "routing": {"strategy": "none"}})
     assert [c["kind"] for c in desired_children(single, CONFIG)] == ["Deployment", "Service"]
     assert ("PodDisruptionBudget", "chat") in stale_children(single)
     assert ("PodDisruptionBudget", "chat") not in stale_children(make_isvc({"replicas": 3}))

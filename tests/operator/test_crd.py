@@ -56,6 +56,11 @@ def test_cross_field_rules_are_cel() -> None:
     spec = schema()["properties"]["spec"]["properties"]
     rules = [r["rule"] for r in spec["autoscaling"]["x-kubernetes-validations"]]
     assert "self.minReplicas <= self.maxReplicas" in rules
+    routing = spec["routing"]
+    assert [r["message"] for r in routing["x-kubernetes-validations"]] == [
+        "routing.replicas must be at least 1 unless routing.strategy is none"]
+    assert routing["properties"]["strategy"]["enum"] == ["prefix-aware", "least-load", "round-robin", "none"]
+    assert routing["default"]["strategy"] == "prefix-aware"
     tp = spec["engine"]["properties"]["tensorParallelSize"]
     assert (tp["minimum"], tp["maximum"], tp["default"]) == (1, 8, 1)
     name_rules = [r["rule"] for r in schema()["x-kubernetes-validations"]]

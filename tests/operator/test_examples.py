@@ -23,7 +23,7 @@ def test_example_builds(name: str) -> None:
     manifest["metadata"].update(namespace="default", uid="u", generation=1)
     isvc = InferenceService.from_body(manifest)
     kinds = [c["kind"] for c in desired_children(isvc, CONFIG)]
-    assert kinds[:2] == ["Deployment", "Service"]
+    assert kinds[0] == "Deployment" and "Service" in kinds   # the engines first, the router before the Service
     assert len(isvc.name) <= api.MAX_NAME_LENGTH
 
 

@@ -22,8 +22,9 @@ from kubeinfer.operator.reconcile import Reconciler
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kubeinfer"
 TO_ZERO = {"replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 3}}
-TO_ONE = {"replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3}}
-GATEWAY_KINDS = {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
+TO_ONE = {"replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3},
+          "routing": {"strategy": "none"}}   # without the router, only scale-to-zero needs a gateway
+GATEWAY_KINDS = {"ServiceAccount", "Role", "RoleBinding", "Deployment", "PodDisruptionBudget"}
 
 
 def by_key(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:

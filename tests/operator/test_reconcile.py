@@ -49,7 +49,9 @@ def conditions(status: dict[str, Any]) -> dict[str, str]:
 def test_creates_children_and_writes_status() -> None:
     kube = MemoryKube()
     Reconciler(kube, CONFIG).reconcile(body(), trigger="create")  # type: ignore[arg-type]
-    assert set(kube.objects) == {("Deployment", "chat"), ("Service", "chat")}
+    assert set(kube.objects) == {("Deployment", "chat"), ("Service", "chat"), ("Deployment", "chat-gateway"),
+                                 ("ServiceAccount", "chat-gateway"), ("Role", "chat-gateway"),
+                                 ("RoleBinding", "chat-gateway")}   # the router, one pod: no PDB
     status = kube.statuses[-1]
     assert status["observedGeneration"] == 1 and status["replicaSummary"] == "0/1"
     assert conditions(status)["Progressing"] == "True/RollingOut"
