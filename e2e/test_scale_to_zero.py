@@ -29,8 +29,9 @@ def operator(cluster: Cluster) -> str:
     return SYSTEM_NS
 
 
-def manifest(min_replicas: int) -> str:
-    """A real engine (the chart's image) that goes idle fast: seconds, not minutes."""
+def manifest(min_replicas: int, strategy: str = "prefix-aware") -> str:
+    """A real engine (the chart's image) that goes idle fast: seconds, not minutes; the gateway
+    is also its (prefix-aware by default) router."""
     spec = {"model": {"source": "embedded", "servedName": "smollm2", "maxModelLen": 512},
             "engine": {"device": "cpu", "kvCacheMemory": "64Mi", "maxNumSeqs": 2,
                        "maxNumBatchedTokens": 256},
@@ -38,7 +39,8 @@ def manifest(min_replicas: int) -> str:
             "autoscaling": {"enabled": True, "metric": "queueDepth", "target": 2,
                             "minReplicas": min_replicas, "maxReplicas": 1,
                             "intervalSeconds": 5, "windowSeconds": 10,
-                            "scaleDownDelaySeconds": 10, "activationTimeoutSeconds": 600}}
+                            "scaleDownDelaySeconds": 10, "activationTimeoutSeconds": 600},
+            "routing": {"strategy": strategy}}
     return json.dumps({"apiVersion": "kubeinfer.io/v1alpha1", "kind": "InferenceService",
                        "metadata": {"name": NAME}, "spec": spec})
 
@@ -91,7 +93,8 @@ def test_operator_gateway_holds_a_request_at_zero_and_wakes_an_engine(
                                         f"involvedObject.name={NAME}")["items"]
     assert "NotReady" not in [e["reason"] for e in events]  # the gateway answered throughout
 
-    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest(1))
+    # without a router, a service that cannot scale to zero needs no gateway
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest(1, "none"))
     wait_for(lambda: not gateway_objects(local_cluster, namespace), "the gateway deleted",
              timeout=60)
     service = local_cluster.kubectl_json("get", "service", NAME, "-n", namespace)
