@@ -72,3 +72,8 @@ class KubeScaleApi:
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         await asyncio.to_thread(self.kube.patch_status, namespace, name, status)
+
+    async def patch_pod(self, namespace: str, name: str, body: dict[str, Any]) -> None:
+        """Merge-patch a pod (the router's deletion-cost annotation)."""
+        await asyncio.to_thread(self.kube.request, "PATCH", self.kube.path("Pod", namespace, name), body,
+                                content_type=MERGE_PATCH)

@@ -85,7 +85,8 @@ def gateway_children(isvc: InferenceService, config: OperatorConfig) -> list[dic
          "verbs": ["get"]},
         {"apiGroups": [api.GROUP], "resources": [f"{api.PLURAL}/scale"],
          "resourceNames": [isvc.name], "verbs": ["get", "patch"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        # watch: find Ready engines; patch: their deletion cost (operator/gateway/deletion_cost.py)
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
     ]
     pdb = [gateway_pdb(isvc)] if gateway_replicas(isvc) >= 2 else []
     return [
@@ -124,6 +125,7 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                 *({"name": name, **source} for name, source in auth_env(isvc))],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",  # crash reasons reach status
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
                       "limits": {"memory": "512Mi"}},
         "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 10},

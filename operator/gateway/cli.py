@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from kubeinfer.operator.autoscaler.kube import KubeScaleApi
     from kubeinfer.operator.gateway.activator import Activator, ActivatorConfig, GatewayMetrics
     from kubeinfer.operator.gateway.backends import KubeBackends
+    from kubeinfer.operator.gateway.deletion_cost import DeletionCosts
     from kubeinfer.operator.gateway.proxy import build_app
     from kubeinfer.operator.gateway.route_cli import build_routing
     from kubeinfer.server.api.auth import api_keys_from_args
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),
                           GatewayMetrics(), picker)
     routing.views.in_flight = activator.in_flight
+    costs = DeletionCosts(backends.pods, routing.views.cache_hits, backends.patch_pod)
+    routing.background.append(costs.run)
     app = build_app(activator, args.inferenceservice, retry_after=args.retry_after, http=client,
                     api_keys=api_keys_from_args(args), routing=routing)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -24,7 +24,8 @@ from kubeinfer.server.engine.kv_events import HASH_SCHEME
 from kubeinfer.server.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+          "vllm:prefix_cache_hits_total")
 
 
 @dataclass
@@ -39,6 +40,7 @@ class EngineView:
     waiting: float = 0.0
     others: float = 0.0   # running + waiting that are not this router's, at the last scrape
     kv_usage: float = 0.0
+    cache_hits: float = 0.0   # prompt tokens its prefix cache served, since the engine started
     metrics_at: float = float("-inf")
 
     def has(self, block: int, now: float) -> bool:
@@ -87,6 +89,10 @@ class EngineViews:
         view = self.views.get(url)
         return in_flight + (view.others if view else 0.0)
 
+    def cache_hits(self) -> dict[str, float]:
+        """Per engine that answered a scrape: prompt tokens its prefix cache has served."""
+        return {url: view.cache_hits for url, view in self.views.items() if view.metrics_at > float("-inf")}
+
     def sent(self, url: str, hashes: Iterable[int]) -> None:
         """Count `hashes` as cached at `url` while the request runs (see `ended`)."""
         pending = self.get(url).pending
@@ -120,7 +126,7 @@ class EngineViews:
                 gauges = parse_gauges(response.text, GAUGES)
                 view.running, view.waiting = gauges[GAUGES[0]], gauges[GAUGES[1]]
                 view.others = max(0.0, view.running + view.waiting - self.in_flight.get(view.url, 0))
-                view.kv_usage, view.metrics_at = gauges[GAUGES[2]], now
+                view.kv_usage, view.cache_hits, view.metrics_at = gauges[GAUGES[2]], gauges[GAUGES[3]], now
         except (httpx.HTTPError, ValueError, KeyError) as error:
             log.debug("engine %s: %s", view.url, error or type(error).__name__)
         if view.pending:

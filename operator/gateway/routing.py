@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Mapping
+from typing import Awaitable, Callable, Mapping
 
 from kubeinfer.operator.gateway.backends import Backends
 from kubeinfer.operator.gateway.engine_views import EngineViews
@@ -27,6 +27,7 @@ class Routing:
         self.views, self.prefix_key_tokens, self.tokenizer_retry = views, prefix_key_tokens, tokenizer_retry
         self.keyed = keyed
         self.keys = KeyMaker(tokenizer, block_size, prefix_key_tokens) if tokenizer else None
+        self.background: list[Callable[[], Awaitable[None]]] = []   # more loops for the app's lifetime
         self._tasks: list[asyncio.Task] = []
 
     def key(self, path: str, body: bytes, headers: Mapping[str, str]) -> RoutingKey | None:
@@ -36,6 +37,7 @@ class Routing:
 
     async def start(self, backends: Backends) -> None:
         self._tasks.append(asyncio.create_task(self.views.run(backends.ready)))
+        self._tasks += [asyncio.create_task(loop()) for loop in self.background]
         if self.keys is None and self.keyed:
             self._tasks.append(asyncio.create_task(self._learn_tokenizer(backends)))
 

@@ -48,7 +48,7 @@ def test_children_are_owned_and_the_role_is_scoped_to_this_service() -> None:
         "apiGroups": ["kubeinfer.io"], "resources": ["inferenceservices/scale"],
         "resourceNames": ["chat"], "verbs": ["get", "patch"]}
     assert rules[("inferenceservices",)]["verbs"] == ["get"]
-    assert rules[("pods",)]["verbs"] == ["list", "watch"]
+    assert rules[("pods",)]["verbs"] == ["list", "watch", "patch"]
     assert objects["RoleBinding"]["subjects"] == [
         {"kind": "ServiceAccount", "name": "chat-gateway", "namespace": "team-a"}]
 
