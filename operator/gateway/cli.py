@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from kubeinfer.operator.gateway.route_cli import ROUTING_FLAGS
+from kubeinfer.operator.gateway.route_cli import KEEPALIVE_SECONDS, ROUTING_FLAGS
 from kubeinfer.server.flags import SERVER_FLAGS, add_flags
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     scale = KubeScaleApi()
     backends = KubeBackends(scale, args.namespace, args.inferenceservice, scale.kube.api_client)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                   keepalive_expiry=KEEPALIVE_SECONDS))
     picker, routing = build_routing(args, client)
     activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),
                           GatewayMetrics(), picker)

@@ -9,6 +9,7 @@ picker, and the cached tokens the engine reports in `usage` are counted against 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
+# The pod closed the connection before answering: it went away, or a pooled keep-alive
+# connection raced its idle close. Nothing reached the client yet, so another pod may serve it.
+UNANSWERED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 USAGE_TAIL = 4096  # bytes of a response kept to read its usage (the last object of a stream)
 
@@ -80,7 +84,7 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
         key = routing.key(path, body, request.headers) if routing is not None else None
         spent: float | None = time.perf_counter() - started
         refused: list[str] = []
-        for _ in range(2):  # a second pod if the first refused the connection
+        for _ in range(2):  # a second pod if the first refused the connection or did not answer
             stack = AsyncExitStack()
             try:
                 base = await stack.enter_async_context(activator.upstream(key, refused, spent))
@@ -101,6 +105,11 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
                 activator.backends.forget()
                 log.warning("engine pod refused the connection: %s", error)
                 continue
+            except UNANSWERED as error:
+                await stack.aclose()
+                refused.append(base)
+                log.warning("engine pod %s closed the connection without answering: %r", base, error)
+                continue
             counts.labels(str(upstream.status_code)).inc()
             stack.push_async_callback(upstream.aclose)
             reply = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
@@ -120,10 +129,18 @@ async def _relay(upstream: httpx.Response, stack: AsyncExitStack,
     reported once the whole body went through."""
     tail = b""
     try:
-        async for chunk in upstream.aiter_raw():
-            if observe_cached is not None:
-                tail = (tail + chunk)[-USAGE_TAIL:]
-            yield chunk
+        try:
+            async for chunk in upstream.aiter_raw():
+                if observe_cached is not None:
+                    tail = (tail + chunk)[-USAGE_TAIL:]
+                yield chunk
+        except httpx.HTTPError as error:   # the pod went away mid-answer
+            log.warning("engine pod failed mid-answer: %r", error)
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                # a stream ends with an error event (vLLM's shape), not a silently cut body
+                event = error_body(502, "the engine pod serving this stream went away; retry the request")
+                yield b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+            return
         plain = "content-encoding" not in upstream.headers
         found = CACHED_TOKENS.findall(tail) if plain and upstream.status_code == 200 else []
         if observe_cached is not None and found:

@@ -56,6 +56,9 @@ STANDALONE_FLAGS: tuple[Flag, ...] = (
          "Seconds a request waits for a Ready backend before 503 + Retry-After."),
     Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),
 )
+# Below uvicorn's 5 s keep-alive timeout (the engines'), so the router never sends on a
+# connection the engine is closing as idle.
+KEEPALIVE_SECONDS = 4.0
 BACKEND = Flag("backend", parse_urls, [], "Engine base URL (repeat, or comma-separate).")
 
 
@@ -101,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kubeinfer").setLevel(args.log_level.upper())
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                   keepalive_expiry=KEEPALIVE_SECONDS))
     backends = StaticBackends(args.backend, client)
     picker, routing = build_routing(args, client)
     activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from contextlib import AsyncExitStack
 from typing import AsyncIterator
@@ -166,3 +167,56 @@ async def test_least_loaded_pod_first_then_round_robin() -> None:
         async with activator.upstream() as url:
             turns.append(url)
     assert sorted(turns) == urls
+
+
+class RawEngine:
+    """A TCP 'engine' on 127.0.0.1 that reads one request and then answers `reply` raw and
+    closes: b"" is a pod that hangs up without answering."""
+
+    def __init__(self, reply: bytes) -> None:
+        import socket
+
+        self.reply = reply
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                conn.sendall(self.reply)
+
+
+async def test_a_pod_closing_the_connection_without_answering_is_retried_on_another() -> None:
+    hangs_up = RawEngine(b"")
+    with serving(upstream("alive")) as engine:
+        app, metrics = gateway(FakeBackends([hangs_up.url, f"http://127.0.0.1:{engine}"]))
+        with serving(app) as port:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                answers = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert {a.json()["pod"] for a in answers} == {"alive"}
+
+
+async def test_a_stream_whose_pod_goes_away_ends_with_an_openai_error_event() -> None:
+    head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+    event = b'data: {"delta": "one"}\n\n'
+    dies = RawEngine(head + f"{len(event):x}\r\n".encode() + event + b"\r\n")   # then closes mid-stream
+    app, _ = gateway(FakeBackends([dies.url]))
+    with serving(app) as port:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            answer = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert answer.status_code == 200
+    events = [line[len("data: "):] for line in answer.text.split("\n\n") if line]
+    assert events[0] == '{"delta": "one"}' and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "went away" in error["message"]

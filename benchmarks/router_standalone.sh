@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Router strategies side by side (issue #19), standalone: three `kubeinfer serve` engines on
+# loopback ports, one `kubeinfer route` per strategy in front of the same three, and
+# `kubeinfer bench serve` through each router in turn (ROUNDS rounds, strategy order rotating).
+# Every run has its own --seed, so each starts with prefixes no engine has cached.
+# Usage: benchmarks/router_standalone.sh [OUT_DIR]   (env: ROUNDS, PREFIX_LEN, NUM_PROMPTS, CONCURRENCY)
+set -euo pipefail
+out="${1:-benchmarks/results/router-$(date -u +%Y%m%dT%H%M)}"
+rounds="${ROUNDS:-1}" prefix_len="${PREFIX_LEN:-512}" prompts="${NUM_PROMPTS:-64}" conc="${CONCURRENCY:-16}"
+mkdir -p "$out"
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
+wait_ready() { for _ in $(seq 600); do curl -sf "$1/ready" >/dev/null && return 0; sleep 0.5; done; return 1; }
+backends=()
+for port in 18101 18102 18103; do
+  OMP_NUM_THREADS=1 kubeinfer serve --port "$port" --max-num-seqs 16 --kv-cache-memory 512Mi \
+    --max-model-len 2048 --log-level warning >"$out/engine-$port.log" 2>&1 & pids+=($!)
+  backends+=(--backend "http://127.0.0.1:$port")
+done
+declare -A router=([prefix-aware]=18111 [least-load]=18112 [round-robin]=18113)
+for port in 18101 18102 18103; do wait_ready "http://127.0.0.1:$port"; done
+for strategy in "${!router[@]}"; do
+  kubeinfer route "${backends[@]}" --port "${router[$strategy]}" --strategy "$strategy" \
+    --log-level warning >"$out/router-$strategy.log" 2>&1 & pids+=($!)
+done
+for strategy in "${!router[@]}"; do wait_ready "http://127.0.0.1:${router[$strategy]}"; done
+hits() {   # prompt tokens the three engines found cached, and looked up, so far
+  for port in 18101 18102 18103; do curl -s "http://127.0.0.1:$port/metrics"; done |
+    awk '/^vllm:prefix_cache_hits_total/ {h += $NF} /^vllm:prefix_cache_queries_total/ {q += $NF} END {print h, q}'
+}
+order=(prefix-aware round-robin least-load)
+seed=100
+for round in $(seq "$rounds"); do
+  for i in 0 1 2; do
+    strategy="${order[$(( (i + round - 1) % 3 ))]}"
+    for dataset in shared-prefix random; do
+      seed=$((seed + 1))
+      read -r h0 q0 < <(hits)
+      kubeinfer bench serve --base-url "http://127.0.0.1:${router[$strategy]}" --dataset "$dataset" \
+        --num-groups 8 --prefix-len "$prefix_len" --input-len 64 --output-len 16 --num-prompts "$prompts" \
+        --concurrency "$conc" --warmup 0 --seed "$seed" --no-progress --label "$strategy/$dataset/r$round" \
+        --json "$out/$strategy-$dataset-r$round.json" | tee -a "$out/console.txt"
+      read -r h1 q1 < <(hits)
+      echo "$strategy/$dataset/r$round: cached prompt tokens $((${h1%.*} - ${h0%.*})) of $((${q1%.*} - ${q0%.*})) looked up" |
+        tee -a "$out/console.txt"
+    done
+  done
+done
+for strategy in "${!router[@]}"; do
+  curl -s "http://127.0.0.1:${router[$strategy]}/metrics" | grep '^kubeinfer:router' >"$out/router-$strategy.metrics"
+done
+for port in 18101 18102 18103; do
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E '^vllm:(prefix_cache_(hits|queries)_total|request_success_total)' \
+    >"$out/engine-$port.metrics"
+done
