@@ -16,7 +16,7 @@ from torch import nn
 from kubeinfer.kernels import quant_linear_cpu
 from kubeinfer.kernels.quant_linear_cpu import QuantizedWeight
 
-from .checkpoint import QuantizedBlocks
+from .checkpoint import FusedParts, QuantizedBlocks
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .linear import Linear, MergedLinear, can_pack, linear, pack_weight
@@ -37,6 +37,12 @@ class CausalLM(nn.Module):
         self.lm_head: Linear | None = None   # None = tied to `input_embeddings()`
         self.packed_tied_head: torch.Tensor | None = None
         self.quantized_tied_head: QuantizedWeight | None = None
+
+    @classmethod
+    def fused_checkpoint_parts(cls, config: ModelConfig) -> FusedParts:
+        """Checkpoint matrices that stack several projections (split at load, before tensor
+        parallelism slices them); none by default."""
+        return {}
 
     def input_embeddings(self) -> nn.Embedding:
         raise NotImplementedError

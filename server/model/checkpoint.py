@@ -15,6 +15,9 @@ from .tokenizer import Tokenizer
 WeightStream = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
 # transformers name -> (GGUF type name, raw blocks uint8 [rows, blocks per row, block bytes])
 QuantizedBlocks = dict[str, tuple[str, torch.Tensor]]
+# A checkpoint matrix that stacks several projections (Phi-3's `self_attn.qkv_proj`), by its module
+# name inside a layer -> each part's module name and rows, in order
+FusedParts = dict[str, list[tuple[str, int]]]
 
 PARALLEL_MIN_NUMEL = 1 << 24   # tensors smaller than this load on one intra-op thread
 
@@ -50,6 +53,30 @@ class Slice:
         """`tensor` (this slice of the checkpoint tensor) zero-padded to `padded` rows."""
         missing = self.padded - tensor.shape[0] if self.dim == 0 else 0
         return tensor if missing == 0 else torch.cat([tensor, tensor.new_zeros(missing, *tensor.shape[1:])])
+
+
+def _fused_parts(name: str, fused: FusedParts) -> tuple[str, str, list[tuple[str, int]]] | None:
+    """(layer prefix, weight or bias, parts) when checkpoint tensor `name` is a fused one."""
+    module, _, kind = name.rpartition(".")
+    layer, _, leaf = module.rpartition(".")
+    prefix, _, parent = layer.rpartition(".")
+    parts = fused.get(f"{parent}.{leaf}")
+    return None if parts is None else (prefix, kind, parts)
+
+
+def is_fused(name: str, fused: FusedParts) -> bool:
+    return _fused_parts(name, fused) is not None
+
+
+def split_fused(name: str, tensor: torch.Tensor, fused: FusedParts) -> list[tuple[str, torch.Tensor]]:
+    """Checkpoint tensor `name` as its parts' tensors when it is a fused one, else as itself:
+    `model.layers.0.self_attn.qkv_proj.weight` -> `...q_proj.weight`, `...k_proj.weight`, ..."""
+    found = _fused_parts(name, fused)
+    if found is None:
+        return [(name, tensor)]
+    prefix, kind, parts = found
+    pieces = tensor.split([rows for _, rows in parts], dim=0)
+    return [(f"{prefix}.{part}.{kind}", piece) for (part, _), piece in zip(parts, pieces, strict=True)]
 
 
 @contextmanager

@@ -113,11 +113,16 @@ class ModelConfig:
         rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
         if "type" in rope:   # pre-4.45 spelling
             rope.setdefault("rope_type", rope.pop("type"))
+        partial_rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if partial_rotary != 1.0:
+            raise ValueError(f"partial rotary embeddings (partial_rotary_factor {partial_rotary}) are not supported")
+        rope.pop("partial_rotary_factor", None)
         if rope.get("rope_type") == "yarn":
             rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 4096))
         eos = config.get("eos_token_id")
         layer_types = tuple(config.get("layer_types") or _gemma_layer_types(model_type, config))
-        use_sliding = config.get("use_sliding_window", model_type == "mistral" or "sliding_attention" in layer_types)
+        use_sliding = config.get("use_sliding_window",
+                                 model_type in ("mistral", "phi3") or "sliding_attention" in layer_types)
         if model_type.startswith("qwen") and use_sliding:
             raise ValueError("models that mix sliding-window and full-attention layers are not supported")
         return cls(

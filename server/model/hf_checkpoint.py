@@ -10,9 +10,10 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from .checkpoint import GENERATION_KEYS, Checkpoint, loading_threads
+from .checkpoint import GENERATION_KEYS, Checkpoint, loading_threads, split_fused
 from .config import ModelConfig
 from .quantization import QUANTIZED_TENSOR_SUFFIXES
+from .registry import model_family
 from .tokenizer_files import hf_tokenizer, read_json
 
 
@@ -43,6 +44,7 @@ def read_hf_directory(path: Path) -> Checkpoint:
     tokenizer = hf_tokenizer(path, config.eos_token_ids)
     defaults = {("max_tokens" if key == "max_new_tokens" else key): value for key, value in generation.items()}
     files = _safetensors_files(path)
+    fused = model_family(config.architecture).resolve().fused_checkpoint_parts(config)
 
     quantization_config = hf_config.get("quantization_config")
 
@@ -53,7 +55,8 @@ def read_hf_directory(path: Path) -> Checkpoint:
                     tensor = handle.get_slice(name)
                     with loading_threads(math.prod(tensor.get_shape())):
                         tensor = handle.get_tensor(name)
-                        yield name, tensor if quantization_config and _stored_as_is(name, tensor) else tensor.to(dtype)
+                        tensor = tensor if quantization_config and _stored_as_is(name, tensor) else tensor.to(dtype)
+                        yield from split_fused(name, tensor, fused)
 
     num_tensors = 0
     for file in files:

@@ -90,6 +90,7 @@ _FAMILIES: dict[str, ModelFamily] = {
     "qwen3": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
     "qwen3_moe": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
     "mixtral": ModelFamily("kubeinfer.server.model.mixtral:MixtralForCausalLM"),
+    "phi3": ModelFamily("kubeinfer.server.model.phi3:Phi3ForCausalLM"),
     "gemma2": ModelFamily("kubeinfer.server.model.gemma:Gemma2ForCausalLM"),
     "gemma3_text": ModelFamily("kubeinfer.server.model.gemma:Gemma3ForCausalLM"),
 }

@@ -117,5 +117,6 @@ def load_shard(source: Path, family: ModelFamily, plan: ShardPlan, dtype: torch.
     single-process loader's steps: see `load_model`)."""
     with uninitialized_modules(device, dtype):
         model = build_shard(family, plan, device).to(dtype)
-    fill_model(model, sharded_weights(source, plan, weight_slices(model, plan), family.gguf, dtype), device)
+    fused = family.resolve().fused_checkpoint_parts(plan.config)
+    fill_model(model, sharded_weights(source, plan, weight_slices(model, plan), family.gguf, dtype, fused), device)
     return TensorParallelModel(model, plan)

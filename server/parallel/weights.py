@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 import torch
 from safetensors import safe_open
 
-from ..model.checkpoint import Slice
+from ..model.checkpoint import FusedParts, Slice, is_fused, split_fused
 from ..model.gguf_checkpoint import convert_tensor
 from ..model.gguf_reader import GGUFFile
 from ..model.hf_checkpoint import _safetensors_files
@@ -22,11 +22,18 @@ from ..model.registry import GGUFNames
 from .plan import ShardPlan
 
 
-def safetensors_shards(path: Path, slices: Mapping[str, Slice], dtype: torch.dtype
+def safetensors_shards(path: Path, slices: Mapping[str, Slice], dtype: torch.dtype, fused: FusedParts
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as handle:
             for name in handle.keys():
+                if is_fused(name, fused):   # read whole, split, then each part sliced
+                    for piece_name, piece in split_fused(name, handle.get_tensor(name), fused):
+                        part = slices.get(piece_name)
+                        if part is not None:
+                            piece = part.pad(piece.narrow(part.dim, part.start, part.stop - part.start))
+                        yield piece_name, piece.to(dtype)
+                    continue
                 part = slices.get(name)
                 if part is None:
                     yield name, handle.get_tensor(name).to(dtype)
@@ -45,8 +52,9 @@ def gguf_shards(path: Path, plan: ShardPlan, slices: Mapping[str, Slice], names:
 
 
 def sharded_weights(source: Path, plan: ShardPlan, slices: Mapping[str, Slice], names: GGUFNames,
-                    dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's part of every checkpoint tensor; `slices` from `model.weight_slices`."""
+                    dtype: torch.dtype, fused: FusedParts | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's part of every checkpoint tensor; `slices` from `model.weight_slices`, `fused`
+    from the family's `fused_checkpoint_parts` of the whole model's config."""
     if source.is_dir():
-        return safetensors_shards(source, slices, dtype)
+        return safetensors_shards(source, slices, dtype, fused or {})
     return gguf_shards(source, plan, slices, names, dtype)

@@ -13,7 +13,8 @@ process on a fixed corpus: ~384 tokens, so any UTF-8 text round-trips.
 
 Builders: Llama (tied or not, llama3 rope scaling), Qwen2 (q/k/v bias), Mistral (sliding window),
 Qwen3 (q/k norms, head_dim apart from hidden / heads), Mixtral and Qwen3-MoE (4 experts, top-2),
-Gemma 2 / Gemma 3 (a local layer with a window of 8, a global one; soft-caps that bite).
+Gemma 2 / Gemma 3 (a local layer with a window of 8, a global one; soft-caps that bite), Phi-3
+(fused qkv_proj / gate_up_proj checkpoint matrices, window 8).
 """
 
 from __future__ import annotations
@@ -217,6 +218,19 @@ def build_tiny_gemma3(tmp_path: Path, *, tie_word_embeddings: bool = True, num_k
     return _build(tmp_path, config, seed, False, None, name)
 
 
+def build_tiny_phi3(tmp_path: Path, *, tie_word_embeddings: bool = False, num_kv_heads: int = 2, seed: int = 0,
+                    sliding_window: int | None = 8, name: str = "tiny-phi3") -> tuple[Path, torch.nn.Module]:
+    """A 2-layer Phi-3: its checkpoint stacks q|k|v and gate|up; a sliding window of 8 as
+    Phi-3-mini-4k has one (2047)."""
+    from transformers import Phi3Config
+
+    config = Phi3Config(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, sliding_window=sliding_window,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                        pad_token_id=0, **_DIMS)
+    return _build(tmp_path, config, seed, False, None, name)
+
+
 def make_tiny_llama(tmp_path: Path, **kwargs: Any) -> Path:
     """Path of a tiny Llama HF directory; keyword arguments as `build_tiny_llama`."""
     return build_tiny_llama(tmp_path, **kwargs)[0]
@@ -250,6 +264,11 @@ def make_tiny_gemma2(tmp_path: Path, **kwargs: Any) -> Path:
 def make_tiny_gemma3(tmp_path: Path, **kwargs: Any) -> Path:
     """Path of a tiny Gemma 3 text HF directory; keyword arguments as `build_tiny_gemma3`."""
     return build_tiny_gemma3(tmp_path, **kwargs)[0]
+
+
+def make_tiny_phi3(tmp_path: Path, **kwargs: Any) -> Path:
+    """Path of a tiny Phi-3 HF directory; keyword arguments as `build_tiny_phi3`."""
+    return build_tiny_phi3(tmp_path, **kwargs)[0]
 
 
 def load_hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -24,8 +24,8 @@ import pytest
 import torch
 from helpers.gguf_export import export_gguf
 from helpers.paged import PagedRunner
-from helpers.tiny_models import (build_tiny_gemma2, build_tiny_gemma3, build_tiny_mixtral, build_tiny_qwen3,
-                                 build_tiny_qwen3_moe)
+from helpers.tiny_models import (build_tiny_gemma2, build_tiny_gemma3, build_tiny_mixtral, build_tiny_phi3,
+                                 build_tiny_qwen3, build_tiny_qwen3_moe)
 
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ FAMILIES: dict[str, Callable] = {
     "qwen3_moe": build_tiny_qwen3_moe,
     "gemma2": build_tiny_gemma2,
     "gemma3_text": build_tiny_gemma3,
+    "phi3": build_tiny_phi3,
 }
 GGUF_FAMILIES = ["qwen3"]   # those `helpers.gguf_export` writes in llama.cpp's layout
 
@@ -176,6 +177,8 @@ def test_moe_config_from_transformers_keys():
                  "llama: models that mix sliding-window and full-attention layers are not supported", id="llama-mixed"),
     pytest.param({"model_type": "gemma2", "hidden_activation": "relu"}, "hidden activation 'relu' is not supported",
                  id="gemma-activation"),
+    pytest.param({"model_type": "phi3", "partial_rotary_factor": 0.75},
+                 r"partial rotary embeddings \(partial_rotary_factor 0.75\) are not supported", id="phi4-mini-rotary"),
     pytest.param({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}},
                  "unsupported rope scaling type 'dynamic'; supported: default", id="rope-type"),
 ])

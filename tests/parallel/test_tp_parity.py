@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.tiny_models import (make_tiny_gemma2, make_tiny_gemma3, make_tiny_llama, make_tiny_mixtral, make_tiny_qwen2,
-                                 make_tiny_qwen3, make_tiny_qwen3_moe)
+from helpers.tiny_models import (make_tiny_gemma2, make_tiny_gemma3, make_tiny_llama, make_tiny_mixtral, make_tiny_phi3,
+                                 make_tiny_qwen2, make_tiny_qwen3, make_tiny_qwen3_moe)
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from parity import assert_greedy_parity
@@ -32,6 +32,7 @@ def random_prompts(count: int, seed: int, vocab: int = 384) -> list[list[int]]:
     pytest.param(make_tiny_qwen3_moe, 1, True, id="qwen3-moe-experts-and-dense-sharded-kv1-tied"),
     pytest.param(make_tiny_gemma2, 2, True, id="gemma2-window-softcaps"),
     pytest.param(make_tiny_gemma3, 1, False, id="gemma3-window-qk-norm-kv1-untied"),
+    pytest.param(make_tiny_phi3, 2, False, id="phi3-fused-weights-split-then-sharded"),
 ])
 def test_tiny_model_tp2_matches_tp1(build, kv_heads, tied, tmp_path, make_tp_llm):
     path = str(build(tmp_path, num_kv_heads=kv_heads, tie_word_embeddings=tied))
