@@ -189,3 +189,27 @@ def test_default_max_tokens_is_clamped_to_the_context(make_llm):
     with pytest.raises(InvalidRequestError, match="1000 in the completion") as error:
         llm.engine.make_request("e", [5] * 40, SamplingParams(max_tokens=1000))
     assert error.value.param == "max_tokens" and error.value.code == "context_length_exceeded"
+
+
+def test_a_detokenizer_fault_fails_its_request_alone_and_frees_its_blocks(make_llm, random_prompts, monkeypatch):
+    from kubeinfer.server.engine.detokenizer import IncrementalDetokenizer
+
+    prompts = random_prompts(4, 20, 40, seed=3)
+    clean = make_llm().generate(prompts, GREEDY)
+    original = IncrementalDetokenizer.add_token
+
+    def add_token(self, token_id, check_stop=True):
+        if self.ids[:len(prompts[2][-6:])] == prompts[2][-6:] and len(self.ids) > 8:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return original(self, token_id, check_stop)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_token", add_token)
+    llm = make_llm()
+    outputs = llm.generate(prompts, GREEDY)
+    assert outputs[2].error and "UnicodeDecodeError" in outputs[2].error and outputs[2].finished
+    assert outputs[2].outputs[0].finish_reason == "error"
+    for i in (0, 1, 3):
+        assert outputs[i].error is None and outputs[i].outputs[0].token_ids == clean[i].outputs[0].token_ids
+    stats = llm.engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_blocks_free + stats.num_blocks_evictable == stats.num_blocks_total
