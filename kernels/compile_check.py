@@ -29,8 +29,9 @@ class CompileCase:
 
 def cases(dtype: str) -> Iterator[CompileCase]:
     """Every kernel at Llama-3-8B-like shapes (32 query / 8 KV heads, head_dim 128), every config."""
-    from kubeinfer.kernels import activation, kv_cache, moe, rms_norm, rotary, split_kv_attention, unified_attention
-    from kubeinfer.kernels.tuning import ATTENTION_CONFIGS, MOE_CONFIGS, RMS_NORM_CONFIGS
+    from kubeinfer.kernels import (activation, kv_cache, moe, rms_norm, rotary, split_kv_attention, unified_attention,
+                                   w4a16)
+    from kubeinfer.kernels.tuning import ATTENTION_CONFIGS, MOE_CONFIGS, RMS_NORM_CONFIGS, W4A16_CONFIGS
 
     p = "*" + TYPES[dtype]
     attention = dict(lse_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32",
@@ -68,6 +69,13 @@ def cases(dtype: str) -> Iterator[CompileCase]:
                               dict(c_ptr=p, a_ptr=p, b_ptr=p, weights_ptr="*fp32", slots_ptr="*i32",
                                    block_experts_ptr="*i32"),
                               dict(ROWS_PER_A=1 if down else 2, MUL_WEIGHTS=down, BLOCK_M=block_m, **cfg.kwargs),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    for cfg in W4A16_CONFIGS:
+        for bits, group_size in ((4, 128), (8, 4104)):   # W4A16 by groups; W8A16 by channel, K % BLOCK_K != 0
+            yield CompileCase(f"packed gemm {bits}-bit group {group_size} {cfg.kwargs} warps={cfg.num_warps} "
+                              f"stages={cfg.num_stages}", w4a16._packed_gemm_kernel.fn,
+                              dict(c_ptr=p, a_ptr=p, qweight_ptr="*i32", scales_ptr="*fp32", zeros_ptr="*fp32"),
+                              dict(BITS=bits, GROUP_SIZE=group_size, IEEE_FP32=False, **cfg.kwargs),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 

@@ -62,3 +62,19 @@ MOE_CONFIGS = _for_this_run([
     # Narrow experts (intermediate 256-768, as Qwen3-MoE's): deeper K steps, fewer column blocks.
     Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
 ])
+
+# Packed-integer GEMM (W4A16 / W8A16, `w4a16.py`): BLOCK_M is the rows of x per program, so
+# decode (a few rows) wants the smallest tile the tensor cores take (16) and prefill wider ones.
+# Shared memory as compiled for sm_90 bf16, group 128 (one scale row per K step): 22, 84, 46,
+# 50 KiB; with per-element scales (a group size BLOCK_K does not divide) 53-210 KiB, where the
+# autotuner skips what does not fit.
+W4A16_CONFIGS = _for_this_run([
+    # The default on every part and the interpreter's: decode-sized batches, many programs.
+    Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+    # Decode on A100/H100: longer K steps amortise the scale/zero loads per packed word.
+    Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+    # Prefill: a 64 x 128 tile dequantizes each weight tile once for 64 rows of x.
+    Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+    # H100 prefill: 8 warps on a 128 x 128 tile.
+    Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=3),
+])

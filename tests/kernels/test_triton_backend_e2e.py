@@ -8,7 +8,8 @@ come from a shuffled pool (`PagedRunner`), so block tables are never contiguous.
 import pytest
 import torch
 from helpers.paged import PagedRunner
-from helpers.tiny_models import make_tiny_gemma2, make_tiny_gemma3, make_tiny_llama, make_tiny_mixtral, make_tiny_qwen3_moe
+from helpers.quantized_models import write_gptq
+from helpers.tiny_models import build_tiny_llama, make_tiny_gemma2, make_tiny_gemma3, make_tiny_llama, make_tiny_mixtral, make_tiny_qwen3_moe
 
 from kubeinfer.kernels import ops
 
@@ -69,6 +70,24 @@ def test_new_families_decode_the_same_tokens_on_every_triton_kernel(build, tmp_p
     for layer in triton_model.model.layers:
         backend = layer.self_attn.backend
         layer.self_attn.backend = TritonAttention(backend.sliding_window, getattr(backend, "softcap", None))
+    want_tokens, want_logits = _greedy(torch_model)
+    with ops.use_backend("triton"):
+        got_tokens, got_logits = _greedy(triton_model)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_model_decodes_the_same_tokens_through_the_packed_gemm_kernel(bits, tmp_path):
+    """A GPTQ checkpoint (act-order) with every op on Triton: its linears on the packed-integer
+    GEMM (`kernels/w4a16.py`, weights dequantized inside the kernel), against the CPU path."""
+    path, hf_model = build_tiny_llama(tmp_path)
+    quantized, _ = write_gptq(path, hf_model, tmp_path / "gptq", bits=bits, desc_act=True)
+    torch_model = load_model(str(quantized), dtype="float32", device="cpu").model
+    triton_model = load_model(str(quantized), dtype="float32", device="cpu").model
+    for layer in triton_model.model.layers:
+        layer.self_attn.backend = TritonAttention()
     want_tokens, want_logits = _greedy(torch_model)
     with ops.use_backend("triton"):
         got_tokens, got_logits = _greedy(triton_model)

@@ -7,7 +7,7 @@ that form, so a 4-bit model holds about a quarter of its bf16 bytes:
 - `PackedIntWeight`: 4- or 8-bit integers packed along the input dimension in GPTQ's int32
   layout, with a scale and a zero point per group of input features (W4A16, W8A16, GPTQ, AWQ).
   CUDA runs the Triton dequant-in-GEMM kernel (`kernels/w4a16.py`); elsewhere the layer's
-  weight is dequantized for the matmul and dropped again.
+  weight is dequantized (`kernels/w4a16_ref.py`) for the matmul and dropped again.
 - `Int8Weight`: int8 weights with per-output-channel scales; with activation quantization
   (W8A8) x is quantized per token (dynamic) or with the checkpoint's scale (static) and the GEMM
   runs on int8 (`torch._int_mm`: oneDNN's AMX-INT8 / VNNI on CPU), scaled back in float32.
@@ -25,29 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from kubeinfer.kernels import ops
+from kubeinfer.kernels.w4a16_ref import dequantize_kn, pack_rows, unpack_rows
+
+__all__ = ["Fp8Weight", "Int8Weight", "PackedIntWeight", "pack_rows", "quantize_per_channel", "unpack_rows"]
+
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 _INT8_EPS = 1e-10
-
-
-def unpack_rows(qweight: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
-    """int32 [ceil(rows * bits / 32), N] packed along rows, lowest bits first (GPTQ's layout)
-    -> int32 [rows, N] unsigned values."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
-    values = (qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
-    return values.reshape(qweight.shape[0] * per_word, qweight.shape[1])[:rows]
-
-
-def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of `unpack_rows`: unsigned values [K, N] -> int32 [ceil(K / (32/bits)), N]."""
-    per_word = 32 // bits
-    rows = -(-values.shape[0] // per_word) * per_word
-    values = F.pad(values.to(torch.int32), (0, 0, 0, rows - values.shape[0]))
-    values = values.view(rows // per_word, per_word, values.shape[1])
-    packed = torch.zeros(rows // per_word, values.shape[2], dtype=torch.int32, device=values.device)
-    for index in range(per_word):
-        packed |= values[:, index] << (bits * index)
-    return packed
 
 
 @dataclass
@@ -70,9 +54,8 @@ class PackedIntWeight:
 
     def dequantize_kn(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight transposed, [K, N] in `dtype` (rows in `perm` order): computed in float32."""
-        q = unpack_rows(self.qweight, self.bits, self.in_features).float()
-        groups = torch.arange(self.in_features, device=q.device) // self.group_size
-        return ((q - self.zeros[groups]) * self.scales[groups]).to(dtype)
+        return dequantize_kn(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.in_features,
+                             dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] in checkpoint input order, as `F.linear` takes it."""
@@ -85,9 +68,9 @@ class PackedIntWeight:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         rows = x.reshape(-1, self.in_features)
-        if rows.is_cuda and self.bits == 4:
+        if ops.uses_triton(rows):   # dequant-in-GEMM: the weight is never written out dequantized
             from kubeinfer.kernels import w4a16
-            out = w4a16.matmul(rows, self.qweight, self.scales, self.zeros, self.group_size)
+            out = w4a16.matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, self.bits)
         else:
             out = rows @ self.dequantize_kn(x.dtype)
         if bias is not None:
