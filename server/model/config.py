@@ -175,12 +175,20 @@ class ModelConfig:
             # which the model loads into its rotary embedding.
             rope_scaling = {"rope_type": "freq_factors"}
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        blocks = int(key("block_count"))
+        moe = None
+        if key("expert_count"):   # Mixtral (as `llama`), qwen3moe: stacked ffn_*_exps tensors
+            moe = MoEConfig(num_experts=int(key("expert_count")), top_k=int(key("expert_used_count")),
+                            intermediate_size=int(key("expert_feed_forward_length") or key("feed_forward_length")),
+                            renormalize=bool(key("expert_weights_norm", True)),   # what llama.cpp does for both
+                            dense_layers=frozenset(i for i in range(blocks)
+                                                   if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names))
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=int(hidden),
             intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")),
+            num_hidden_layers=blocks,
             num_attention_heads=int(heads),
             num_key_value_heads=int(key("attention.head_count_kv", heads)),
             head_dim=int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads),
@@ -191,6 +199,7 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             sliding_window=key("attention.sliding_window"),
+            moe=moe,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=frozenset([] if eos is None else [int(eos)]),
         )

@@ -14,7 +14,7 @@ import re
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -66,6 +66,24 @@ def convert_tensor(names: GGUFNames, gguf_name: str, tensor: GGUFTensor, dtype: 
     return name, value if heads is None else unpermute_rope_rows(value, heads)
 
 
+def convert_tensors(names: GGUFNames, gguf_name: str, tensor: GGUFTensor, dtype: torch.dtype, num_heads: int,
+                    num_kv_heads: int, slices: Mapping[str, Slice]) -> list[tuple[str, torch.Tensor]]:
+    """`convert_tensor`, except that a stacked expert tensor (`ffn_gate_exps` [E, I, H], ...) becomes
+    its E per-expert matrices under their transformers names, each cut to its part in `slices`
+    (tensor parallelism) -- the names and slices the model and `weight_slices` use for any checkpoint."""
+    experts = names.expert_names(gguf_name, tensor.shape[0]) if len(tensor.shape) == 3 else None
+    if experts is None:
+        name = names.hf_name(gguf_name)
+        return [convert_tensor(names, gguf_name, tensor, dtype, num_heads, num_kv_heads, slices.get(name))]
+    stacked = dequantize(tensor, dtype)
+    converted = []
+    for name, matrix in zip(experts, stacked, strict=True):
+        part = slices.get(name)
+        converted.append((name, matrix if part is None else
+                          part.pad(matrix.narrow(part.dim, part.start, part.stop - part.start))))
+    return converted
+
+
 def read_gguf_file(path: Path) -> Checkpoint:
     gguf = GGUFFile(path)
     meta = gguf.metadata
@@ -78,28 +96,30 @@ def read_gguf_file(path: Path) -> Checkpoint:
     heads = (config.num_attention_heads, config.num_key_value_heads)
     quantized: QuantizedBlocks = {}
 
-    def convert(gguf_name: str, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    def convert(gguf_name: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         tensor = gguf.tensors[gguf_name]
+        if len(tensor.shape) == 3:   # stacked experts
+            return convert_tensors(names, gguf_name, tensor, dtype, *heads, {})
         name, value = convert_tensor(names, gguf_name, tensor, dtype, *heads)
         if tensor.qtype.name in BLOCK_BYTES and len(tensor.shape) == 2:   # the raw blocks too (a view)
             blocks = torch.from_numpy(np.ascontiguousarray(tensor.data))
             blocks = blocks.reshape(tensor.shape[0], -1, BLOCK_BYTES[tensor.qtype.name])
             permuted = names.rope_heads(name, *heads)
             quantized[name] = (tensor.qtype.name, blocks if permuted is None else unpermute_rope_rows(blocks, permuted))
-        return name, value
+        return [(name, value)]
 
     def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors in file order, dequantized a few ahead by one worker per core, each on one
         intra-op thread (torch kernels release the GIL; no thread barriers, see `one_intra_op_thread`)."""
         workers = max(1, min(LOAD_WORKERS, torch.get_num_threads()))
         with one_intra_op_thread(), ThreadPoolExecutor(workers, thread_name_prefix="kubeinfer-gguf") as pool:
-            ahead: deque[Future[tuple[str, torch.Tensor]]] = deque()
+            ahead: deque[Future[list[tuple[str, torch.Tensor]]]] = deque()
             for name in gguf.tensors:
                 ahead.append(pool.submit(convert, name, dtype))
                 if len(ahead) > 2 * workers:
-                    yield ahead.popleft().result()
+                    yield from ahead.popleft().result()
             while ahead:
-                yield ahead.popleft().result()
+                yield from ahead.popleft().result()
 
     return Checkpoint(config=config, tokenizer=tokenizer, generation_defaults=defaults,
                       name=_QUANT_SUFFIX.sub("", path.stem), num_tensors=len(gguf.tensors), weights=weights, gguf=True,

@@ -31,6 +31,16 @@ class GGUFNames:
     # transformers module (inside a layer) -> "q" or "k": rows permuted by llama.cpp's converter
     permuted_rope_rows: Mapping[str, str] = field(default_factory=dict)
 
+    def expert_names(self, gguf_name: str, num_experts: int) -> list[str] | None:
+        """The transformers names of the per-expert matrices a stacked GGUF expert tensor holds
+        (`blk.3.ffn_gate_exps.weight` [E, I, H] -> `model.layers.3.mlp.experts.{e}.gate_proj.weight`),
+        None for any other tensor."""
+        match = re.fullmatch(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight", gguf_name)
+        if not match:
+            return None
+        projection = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}[match[2]]
+        return [f"model.layers.{match[1]}.mlp.experts.{e}.{projection}.weight" for e in range(num_experts)]
+
     def hf_name(self, gguf_name: str) -> str:
         """The transformers name of GGUF tensor `gguf_name` (`blk.3.attn_q.weight` ->
         `model.layers.3.self_attn.q_proj.weight`)."""
@@ -55,7 +65,7 @@ _LLAMA_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _LLAMA_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+                "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}   # the MoE router
 # Only llama.cpp's `llama` converter permutes q/k rows (for its interleaved rotary); qwen2 does not.
 LLAMA_GGUF = GGUFNames(_LLAMA_GLOBAL, _LLAMA_BLOCK, {"self_attn.q_proj": "q", "self_attn.k_proj": "k"})
 LLAMA_GGUF_UNPERMUTED = GGUFNames(_LLAMA_GLOBAL, _LLAMA_BLOCK)
@@ -89,6 +99,7 @@ _FAMILIES: dict[str, ModelFamily] = {
     "qwen2": ModelFamily(_LLAMA),
     "qwen3": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
     "qwen3_moe": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
+    "qwen3moe": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),   # its GGUF name
     "mixtral": ModelFamily("kubeinfer.server.model.mixtral:MixtralForCausalLM"),
     "phi3": ModelFamily("kubeinfer.server.model.phi3:Phi3ForCausalLM"),
     "gemma2": ModelFamily("kubeinfer.server.model.gemma:Gemma2ForCausalLM"),

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..model.checkpoint import FusedParts, Slice, is_fused, split_fused
-from ..model.gguf_checkpoint import convert_tensor
+from ..model.gguf_checkpoint import convert_tensors
 from ..model.gguf_reader import GGUFFile
 from ..model.hf_checkpoint import _safetensors_files
 from ..model.registry import GGUFNames
@@ -47,8 +47,7 @@ def gguf_shards(path: Path, plan: ShardPlan, slices: Mapping[str, Slice], names:
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     for gguf_name, tensor in GGUFFile(path).tensors.items():
         # llama.cpp permutes rows within each head, so a rank's whole heads un-permute on their own.
-        yield convert_tensor(names, gguf_name, tensor, dtype, plan.num_heads, plan.num_kv_heads,
-                             slices.get(names.hf_name(gguf_name)))
+        yield from convert_tensors(names, gguf_name, tensor, dtype, plan.num_heads, plan.num_kv_heads, slices)
 
 
 def sharded_weights(source: Path, plan: ShardPlan, slices: Mapping[str, Slice], names: GGUFNames,

@@ -1,4 +1,4 @@
-"""Write a tiny HF Llama, Qwen2 or Qwen3 as a GGUF the way llama.cpp's converter does (for `llama`: q/k rows
+"""Write a tiny HF Llama, Qwen2, Qwen3, Qwen3-MoE or Mixtral as a GGUF the way llama.cpp's converter does (for `llama`: q/k rows
 permuted for its rotary layout, Llama-3 rope scaling baked into `rope_freqs`), Q8_0-quantized.
 
 Q8_0 blocks run along rows and the permutation only reorders rows, so quantization commutes with
@@ -20,14 +20,18 @@ _NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+          "mlp.experts.down_proj": "ffn_down_exps", "mlp.experts.gate_up_proj": "ffn_gate_up_exps"}
+# llama.cpp's architecture names: Mixtral is written as `llama` with experts
+_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def _gguf_name(name: str) -> str:
     if name in _NAMES:
         return _NAMES[name]
     _, _, layer, *module, kind = name.split(".")
-    return f"blk.{layer}.{_BLOCK['.'.join(module)]}.{kind}"
+    module = ".".join(module)
+    return f"blk.{layer}.{_BLOCK[module]}.{kind}" if module in _BLOCK else f"blk.{layer}.{_BLOCK[f'{module}.{kind}']}.weight"
 
 
 def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -40,7 +44,8 @@ def export_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
     """Write `out` and return `hf_model` with matrices replaced by their quantize/dequantize round-trip."""
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer = GGUFWriter(out, config.model_type)
+    arch = _ARCHITECTURES.get(config.model_type, config.model_type)
+    writer = GGUFWriter(out, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -48,6 +53,12 @@ def export_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:   # stacked ffn_{gate,up,down}_exps [E, rows, cols] and the router ffn_gate_inp
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = config.rope_parameters
@@ -61,17 +72,22 @@ def export_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
             writer.add_tensor("rope_freqs.weight", (default / scaled).numpy())
         # llama.cpp permutes only `llama` q/k (Qwen2 uses its NeoX rotary, the HF layout)
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} \
-            if config.model_type == "llama" else {}
+            if arch == "llama" else {}
         for name, param in hf_model.state_dict().items():
             gguf_name = _gguf_name(name)
             value = param.float().numpy()
             raw_dtype = None
-            if value.ndim == 2 and value.shape[1] % 32 == 0 and qtype != GGMLQuantizationType.F32:
-                value, raw_dtype = quants.quantize(value, qtype), qtype
+            if value.ndim >= 2 and value.shape[-1] % 32 == 0 and qtype != GGMLQuantizationType.F32:
+                value, raw_dtype = quants.quantize(value, qtype), qtype   # along rows: slicing rows commutes
                 param.copy_(torch.from_numpy(quants.dequantize(value, qtype)))
             kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
             if kind in heads:
                 value = _llama_cpp_permute(value, heads[kind])
+            if name.endswith("mlp.experts.gate_up_proj"):   # transformers 5 stacks gate|up; llama.cpp keeps two
+                rows = value.shape[1] // 2
+                writer.add_tensor(gguf_name.replace("ffn_gate_up_exps", "ffn_gate_exps"), value[:, :rows], raw_dtype=raw_dtype)
+                writer.add_tensor(gguf_name.replace("ffn_gate_up_exps", "ffn_up_exps"), value[:, rows:], raw_dtype=raw_dtype)
+                continue
             writer.add_tensor(gguf_name, value, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

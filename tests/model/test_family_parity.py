@@ -47,7 +47,8 @@ FAMILIES: dict[str, Callable] = {
     "gemma3_text": build_tiny_gemma3,
     "phi3": build_tiny_phi3,
 }
-GGUF_FAMILIES = ["qwen3"]   # those `helpers.gguf_export` writes in llama.cpp's layout
+# those `helpers.gguf_export` writes in llama.cpp's layout -> llama.cpp's architecture name
+GGUF_FAMILIES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -135,12 +136,13 @@ def _hf_greedy(hf_model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return tokens, torch.stack(logprobs)
 
 
-@pytest.mark.parametrize("name", GGUF_FAMILIES)
+@pytest.mark.parametrize("name", list(GGUF_FAMILIES))
 def test_gguf_matches_transformers(name, tmp_path):
     path, hf_model = FAMILIES[name](tmp_path)
     reference_model = export_gguf(path, hf_model, tmp_path / f"tiny-{name}.Q8_0.gguf")
     loaded = load_model(str(tmp_path / f"tiny-{name}.Q8_0.gguf"), dtype="float32", device="cpu")
-    assert loaded.config.architecture == name.partition("_yarn")[0]
+    assert loaded.config.architecture == GGUF_FAMILIES[name]
+    assert (loaded.config.moe is not None) == (name != "qwen3")
     sequence = PROMPT + _continuation(1)[:8]
     reference = _reference(reference_model, sequence)
     runner = PagedRunner(loaded.model, num_blocks=32)
