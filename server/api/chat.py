@@ -12,19 +12,24 @@ from fastapi.responses import JSONResponse, Response
 from kubeinfer.server.api.errors import OpenAIError
 from kubeinfer.server.api.logprobs import chat_logprobs
 from kubeinfer.server.api.protocol import ChatCompletionRequest, ChatMessage
-from kubeinfer.server.api.responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
-                                            ChatCompletionChunk, ChatCompletionResponse, DeltaMessage, Usage)
+from kubeinfer.server.api.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                            ChatCompletionResponse, DeltaMessage, DeltaToolCall, FunctionCallOut,
+                                            ToolCallOut, Usage)
 from kubeinfer.server.api.sampling import sampling_params
 from kubeinfer.server.api.sse import sse_response
 from kubeinfer.server.api.state import ServerState, new_request_id
 from kubeinfer.server.api.streams import Indexed, chain, submit
+from kubeinfer.server.api.structured import compile_ahead, constrain, structured_outputs
+from kubeinfer.server.api.tools import ToolCallStream, ToolPlan, plan_tools, template_messages
 from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+def render_chat(state: ServerState, messages: list[ChatMessage] | list[dict[str, Any]], add_generation_prompt: bool,
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text (`Tokenizer.chat_prompt`, which the router repeats); it already holds any
-    BOS, so none is added when tokenizing.
+    BOS, so none is added when tokenizing. `messages` may already be in the template's form
+    (server/api/tools.py rewrites them) and `tools` go to the template's `tools` variable.
 
     `template_kwargs` are extra template variables (vLLM's `chat_template_kwargs`): there,
     `add_generation_prompt` and `continue_final_message` override the request's fields as in
@@ -34,8 +39,10 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
     if "messages" in (template_kwargs or {}):
         raise OpenAIError(400, "chat_template_kwargs.messages: the template's messages come from the "
                           "request's 'messages' field", param="chat_template_kwargs.messages")
+    if tools is not None:
+        template_kwargs = {**(template_kwargs or {}), "tools": tools}
     try:
-        return state.engine.tokenizer.chat_prompt([message.to_template() for message in messages],
+        return state.engine.tokenizer.chat_prompt([m if isinstance(m, dict) else m.to_template() for m in messages],
                                                   add_generation_prompt, continue_final_message, template_kwargs)
     except Exception as exc:  # noqa: BLE001 - ChatTemplateError, or a template tripping on odd kwargs
         raise OpenAIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
@@ -51,30 +58,58 @@ def _logprobs(body: ChatCompletionRequest, choice: CompletionOutput, token_ids: 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState) -> Response:
     state.check_model(body.model)
+    template = state.engine.tokenizer.chat_template
+    plan = plan_tools(body, template)
+    messages, tools = template_messages(body, plan, template)
     prompt = await state.off_loop(lambda: render_chat(
-        state, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
+        state, messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs, tools))
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, body.max_new_tokens, num_logprobs)
+    forced = plan.constraint() if plan is not None else None
+    if forced is not None:
+        if structured_outputs(body) is not None:
+            raise OpenAIError(400, "a forced tool call (tool_choice 'required' or a named function) cannot be "
+                              "combined with response_format or other structured outputs", param="tool_choice")
+        await compile_ahead(state.engine, forced, "tools")
+        params.structured_outputs = forced
+    else:
+        await constrain(state.engine, body, params)
     request_id, created = new_request_id("chatcmpl"), int(time.time())
     first, outputs = await submit(state, request, request_id, [prompt], params, "messages",
                                   add_special_tokens=False)
     if body.stream:
-        return sse_response(_stream(body, state, request_id, created, first, outputs))
+        return sse_response(_stream(body, state, request_id, created, first, outputs, plan))
     final: RequestOutput = first[1]
     async for _, output in outputs:
         final = output
     usage = Usage()
     usage.add_request(final)
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=_logprobs(body, c, c.token_ids), finish_reason=c.finish_reason,
-                          stop_reason=c.stop_reason) for c in final.outputs]
+    choices = [_choice(body, plan, c) for c in final.outputs]
     response = ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
                                       choices=choices, usage=usage)
     return JSONResponse(response.model_dump(mode="json"))
 
 
+def _choice(body: ChatCompletionRequest, plan: ToolPlan | None, c: CompletionOutput) -> ChatChoice:
+    content: str | None = c.text
+    calls: list[ToolCallOut] = []
+    if plan is not None:
+        content, parsed = plan.parse(c.text)
+        calls = [ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+                 for call in parsed]
+    return ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+                      logprobs=_logprobs(body, c, c.token_ids), finish_reason=_finish_reason(c, bool(calls)),
+                      stop_reason=c.stop_reason)
+
+
+def _finish_reason(c: CompletionOutput, called: bool) -> str | None:
+    """OpenAI's "tool_calls" when the model ended its turn with calls; "length" stays."""
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+
+
 async def _stream(body: ChatCompletionRequest, state: ServerState, request_id: str, created: int,
-                  first: Indexed, outputs: AsyncIterator[Indexed]) -> AsyncIterator[ChatCompletionChunk]:
+                  first: Indexed, outputs: AsyncIterator[Indexed], plan: ToolPlan | None = None
+                  ) -> AsyncIterator[ChatCompletionChunk]:
     def chunk(*choices: ChatChunkChoice, usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
                                    choices=list(choices), usage=usage)
@@ -83,13 +118,27 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, request_id: s
     yield chunk(*(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                   for i in range(body.n)))
     usage = Usage()
+    calls = {i: ToolCallStream(plan) for i in range(body.n)} if plan is not None else {}
     async for _, output in chain(first, outputs):
         for c in output.outputs:
             if c.delta_token_ids or c.delta_text or c.finish_reason is not None:
-                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
+                delta, finish_reason = DeltaMessage(content=c.delta_text), c.finish_reason
+                if plan is not None:
+                    delta, finish_reason = _tool_delta(calls[c.index], c)
+                yield chunk(ChatChunkChoice(index=c.index, delta=delta,
                                             logprobs=_logprobs(body, c, c.delta_token_ids),
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=finish_reason, stop_reason=c.stop_reason))
         if output.finished:
             usage.add_request(output)
     if body.stream_options and body.stream_options.include_usage:
         yield chunk(usage=usage)
+
+
+def _tool_delta(stream: ToolCallStream, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+    content, calls = stream.feed(c.delta_text)
+    if c.finish_reason is not None:
+        rest, last = stream.finish()
+        content, calls = content + rest, calls + last
+    delta = DeltaMessage(content=content or None, tool_calls=[DeltaToolCall.model_validate(call) for call in calls]
+                         or None)
+    return delta, (_finish_reason(c, stream.num_calls > 0) if c.finish_reason is not None else None)

@@ -15,6 +15,7 @@ from kubeinfer.server.api.sampling import sampling_params
 from kubeinfer.server.api.sse import sse_response
 from kubeinfer.server.api.state import ServerState, new_request_id
 from kubeinfer.server.api.streams import Indexed, chain, submit
+from kubeinfer.server.api.structured import constrain
 from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -42,6 +43,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     state.check_model(body.model)
     prompts = _prompts(body)
     params = sampling_params(body, body.max_tokens, body.logprobs)
+    await constrain(state.engine, body, params)
     request_id, created = new_request_id("cmpl"), int(time.time())
     first, outputs = await submit(state, request, request_id, prompts, params)
     if body.stream:

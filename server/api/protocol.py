@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields), validated by pydantic.
 
 Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working; fields
-that would silently change the meaning of a request (tools, JSON mode, suffix) are refused.
+that would silently change the meaning of a request (suffix, echo) are refused.
 Numbers must be finite (JSON's `NaN`/`Infinity` extensions are refused) and text must be valid
 Unicode: a lone surrogate (`"\ud800"`) cannot be tokenized or sent back, so it is a 400 that
 names the field. The engine (`SamplingParams.validate`) owns the finer domains of the values.
@@ -9,6 +9,7 @@ names the field. The engine (`SamplingParams.validate`) owns the finer domains o
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -71,6 +72,18 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -96,6 +109,13 @@ class SamplingRequest(RequestBody):
     cache_salt: str | None = Field(None, min_length=1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (server/api/structured.py): OpenAI's, vLLM's and vLLM's older names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -135,24 +155,68 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def to_template(self) -> dict[str, Any]:
-        """The dict chat templates expect: text parts joined into one string."""
+        """The dict chat templates expect: text parts joined into one string; tool calls with
+        their arguments parsed (HF templates render `arguments` as an object)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template shows it as given
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -164,18 +228,14 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_supported(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("'top_logprobs' requires 'logprobs': true")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tool calling is not supported by this server")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("'continue_final_message' needs 'add_generation_prompt': false")
         return self

@@ -25,7 +25,7 @@ from typing import AsyncIterator, Callable
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import InvalidRequestError, SamplingParams
+from .sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from .sequence import Request
 from .stats import EngineStats
 
@@ -119,6 +119,11 @@ class AsyncEngine:
                      prompt_param: str = "prompt", add_special_tokens: bool = True) -> Request:
         """Validate and tokenize (see LLMEngine.make_request); safe to call from any thread."""
         return self.engine.make_request(request_id, prompt, params, prompt_param, add_special_tokens)
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured-output grammar into the engine's cache (blocking: the server
+        calls it on a worker thread, so the request's own make_request finds it compiled)."""
+        self.engine.grammars.compile(spec)
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         """Stop a request and free its blocks; its stream ends with an "abort" output, or

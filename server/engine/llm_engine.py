@@ -18,6 +18,7 @@ from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SequenceStatus
 from .stats import EngineStats
+from .structured_output import GrammarBackend, GrammarBackendHolder
 from .validation import check_fits, max_prompt_chars, prompt_token_ids
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.loaded.device)
         self.requests: dict[str, Request] = {}
+        self._grammars = GrammarBackendHolder(self.tokenizer, self.model_config.vocab_size,
+                                              sorted(self.eos_token_ids))
         self.counters = EngineStats(num_blocks_total=self.runner.num_blocks)
 
     def _max_model_len(self, config: EngineConfig, num_blocks: int) -> int:
@@ -70,6 +73,11 @@ class LLMEngine:
         return min(wanted, capacity)
 
     # -- requests ---------------------------------------------------------------------------
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """Compiles structured-output grammars (built on first use; thread-safe)."""
+        return self._grammars.get()
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      prompt_param: str = "prompt", add_special_tokens: bool = True) -> Request:
@@ -88,7 +96,13 @@ class LLMEngine:
         if "max_tokens" not in explicit and params.max_tokens is not None and room > 0:
             params.max_tokens = min(params.max_tokens, room)  # a default never overflows
         check_fits(len(prompt_ids), params, self.max_model_len, vocab_size, prompt_param)
-        request = Request(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len)
+        factories = []
+        if params.structured_outputs is not None:  # a cache hit when the server compiled it first
+            grammar = self.grammars.compile(params.structured_outputs)
+            is_json = params.structured_outputs.json is not None or params.structured_outputs.json_object
+            factories.append(self.grammars.processor_factory(grammar, is_json))
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len,
+                          processor_factories=factories)
         for seq in request.seqs:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
@@ -160,6 +174,8 @@ class LLMEngine:
                       ) -> None:
         request, params = seq.request, seq.params
         seq.token_ids.append(token)
+        for processor in seq.logits_processors:
+            processor.accept(token)
         self.counters.generation_tokens += 1
         if seq.num_output_tokens == 1 and seq.index == 0:
             self.counters.prompt_tokens += seq.num_prompt_tokens
@@ -221,6 +237,9 @@ class LLMEngine:
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.sampler.forget(seq)
+        for processor in seq.logits_processors:
+            processor.release()
+        seq.logits_processors = []
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)

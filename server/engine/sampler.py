@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from .argmax import argmax_rows
+from .logits_processor import apply_logits_processors
 from .outputs import Logprob
 from .sequence import Sequence
 
@@ -98,6 +99,7 @@ class Sampler:
         raw = logits
         logits = self._apply_penalties(logits, seqs)
         logits = self._mask_stops_before_min_tokens(logits, seqs)
+        logits = self._apply_processors(logits, raw, seqs)
         if uniform is None or all(greedy):
             tokens = argmax_rows(logits)
         else:
@@ -139,6 +141,19 @@ class Sampler:
         counts.scatter_add_(1, padded.to(self.device), torch.ones_like(padded, dtype=torch.float32,
                                                                        device=self.device))
         return counts[:, :vocab]
+
+    def _apply_processors(self, logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence]
+                          ) -> torch.Tensor:
+        """Per-row logits processors (grammars, ...), last so they have the final say; rows
+        without any are not touched, and a batch without any costs one scan of `seqs`."""
+        per_row = [seq.logits_processors for seq in seqs]
+        if not any(per_row):
+            return logits
+        if logits is raw:  # logprobs describe the raw logits, and a failed batch is sampled again from them
+            logits = logits.clone()
+        with torch.inference_mode():  # the model's logits are inference tensors
+            apply_logits_processors(logits, per_row)
+        return logits
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]
                                       ) -> torch.Tensor:

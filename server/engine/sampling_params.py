@@ -31,6 +31,28 @@ class InvalidRequestError(ValueError):
         self.param, self.code = param, code
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs`: exactly one constraint the output must match, enforced
+    token by token with a grammar (server/engine/structured_output.py)."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema, as a dict or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None  # one of these strings, exactly
+    grammar: str | None = None  # an EBNF (GBNF) grammar whose start rule is `root`
+    json_object: bool = False  # any JSON object (OpenAI's JSON mode)
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured outputs take exactly one of 'json', 'regex', 'choice', 'grammar' or "
+                f"'json_object', got {', '.join(map(repr, given)) or 'none'}.")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("structured outputs 'choice' must be a non-empty list of strings.")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -52,6 +74,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     priority: int = 0  # lower is served first
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     # NOTE: the model's generation_config defaults apply only to fields the caller did not
     # set, so the constructor records which ones it was given (setting a field later counts too).
@@ -124,6 +147,11 @@ class SamplingParams:
             fail("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings.")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
+            if self.ignore_eos:
+                fail("ignore_eos", "ignore_eos cannot be combined with structured outputs: the grammar decides "
+                     "where the output ends.")
         self._normalise()
 
     def _normalise(self) -> None:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .logits_processor import LogitsProcessor, ProcessorFactory
 from .outputs import Logprob, RequestMetrics
 from .sampling_params import SamplingParams
 
@@ -42,6 +43,8 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit of the first scheduling
     aborted: bool = False
     error: str | None = None  # why handling it failed (it then finished with "error")
+    # each sequence builds its own processors from these (e.g. a grammar matcher)
+    processor_factories: list[ProcessorFactory] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.seqs = [Sequence(self, i) for i in range(self.params.n)]
@@ -76,8 +79,10 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     detokenizer: "IncrementalDetokenizer | None" = None
     num_sent_tokens: int = 0  # output tokens already reported to the caller
+    logits_processors: list[LogitsProcessor] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.logits_processors = [make() for make in self.request.processor_factories]
         self.token_ids = list(self.request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         if self.request.params.logprobs is not None:

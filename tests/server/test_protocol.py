@@ -92,7 +92,7 @@ def test_unsupported_features_are_refused() -> None:
             CompletionRequest(**bad)
     user = [{"role": "user", "content": "hi"}]
     for bad in ({"top_logprobs": 2}, {"tools": [{"type": "function"}]},
-                {"response_format": {"type": "json_object"}}, {"messages": []}):
+                {"tool_choice": "sometimes"}, {"messages": []}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest(**{"messages": user, **bad})
     with pytest.raises(ValidationError):

@@ -1,0 +1,226 @@
+"""Structured outputs: a grammar per request, enforced token by token with xgrammar.
+
+`GrammarBackend` turns a request's `StructuredOutputsParams` into a compiled grammar (xgrammar's
+compiler caches results by schema text and options, so a repeated schema compiles once) and
+each sequence gets a `GrammarProcessor` holding its own matcher. Compiling happens where the
+request is made (the HTTP server does it on a worker thread before admission), never in the
+engine step. In the step, constrained rows get a token bitmask (one fill per row, one masking
+call for all of them); unconstrained rows are not touched.
+
+xgrammar (and the transformers it imports) load on the first structured request, so a server
+that never sees one pays nothing at start.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import TYPE_CHECKING, Any, Sequence as Seq
+
+import numpy as np
+import torch
+
+from .logits_processor import LogitsProcessor, ProcessorFactory
+from .sampling_params import InvalidRequestError, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from ..model.tokenizer import Tokenizer
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is for the client.
+_CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
+_CONTROL = re.compile("[\x00-\x1f]")
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the grammar does not allow (a bug or a fault, never the client's doing)."""
+
+
+def _client_message(error: Exception) -> str:
+    lines = [_CPP_PREFIX.sub("", line) for line in str(error).strip().splitlines()]
+    return " ".join(line.strip() for line in lines if line.strip()) or type(error).__name__
+
+
+def _vocab_type(tokenizer_json: dict[str, Any]) -> tuple[str, bool]:
+    """(xgrammar vocab type name, add_prefix_space) from a tokenizer.json's decoder and
+    pre-tokenizer: byte-level BPE (GPT-2, Llama 3, Qwen), SentencePiece with byte fallback
+    (Llama 2, Mistral) or plain strings."""
+    def kinds(part: Any) -> list[str]:
+        if not isinstance(part, dict):
+            return []
+        nested = part.get("decoders") or part.get("pretokenizers") or part.get("normalizers") or []
+        return [str(part.get("type"))] + [kind for item in nested for kind in kinds(item)]
+
+    decoder = kinds(tokenizer_json.get("decoder"))
+    if "ByteLevel" in decoder:
+        return "BYTE_LEVEL", False
+    prefix = ("Metaspace" in kinds(tokenizer_json.get("pre_tokenizer"))
+              or "Prepend" in kinds(tokenizer_json.get("normalizer")))
+    return ("BYTE_FALLBACK" if "ByteFallback" in decoder else "RAW"), prefix
+
+
+class GrammarBackend:
+    """xgrammar bound to one tokenizer and vocabulary width. Thread-safe: requests compile on
+    the server's worker threads while the engine thread makes matchers."""
+
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: Seq[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        vocab = [""] * vocab_size
+        for text, index in tokenizer.backend.get_vocab(with_added_tokens=True).items():
+            if index < vocab_size:
+                vocab[index] = text
+        # An empty entry is a special token to xgrammar: never allowed inside the grammar's text
+        # (otherwise "<|im_end|>" could appear inside a JSON string). Stop tokens stay.
+        for index in tokenizer.all_special_ids:
+            if index < vocab_size and index not in self.stop_token_ids:
+                vocab[index] = ""
+        vocab_type, add_prefix_space = _vocab_type(json.loads(tokenizer.backend.to_str()))
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType[vocab_type], vocab_size=vocab_size,
+                                 stop_token_ids=self.stop_token_ids, add_prefix_space=add_prefix_space)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.json_bitmask = self._without_control_characters(tokenizer, vocab_size)
+
+    def _without_control_characters(self, tokenizer: "Tokenizer", vocab_size: int) -> torch.Tensor:
+        """A bitmask row allowing every token but those holding a control character (U+0000 to
+        U+001F). JSON text never needs one raw (our JSON grammars allow no free whitespace and a
+        string escapes them), yet xgrammar's JSON strings take any character but `"`, `\\`, CR
+        and LF, so a model could write a raw \\x06 into a string that strict parsers refuse."""
+        texts = tokenizer.backend.decode_batch([[index] for index in range(vocab_size)], skip_special_tokens=False)
+        banned = np.array([index for index, text in enumerate(texts) if _CONTROL.search(text)], dtype=np.int64)
+        row = np.full((vocab_size + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
+        np.bitwise_and.at(row, banned // 32, ~(np.uint32(1) << (banned % 32).astype(np.uint32)))
+        return torch.from_numpy(row.view(np.int32))
+
+    def compile(self, spec: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+        """The compiled grammar of `spec` (cached); InvalidRequestError names what is wrong."""
+        spec.validate()
+        compiler = self.compiler
+        if spec.json is not None:
+            what = "JSON schema"
+            schema = spec.json if isinstance(spec.json, str) else _dumps(spec.json, what)
+            try:
+                unsupported = unsupported_feature(json.loads(schema))
+            except ValueError as error:
+                raise InvalidRequestError(f"invalid {what} for structured outputs: not JSON ({error})") from error
+            if unsupported:
+                raise InvalidRequestError(f"unsupported JSON schema feature for structured outputs: {unsupported}")
+            return self._guard(what, lambda: compiler.compile_json_schema(schema, any_whitespace=False))
+        if spec.json_object:
+            return self._guard("JSON object", lambda: compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False))
+        if spec.regex is not None:
+            regex = spec.regex
+            return self._guard("regex", lambda: compiler.compile_regex(regex))
+        if spec.choice is not None:
+            grammar = "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
+            return self._guard("choice", lambda: compiler.compile_grammar(grammar))
+        assert spec.grammar is not None
+        text = spec.grammar
+        return self._guard("grammar", lambda: compiler.compile_grammar(text))
+
+    @staticmethod
+    def _guard(what: str, compile_it: Any) -> "xgrammar.CompiledGrammar":
+        try:
+            return compile_it()
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise InvalidRequestError(f"invalid {what} for structured outputs: {_client_message(error)}") from error
+
+    def processor_factory(self, compiled: "xgrammar.CompiledGrammar", is_json: bool) -> ProcessorFactory:
+        """Makes one matcher per sequence (n>1 siblings each follow their own tokens)."""
+        return lambda: GrammarProcessor(self, self._xgr.GrammarMatcher(compiled), is_json)
+
+
+# Keywords xgrammar would silently ignore, so the output could break them: refused instead.
+_UNSUPPORTED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains",
+                "uniqueItems", "unevaluatedItems")
+
+
+def unsupported_feature(schema: Any, path: str = "") -> str | None:
+    """Where `schema` uses a keyword the grammar cannot enforce, e.g. "'not' at /properties/a"."""
+    if isinstance(schema, list):
+        return next((found for i, item in enumerate(schema) if (found := unsupported_feature(item, f"{path}/{i}"))),
+                    None)
+    if not isinstance(schema, dict):
+        return None
+    where = path or "/"
+    for keyword in _UNSUPPORTED:
+        if keyword in schema and schema[keyword] is not False:
+            return f"{keyword!r} at {where}"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return f"'multipleOf' on a non-integer at {where}"
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        return f"'pattern' together with 'minLength'/'maxLength' at {where} (bound the pattern instead)"
+    for key, value in schema.items():
+        if key not in ("enum", "const", "default", "examples") and isinstance(value, (dict, list)):
+            found = unsupported_feature(value, f"{path}/{key}")
+            if found:
+                return found
+    return None
+
+
+def _dumps(schema: Any, what: str) -> str:
+    try:
+        return json.dumps(schema)
+    except (TypeError, ValueError) as error:
+        raise InvalidRequestError(f"invalid {what} for structured outputs: {error}") from error
+
+
+class GrammarProcessor(LogitsProcessor):
+    """Masks every token the grammar cannot take next; advances with each sampled token."""
+
+    def __init__(self, backend: GrammarBackend, matcher: "xgrammar.GrammarMatcher", is_json: bool) -> None:
+        self.backend = backend
+        self.matcher: "xgrammar.GrammarMatcher | None" = matcher
+        self.is_json = is_json  # also masks raw control characters (GrammarBackend.json_bitmask)
+
+    @classmethod
+    def apply_rows(cls, logits: torch.Tensor, rows: list[int], processors: Seq[LogitsProcessor]) -> None:
+        grammars = [p for p in processors if isinstance(p, GrammarProcessor)]
+        backend = grammars[0].backend
+        xgr = backend._xgr
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+        for row, processor in zip(rows, grammars):
+            processor.live_matcher().fill_next_token_bitmask(bitmask, row)
+            if processor.is_json:
+                bitmask[row] &= backend.json_bitmask
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+        # min_tokens may have masked the grammar's only way out (its stop tokens): the grammar wins.
+        index = torch.tensor(rows, device=logits.device)
+        dead = ~torch.isfinite(logits.index_select(0, index)).any(dim=1)
+        if bool(dead.any()):
+            for row in index[dead].tolist():
+                logits[row, backend.stop_token_ids] = 0.0
+
+    def live_matcher(self) -> "xgrammar.GrammarMatcher":
+        if self.matcher is None:
+            raise GrammarViolation("the grammar matcher was already released")
+        return self.matcher
+
+    def accept(self, token_id: int) -> None:
+        if not self.live_matcher().accept_token(token_id):
+            raise GrammarViolation(f"token {token_id} does not match the grammar")
+
+    def release(self) -> None:
+        self.matcher = None
+
+
+class GrammarBackendHolder:
+    """Builds the backend on first use (importing xgrammar), once, from any thread."""
+
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: Seq[int]) -> None:
+        self._args = (tokenizer, vocab_size, stop_token_ids)
+        self._backend: GrammarBackend | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> GrammarBackend:
+        if self._backend is None:
+            with self._lock:
+                if self._backend is None:
+                    self._backend = GrammarBackend(*self._args)
+        return self._backend
