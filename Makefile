@@ -14,8 +14,9 @@ generate: venv
 test: venv
 	$(VENV)/bin/python -m pytest -q
 
+# The developer's inner loop: unit tests without the slow ones (embedded-model parity, TP serving).
 test-unit: venv
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q -m "not slow" tests
 
 # The local Kubernetes cluster (e2e/): binaries built once into ~/.cache/kubeinfer/bin.
 .PHONY: cluster-binaries cluster-up cluster-down cluster-status test-e2e env service-url

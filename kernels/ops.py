@@ -19,8 +19,6 @@ import torch
 
 from kubeinfer.kernels import fused_cpu
 from kubeinfer.kernels.activation_ref import silu_and_mul_ref
-from kubeinfer.kernels.attention_ref import paged_attention_ref
-from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
 from kubeinfer.kernels.moe_ref import fused_moe_ref
 from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
 from kubeinfer.kernels.rope_cache import build_rope_cache, cos_sin_table
@@ -31,8 +29,8 @@ _backend = os.environ.get("KUBEINFER_KERNEL_BACKEND", "auto")
 if _backend not in BACKENDS:
     raise ValueError(f"KUBEINFER_KERNEL_BACKEND={_backend!r}; expected one of {', '.join(BACKENDS)}")
 
-__all__ = ["build_rope_cache", "cos_sin_table", "paged_attention", "triton_paged_attention", "store_kv_cache",
-           "rms_norm", "apply_rotary", "rotate_signed", "silu_and_mul", "fused_moe", "use_backend", "uses_triton",
+__all__ = ["build_rope_cache", "cos_sin_table", "triton_paged_attention", "rms_norm", "apply_rotary",
+           "rotate_signed", "silu_and_mul", "fused_moe", "use_backend", "uses_triton",
            "uses_cpu_kernels"]
 
 
@@ -78,29 +76,15 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, max_qu
     return max(1, min(wanted, max_seq_len // 512, 16))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                    max_query_len: int, max_seq_len: int, sliding_window: int | None = None,
-                    softcap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """Attention of `q [T, H, D]` over the paged caches; see `attention_ref.paged_attention_ref`.
-
-    `max_query_len`/`max_seq_len` are host ints (never read from the device). `num_splits`
-    None lets `choose_num_splits` decide between the unified and the split-KV kernel.
-    """
-    if not uses_triton(q):
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                   sliding_window, softcap)
-    return triton_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                  max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                  sliding_window=sliding_window, softcap=softcap, num_splits=num_splits)
-
-
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, *, max_query_len: int, max_seq_len: int,
                            sliding_window: int | None = None, softcap: float | None = None,
                            num_splits: int | None = None) -> torch.Tensor:
-    """`paged_attention` on the Triton kernels whatever the backend setting: unified or split-KV."""
+    """Attention of `q [T, H, D]` over the paged caches on the Triton kernels whatever the backend
+    setting (reference: `attention_ref.paged_attention_ref`): unified, or split-KV when
+    `num_splits` (None: `choose_num_splits`) is above 1. `max_query_len` / `max_seq_len` are host
+    ints (never read from the device)."""
     if num_splits is None:
         num_splits = choose_num_splits(block_tables.shape[0], k_cache.shape[2], max_seq_len, max_query_len,
                                        q.device)
@@ -111,15 +95,6 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     from kubeinfer.kernels.unified_attention import unified_attention
     return unified_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                              max_query_len=max_query_len, sliding_window=sliding_window, softcap=softcap)
-
-
-def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Write `k, v [T, kv_heads, D]` into the caches at `slot_mapping` (int64, -1 = skip)."""
-    if not uses_triton(k):
-        return store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
-    from kubeinfer.kernels.kv_cache import store_kv_cache as store
-    store(k, v, k_cache, v_cache, slot_mapping)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -2,8 +2,8 @@
 
 Why not torch: on CPU, decode attention in torch must first gather each sequence's K/V out of
 the paged cache into a padded copy and then run SDPA, whose CPU kernel is built for long
-queries; at 32 sequences x 260 tokens that was ~1.3 ms per layer, ~40 ms of a 120 ms step.
-The C kernel reads K/V in place through the block tables.
+queries (a third of a decode step at 32 sequences; kernels/README.md has the figures). The C
+kernel reads K/V in place through the block tables.
 """
 
 from __future__ import annotations

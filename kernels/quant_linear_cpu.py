@@ -3,8 +3,8 @@ kernel of `quant_linear_cpu.c` (built by `cpu_build`).
 
 CPU decode reads every weight once a step, so it runs at memory speed: Q4_1 weights are 3.5x
 fewer bytes than their bf16 dequantization, with the same values (see the C file). `pack`
-rearranges GGUF blocks into the kernel's 16 x 32 tiles once, at load time (in C: the torch
-version took 0.67 s of the embedded model's start).
+rearranges GGUF blocks into the kernel's 16 x 32 tiles once, at load time (in C: in torch it
+was a visible part of the embedded model's start).
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ _KIND_Q4, _KIND_Q8 = 0, 1
 _TILE_BYTES = {_KIND_Q4: 320, _KIND_Q8: 544}   # 16 x 32 weights: quants, fp16 scales (and offsets)
 _GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")         # quant_pack's numbering
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}   # GGUF bytes per 32 weights (ggml-common.h)
-# Most rows of x for which the kernel beats oneDNN's bf16 GEMM on prepacked weights. Measured on
-# SmolLM2's 121 linears (one decode step, 2 cores, weights not in cache): AMX 21.4 vs 38.6 ms
-# at 32 rows, 36.0 vs 45.1 ms at 64, 80.6 vs 60.8 ms at 128; at 1 row the register path takes
-# 13-16 ms against 22-24 ms. Without AMX the kernel takes only that path (up to 4 rows).
+# Most rows of x for which the kernel beats oneDNN's bf16 GEMM on prepacked weights (measured:
+# kernels/README.md). Without AMX the kernel takes only its register path (up to 4 rows).
 MAX_ROWS_AMX, MAX_ROWS_AVX512 = 64, 4
 
 

@@ -17,6 +17,9 @@ class BlockPool:
             raise ValueError(f"the KV-cache pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
+        self.cached = bytearray(num_blocks)   # 1 while the prefix cache holds one of the references
+        # blocks some sequence references (kept as references change: stats read it every step)
+        self.num_used = 0
         self._free = list(range(num_blocks - 1, -1, -1))   # block 0 on top
 
     @property
@@ -29,15 +32,35 @@ class BlockPool:
         blocks = [self._free.pop() for _ in range(count)]
         for block in blocks:
             self.ref_counts[block] = 1
+        self.num_used += count
         return blocks
 
     def incref(self, block: int) -> None:
+        """A sequence takes a reference on a block in use (shared prefix, fork, cache hit)."""
         assert self.ref_counts[block] > 0, f"block {block} is free"
+        if self.ref_counts[block] == self.cached[block]:   # only the prefix cache held it
+            self.num_used += 1
         self.ref_counts[block] += 1
 
     def decref(self, block: int) -> None:
-        """Drop one reference; the block is free again when none remain."""
-        assert self.ref_counts[block] > 0, f"double free of block {block}"
+        """A sequence drops its reference; the block is free again when none remain."""
+        assert self.ref_counts[block] > self.cached[block], f"double free of block {block}"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == self.cached[block]:
+            self.num_used -= 1
+        if self.ref_counts[block] == 0:
+            self._free.append(block)
+
+    def cache_incref(self, block: int) -> None:
+        """The prefix cache takes its (one) reference on a block a sequence holds."""
+        assert self.ref_counts[block] > 0 and not self.cached[block], f"block {block} is free or cached"
+        self.cached[block] = 1
+        self.ref_counts[block] += 1
+
+    def cache_decref(self, block: int) -> None:
+        """The prefix cache drops its reference (eviction, clear)."""
+        assert self.cached[block], f"block {block} is not cached"
+        self.cached[block] = 0
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self._free.append(block)

@@ -19,21 +19,14 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # tokens
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.cache.num_cached_blocks if self.cache else 0
+    def num_used_blocks(self) -> int:
+        """Blocks some sequence references (cache-only blocks count as reclaimable)."""
+        return self.pool.num_used
 
     @property
     def num_evictable_blocks(self) -> int:
         """Blocks only the prefix cache references: not free, but reclaimed on demand."""
-        if not self.cache:
-            return 0
-        refs = self.pool.ref_counts
-        return sum(1 for b in self.cache.cached_blocks() if refs[b] == 1)
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks some sequence references (cache-only blocks count as reclaimable)."""
-        return self.pool.num_blocks - self.pool.num_free - self.num_evictable_blocks
+        return self.pool.num_blocks - self.pool.num_free - self.pool.num_used
 
     def match_prefix(self, seq: Sequence) -> int:
         """Give a fresh sequence the cached blocks of its longest prefix; returns cached tokens.
@@ -76,15 +69,32 @@ class KVCacheManager:
         K/V before attention reads any). Where the cache already holds a block, the sequence
         still computes its own copy this step; `cache_full_blocks` adopts the cached one after
         (otherwise it has nothing left to do)."""
-        if self.cache is None:
-            return
         num_full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
-        if num_full <= seq.num_inserted_blocks:
-            return
-        canonical = self.cache.insert(seq.token_ids[:num_full * self.block_size], seq.block_table[:num_full],
-                                      seq.params.cache_salt)
-        if canonical[seq.num_inserted_blocks:] == seq.block_table[seq.num_inserted_blocks:num_full]:
+        canonical = self._insert(seq, num_full)
+        if canonical is not None and canonical[seq.num_inserted_blocks:] == seq.block_table[
+                seq.num_inserted_blocks:num_full]:
             seq.num_inserted_blocks = num_full
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hand newly filled blocks to the prefix cache, adopting blocks it already holds."""
+        num_full = seq.num_computed_tokens // self.block_size
+        canonical = self._insert(seq, num_full)
+        if canonical is None:
+            return
+        for i in range(seq.num_inserted_blocks, num_full):
+            if seq.block_table[i] != canonical[i]:  # computed twice: keep the cached copy
+                self.pool.incref(canonical[i])
+                self.pool.decref(seq.block_table[i])
+                seq.block_table[i] = canonical[i]
+        seq.num_inserted_blocks = num_full
+
+    def _insert(self, seq: Sequence, num_full: int) -> list[int] | None:
+        """The one insert into the prefix cache: `seq`'s first `num_full` blocks; returns the
+        tree's blocks for them (None: no cache, or nothing new to offer)."""
+        if self.cache is None or num_full <= seq.num_inserted_blocks:
+            return None
+        return self.cache.insert(seq.token_ids[:num_full * self.block_size], seq.block_table[:num_full],
+                                 seq.params.cache_salt)
 
     def drop_cache(self) -> None:
         """Forget every cached block (sequences keep theirs): after a failed step, blocks
@@ -92,22 +102,6 @@ class KVCacheManager:
         if self.cache is None:
             return
         self.cache.clear()
-
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hand newly filled blocks to the prefix cache, adopting blocks it already holds."""
-        if self.cache is None:
-            return
-        num_full = seq.num_computed_tokens // self.block_size
-        if num_full <= seq.num_inserted_blocks:
-            return
-        canonical = self.cache.insert(seq.token_ids[:num_full * self.block_size],
-                                      seq.block_table[:num_full], seq.params.cache_salt)
-        for i in range(seq.num_inserted_blocks, num_full):
-            if seq.block_table[i] != canonical[i]:  # computed twice: keep the cached copy
-                self.pool.incref(canonical[i])
-                self.pool.decref(seq.block_table[i])
-                seq.block_table[i] = canonical[i]
-        seq.num_inserted_blocks = num_full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share the parent's full prompt blocks; the child recomputes the partial tail."""

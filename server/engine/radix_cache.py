@@ -91,7 +91,7 @@ class RadixCache:
                 child.hashes = chain_hashes(parent, child.tokens, self.block_size)
                 self.events.stored(child.hashes)
             for block in rest:
-                self.pool.incref(block)
+                self.pool.cache_incref(block)
             self.num_cached_blocks += len(rest)
         return matched + list(rest)
 
@@ -123,7 +123,7 @@ class RadixCache:
             assert parent is not None
             del parent.children[tuple(node.tokens[:self.block_size])]
             for block in node.blocks:
-                self.pool.decref(block)
+                self.pool.cache_decref(block)
             if self.events is not None:
                 self.events.removed(node.hashes)
             freed += len(node.blocks)
@@ -147,7 +147,7 @@ class RadixCache:
         """Drop every cached block (the tree's references only)."""
         for node in self._nodes():
             for block in node.blocks:
-                self.pool.decref(block)
+                self.pool.cache_decref(block)
         self.roots.clear()
         self.num_cached_blocks = 0
         if self.events is not None:

@@ -3,8 +3,8 @@
 Penalties, min_tokens masking, temperature, top-k, top-p and min-p are tensor ops over the
 whole batch. Randomness is inverse-transform sampling: one uniform number per row, found among
 the row's cumulative probabilities by binary search. (The exponential race, argmax of probs /
-Exp(1) noise, draws one number per vocabulary entry: 63 ms a step at 32 rows x 49,152 on CPU,
-as long as the forward pass; this takes ~1 ms.) Unseeded rows draw from one engine generator
+Exp(1) noise, draws one number per vocabulary entry: on CPU as long as the forward pass;
+kernels/README.md has the figures.) Unseeded rows draw from one engine generator
 in a single call, seeded rows from their own `torch.Generator` so a request replays exactly.
 Logprobs are computed from the raw model logits, before any processing, as vLLM does by
 default: they describe the model, not the sampling knobs.

@@ -162,10 +162,6 @@ class SamplingParams:
             self.temperature = MIN_TEMPERATURE
         self.repetition_penalty = min(max(self.repetition_penalty, PENALTY_RANGE[0]), PENALTY_RANGE[1])
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 def _wrap_init(init: Any) -> Any:
     def __init__(self: SamplingParams, *args: Any, **kwargs: Any) -> None:

@@ -4,8 +4,7 @@ On CPU, decode tokens (one query per sequence) go to the C kernel of
 `kernels/paged_decode_cpu.py`, which reads K/V in place through the block tables. With bf16,
 head_dim 64/128 and AMX (and no sliding window), every other sequence (fresh prompts and chunks
 after a cached prefix) goes to the flash-attention kernel of `kernels/paged_prefill_cpu.py`,
-also reading K/V through the block tables: 4 x 544-token prompts 3.7 ms a layer against 6.0 ms
-for torch SDPA. Otherwise (and while a starting server still compiles those kernels) prefill
+also reading K/V through the block tables. Otherwise (and while a starting server still compiles those kernels) prefill
 chunks, and decodes where the decode kernel is unavailable, take the padded torch
 path: K/V of each sequence's context are gathered from the paged cache by its block table into
 a padded `[S, max_seq_len, kv_heads, d]` tensor; queries are padded to
@@ -15,15 +14,15 @@ call (GQA via `enable_gqa`) does the math for each group of sequences with simil
 lengths: a 200-token chunk in one call with fifteen 32-token chunks would pad them all to 200
 queries (3,200 rows for 680 tokens). A prefill without cached prefix attends causally over
 its own k/v instead, one `is_causal` SDPA call per run of adjacent equally long prompts: no
-cache read, no padding and no mask, and half the scores (a masked call computes the upper triangle too): 4 x 544-token
-prompts 7.9 ms a layer instead of 11.7 ms. Decode-only batches need no query padding. K/V of the step
+cache read, no padding and no mask, and half the scores (a masked call computes the upper
+triangle too). Decode-only batches need no query padding. K/V of the step
 are stored first: rows copied by the C kernel of `fused_cpu`, else one `index_copy_` over
 `slot_mapping`.
 Attention soft-capping (Gemma 2) is not in SDPA nor in the C kernels: a soft-capping backend
 runs every sequence through the padded path with the scores computed, capped and masked
 explicitly. Sliding windows are in the decode kernel; windowed prefill takes the padded path.
-Measured with tests/model/bench_attention.py: `index_select` gathers 2-5x faster than advanced
-indexing, and `enable_gqa` beats expanding K/V to all heads by 2-10x.
+Gathers use `index_select` and GQA `enable_gqa` (both faster than the alternatives; the
+measurements behind these choices are in kernels/README.md).
 """
 
 from __future__ import annotations
@@ -40,9 +39,16 @@ from torch.nn import functional as F
 from kubeinfer.kernels import fused_cpu, ops, paged_decode_cpu, paged_prefill_cpu
 
 from .forward_batch import ForwardBatch
+from .rotary import RotaryEmbedding
 
 
 class AttentionBackend(Protocol):
+    def rotate(self, qk: torch.Tensor, num_heads: int, rotary: RotaryEmbedding, batch: ForwardBatch
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [T, heads + kv_heads, d] rotated by `batch.positions`, split into q [T, heads, d]
+        and k; the rotary form (per-step cos/sin, or a table the kernel indexes) is the backend's."""
+        ...
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] after rotary; stores k/v at `batch.slot_mapping`
@@ -91,8 +97,8 @@ class _PrefillGroup:
 @dataclass
 class _FreshRun:
     """`count` adjacent prefills of one length, none with a cached prefix: their rows
-    [start, start + count * length) go through one batched causal SDPA call (16 x 128 tokens:
-    3.5 ms a layer instead of 4.7 ms for 16 calls)."""
+    [start, start + count * length) go through one batched causal SDPA call (faster than one
+    call each)."""
 
     start: int
     length: int
@@ -264,6 +270,14 @@ class TorchAttention:
         self.prefill_kernel = False if softcap is not None else prefill_kernel
         self._batch: ForwardBatch | None = None
         self._layout: _StepLayout | None = None
+
+    def rotate(self, qk: torch.Tensor, num_heads: int, rotary: RotaryEmbedding, batch: ForwardBatch
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k heads rotated together (one set of ops instead of two) by cos and signed sin
+        of this step's positions (computed once a step, `RotaryEmbedding.step_cos_sin`)."""
+        q, k = ops.rotate_signed(qk, *rotary.step_cos_sin(batch, qk.dtype)).split(
+            [num_heads, qk.shape[1] - num_heads], dim=1)
+        return q, k
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from kubeinfer.kernels import ops
 from kubeinfer.kernels.ops import triton_paged_attention
 
 from .forward_batch import ForwardBatch
+from .rotary import RotaryEmbedding
 
 
 class TritonAttention:
@@ -23,6 +25,12 @@ class TritonAttention:
 
     def for_layer(self, sliding_window: int | None, softcap: float | None) -> "TritonAttention":
         return TritonAttention(sliding_window, softcap)
+
+    def rotate(self, qk: torch.Tensor, num_heads: int, rotary: RotaryEmbedding, batch: ForwardBatch
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place, from the position-indexed cos|sin table (no per-step tensors)."""
+        q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
+        return ops.apply_rotary(q, k, batch.positions, rotary.table(), inplace=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:

@@ -41,7 +41,3 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1

@@ -24,8 +24,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kubeinfer.kernels import ops
-
 from .attention import AttentionBackend
 from .causal_lm import CausalLM
 from .config import ModelConfig
@@ -75,9 +73,9 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GeGLUMLP(config.hidden_size, config.intermediate_size)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, batch))
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, kv_cache, batch))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -85,8 +83,10 @@ class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.rotary_emb_local = (RotaryEmbedding(config.head_dim, config.rope_local_theta, None)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          config.max_position_embeddings)
+        self.rotary_emb_local = (RotaryEmbedding(config.head_dim, config.rope_local_theta, None,
+                                                 config.max_position_embeddings)
                                  if config.rope_local_theta is not None else None)
         local = [config.sliding_window is not None and (not config.layer_types or kind == "sliding_attention")
                  for kind in (config.layer_types or ["sliding_attention"] * config.num_hidden_layers)]
@@ -117,19 +117,12 @@ class Gemma2ForCausalLM(CausalLM):
         """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
         x = self.model.embed_tokens(batch.input_ids)
         x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
-        tables = [self._cos_sin(rotary, batch, x) for rotary in (self.model.rotary_emb, self.model.rotary_emb_local)
-                  if rotary is not None]
+        local = self.model.rotary_emb_local or self.model.rotary_emb
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, tables[-1] if layer.local else tables[0], kv_cache, batch)
+            x = layer(x, local if layer.local else self.model.rotary_emb, kv_cache, batch)
         logits = self.logits(self.model.norm(x[batch.logits_indices]))
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def _cos_sin(self, rotary: RotaryEmbedding, batch: ForwardBatch, x: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        if ops.uses_triton(x):
-            return rotary.table(self.config.max_position_embeddings)
-        return rotary.cos_sin(batch.positions, x.dtype)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

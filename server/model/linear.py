@@ -2,8 +2,8 @@
 
 `F.linear` on a CPU bf16 weight makes oneDNN reorder the whole weight into its blocked (AMX /
 AVX512-BF16) layout on every call; at decode batch sizes that reorder costs as much as the
-GEMM. `pack()` reorders once after loading; measured on SmolLM2 shapes at 32 rows, the packed
-GEMMs are 20-40% faster and bit-identical to `F.linear`. A single row keeps `F.linear` on the
+GEMM. `pack()` reorders once after loading; the packed GEMMs are faster (kernels/README.md)
+and bit-identical to `F.linear`. A single row keeps `F.linear` on the
 plain weight (torch's gemv: different rounding from oneDNN's, and the transformers reference
 uses it), so the plain copy stays: packing costs one extra copy of the weights in memory.
 q/k/v and gate/up run as one GEMM each (fewer, larger matmuls are faster on CPU and GPU);

@@ -19,8 +19,6 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from kubeinfer.kernels import ops
-
 from .attention import AttentionBackend
 from .causal_lm import CausalLM
 from .config import ModelConfig
@@ -65,14 +63,14 @@ class DecoderLayer(nn.Module):
         setattr(self, parts.feed_forward_name, SparseMoE(config.hidden_size, moe, parts.expert_names) if sparse
                 else parts.mlp(config, index))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin, kv_cache, batch)
+        x = self.self_attn(x, rotary, kv_cache, batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return getattr(self, self.feed_forward_name)(x), residual
 
@@ -81,7 +79,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, parts: DecoderParts = DecoderParts()) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          config.max_position_embeddings)
         self.layers = nn.ModuleList(DecoderLayer(config, backend, parts, index)
                                     for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -106,11 +105,8 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
         x = self.model.embed_tokens(batch.input_ids)
-        rotary = self.model.rotary_emb
-        cos_sin = (rotary.table(self.config.max_position_embeddings) if ops.uses_triton(x)
-                   else rotary.cos_sin(batch.positions, x.dtype))
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin, kv_cache, batch)
+            x, residual = layer(x, residual, self.model.rotary_emb, kv_cache, batch)
         # Only the rows that need logits go through the final norm and the (large) lm_head.
         return self.logits(self.model.norm(x[batch.logits_indices] + residual[batch.logits_indices]))

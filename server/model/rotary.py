@@ -15,6 +15,8 @@ from torch import nn
 
 from kubeinfer.kernels.rope_cache import cos_sin_table
 
+from .forward_batch import ForwardBatch
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] for `rope_type` default, linear, llama3 or yarn."""
@@ -70,9 +72,12 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    """The model's rotary frequencies; which form a step uses (`cos_sin` per step or the
+    position-indexed `table`) is the attention backend's choice (`AttentionBackend.rotate`)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.head_dim, self.theta, self.scaling, self.max_positions = head_dim, theta, scaling, max_positions
         self.attention_factor = rope_attention_factor(scaling)
         self.reset_inv_freq(torch.device("cpu"))
 
@@ -81,15 +86,23 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._table: torch.Tensor | None = None
+        self._step: tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def table(self, max_positions: int) -> torch.Tensor:
+    def table(self) -> torch.Tensor:
         """float32 cos|sin [max_positions, head_dim] for the Triton rotary kernel, built on first use
         (after loading, so GGUF rope_freqs divisors are in)."""
-        if self._table is None or self._table.shape[0] < max_positions:
-            self._table = cos_sin_table(self.inv_freq, max_positions, self.inv_freq.device)
+        if self._table is None:
+            self._table = cos_sin_table(self.inv_freq, self.max_positions, self.inv_freq.device)
             if self.attention_factor != 1.0:
                 self._table.mul_(self.attention_factor)
         return self._table
+
+    def step_cos_sin(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` of the step's positions, computed on its first layer and reused by the others
+        (the engine builds a new ForwardBatch per step, never mutates one)."""
+        if self._step is None or self._step[0] is not batch:
+            self._step = batch, self.cos_sin(batch.positions, dtype)
+        return self._step[1]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, head_dim] for `positions` [T], once per step for all layers.

@@ -1,9 +1,10 @@
 """The attention layer of a decoder block: fused q/k/v projection, rotary, paged attention, output.
 
-The attention math itself lives behind `AttentionBackend` (torch on CPU, Triton on CUDA);
-this layer only shapes tensors for it. Families switch on its optional parts: `qk_norm`
-(Qwen3, Gemma 3: each query and key head normalised before rotary) and their own backend per
-layer (Gemma's sliding-window and soft-capped layers, `AttentionBackend.for_layer`).
+The attention math itself, and the form of the rotary embedding it needs, live behind
+`AttentionBackend` (torch on CPU, Triton on CUDA); this layer only shapes tensors for it.
+Families switch on its optional parts: `qk_norm` (Qwen3, Gemma 3: each query and key head
+normalised before rotary) and their own backend per layer (Gemma's sliding-window and
+soft-capped layers, `AttentionBackend.for_layer`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kubeinfer.kernels import ops
-
 from .attention import AttentionBackend
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .linear import Linear, MergedLinear, ParallelRole
+from .rotary import RotaryEmbedding
 
 NormFactory = Callable[[int, float], nn.Module]
 
@@ -39,21 +39,15 @@ class SelfAttention(nn.Module):
         self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.q_norm is not None:
             qkv = self._normalize_qk(qkv)
-        if isinstance(cos_sin, torch.Tensor):   # Triton: the cos|sin table, indexed by position in-kernel
-            q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            q, k = ops.apply_rotary(q, k, batch.positions, cos_sin, inplace=True)
-        else:   # q and k heads rotated together: one set of ops instead of two
-            qk_heads = self.num_heads + self.num_kv_heads
-            qk = qkv[:, :qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
-            q, k = ops.rotate_signed(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        qk_heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, :qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
+        q, k = self.backend.rotate(qk, self.num_heads, rotary, batch)
         v = qkv[:, -self.num_kv_heads * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -70,7 +70,7 @@ async def test_consumer_leaving_aborts_and_frees_blocks(engine):
     await stream.aclose()
     await _wait_idle(engine)
     stats = engine.stats()
-    cached = engine.engine.kv.num_cached_blocks
+    cached = engine.engine.kv.cache.num_cached_blocks
     assert stats.num_blocks_free == stats.num_blocks_total - cached
     assert engine.num_unfinished_requests == 0
 
@@ -85,7 +85,7 @@ async def test_abort_ends_the_stream_with_abort(engine):
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
     await _wait_idle(engine)
     assert engine.stats().num_blocks_free == engine.stats().num_blocks_total - \
-        engine.engine.kv.num_cached_blocks
+        engine.engine.kv.cache.num_cached_blocks
 
 
 async def test_shutdown_ends_open_streams_with_abort(tiny_qwen2):

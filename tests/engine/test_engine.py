@@ -28,7 +28,7 @@ def test_shared_prefix_is_prefilled_once_and_changes_nothing(make_llm, random_pr
     assert stats.prefix_cache_hits == 31 * 512
     assert stats.prefix_cache_queries == sum(len(p) for p in prompts)
     assert uncached.engine.stats().prefix_cache_hits == 0
-    assert stats.num_blocks_free == stats.num_blocks_total - cached.engine.kv.num_cached_blocks
+    assert stats.num_blocks_free == stats.num_blocks_total - cached.engine.kv.cache.num_cached_blocks
     assert stats.kv_cache_usage == 0.0
 
 
@@ -47,7 +47,7 @@ def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache(make_llm, 
         llm.engine.add_request("doomed", prompt, GREEDY)
         with pytest.raises(RuntimeError, match="forward failed"):
             llm.engine.step()
-    assert llm.engine.kv.num_cached_blocks == 0
+    assert llm.engine.kv.cache.num_cached_blocks == 0
     llm.engine.abort_request("doomed")
     [again] = llm.generate([prompt], GREEDY)
     assert again.num_cached_tokens == 0

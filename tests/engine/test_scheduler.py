@@ -67,6 +67,7 @@ def _check_references(kv: KVCacheManager, seqs: list[Sequence]) -> None:
     for seq in seqs:
         for block in seq.block_table:
             expected[block] += 1
+    assert kv.num_used_blocks == sum(1 for count in expected if count), "incremental used-block count drifted"
     if kv.cache is not None:
         for block in kv.cache.cached_blocks():
             expected[block] += 1
@@ -143,7 +144,7 @@ def test_random_interleavings_never_leak_and_always_finish(ops, num_blocks, budg
         assert request.finished
         if not request.aborted:
             assert all(seq.num_tokens == request.max_total_tokens for seq in request.seqs)
-    assert kv.pool.num_free == num_blocks - kv.num_cached_blocks
+    assert kv.pool.num_free == num_blocks - (kv.cache.num_cached_blocks if kv.cache else 0)
 
 
 def test_decodes_are_scheduled_before_prefill_chunks():
@@ -201,7 +202,7 @@ def test_requests_arriving_together_compute_a_shared_prefix_once():
     for item, token in zip(out.scheduled, tokens):
         item.seq.token_ids.append(token)
     _check_references(kv, [s for r in requests for s in r.seqs])
-    assert kv.num_cached_blocks == 8   # 4 blocks of each prefix, once
+    assert kv.cache.num_cached_blocks == 8   # 4 blocks of each prefix, once
 
 
 def test_newest_request_is_preempted_when_blocks_run_out():

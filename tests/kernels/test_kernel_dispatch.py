@@ -5,21 +5,16 @@ import torch
 from paged_batches import BATCH_KINDS, make_paged_batch
 
 from kubeinfer.kernels import ops
+from kubeinfer.kernels.attention_ref import paged_attention_ref
 
 
-def _all_ops(batch):
-    """Run every op on fresh copies of the inputs; returns every output tensor."""
-    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    new_k, new_v = torch.linspace(-1, 1, 256).view(2, 2, 64), torch.linspace(1, 2, 256).view(2, 2, 64)
-    ops.store_kv_cache(new_k, new_v, k_cache, v_cache, torch.tensor([-1, 5]))
-    attention = ops.paged_attention(batch.q, k_cache, v_cache, *batch.args()[3:], 0.125,
-                                    max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
+def _all_ops():
+    """Run every backend-dispatched op; returns every output tensor."""
     x = torch.linspace(-2, 2, 3 * 64).view(3, 64)
     normed, residual = ops.rms_norm(x, torch.ones(64), 1e-6, residual=x)
     cache = ops.build_rope_cache(64, 64, 10000.0)
     q, k = ops.apply_rotary(x.view(3, 1, 64), x.view(3, 1, 64), torch.tensor([0, 1, 63]), cache)
-    return [k_cache.nan_to_num(), v_cache.nan_to_num(), attention, normed, residual, q, k,
-            ops.silu_and_mul(x)]
+    return [normed, residual, q, k, ops.silu_and_mul(x)]
 
 
 def test_cpu_tensors_use_torch_unless_triton_is_forced():
@@ -33,10 +28,9 @@ def test_cpu_tensors_use_torch_unless_triton_is_forced():
 
 
 def test_both_backends_agree():
-    batch = make_paged_batch(BATCH_KINDS["mixed"], 4, 2, 64, 16, torch.float32)
-    want = _all_ops(batch)
+    want = _all_ops()
     with ops.use_backend("triton"):
-        got = _all_ops(batch)
+        got = _all_ops()
     for got_tensor, want_tensor in zip(got, want):
         torch.testing.assert_close(got_tensor, want_tensor, atol=1e-4, rtol=1e-4)
 
@@ -49,12 +43,13 @@ def test_long_decode_picks_split_kv_and_prefill_never_does():
     assert ops.choose_num_splits(256, 8, 32768, 1, cpu) == 1    # the batch already fills the GPU
 
 
-def test_forced_split_kv_through_the_dispatcher(triton_backend):
-    batch = make_paged_batch([(1, 60), (1, 3)], 8, 2, 64, 16, torch.float32)
-    got = ops.paged_attention(*batch.args(), 0.125, max_query_len=1, max_seq_len=61, num_splits=2)
-    with ops.use_backend("torch"):
-        want = ops.paged_attention(*batch.args(), 0.125, max_query_len=1, max_seq_len=61)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize("num_splits", [None, 1, 2])
+def test_triton_paged_attention_unified_or_split_matches_the_reference(triton_backend, num_splits):
+    kinds = {None: BATCH_KINDS["mixed"], 1: BATCH_KINDS["mixed"], 2: [(1, 60), (1, 3)]}
+    batch = make_paged_batch(kinds[num_splits], 8, 2, 64, 16, torch.float32)
+    got = ops.triton_paged_attention(*batch.args(), 0.125, max_query_len=batch.max_query_len,
+                                     max_seq_len=batch.max_seq_len, num_splits=num_splits)
+    torch.testing.assert_close(got, paged_attention_ref(*batch.args(), 0.125), atol=1e-4, rtol=1e-4)
 
 
 def test_unknown_backend_is_rejected():

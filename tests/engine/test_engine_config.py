@@ -1,0 +1,14 @@
+"""`EngineConfig` and `ENGINE_FLAGS` agree: one field per flag, the same defaults, so
+`EngineConfig()` is what `kubeinfer serve` runs with no flags and the operator renders."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, fields
+
+from kubeinfer.server.engine.config import EngineConfig
+from kubeinfer.server.flags import ENGINE_FLAGS
+
+
+def test_every_engine_flag_is_a_config_field_with_the_same_default():
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(EngineConfig)}
+    assert defaults == {flag.dest: flag.default for flag in ENGINE_FLAGS}
