@@ -125,6 +125,8 @@ class EngineSpec(Section):
         description="GPUs per replica, one rank each; must divide the model's attention heads.")
     block_size: Literal[8, 16, 32, 64, 128] = Field(flag("block_size").default,
                                                     description=flag("block_size").help)
+    quantization: Literal[flag("quantization").choices] = Field(  # type: ignore[valid-type]
+        flag("quantization").default, description=flag("quantization").help)
     kv_cache_memory_fraction: float = Field(flag("gpu_memory_utilization").default,
                                             ge=0.05, le=0.99,
                                             description=flag("gpu_memory_utilization").help)

@@ -225,6 +225,11 @@ def test_quantization_flag_conflicting_with_the_checkpoint_is_a_startup_error(tm
         EngineConfig(quantization="bitsandbytes")
 
 
+def test_checkpoint_formats_do_not_apply_to_gguf():
+    with pytest.raises(ValueError, match="--quantization gptq does not apply to a GGUF file"):
+        load_model("embedded", dtype="float32", device="cpu", quantization="gptq")
+
+
 def test_missing_quantized_tensor_is_refused_naming_it(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -244,3 +249,33 @@ def test_tensor_parallel_refuses_quantized_checkpoints(tmp_path):
     quantized, _ = write_awq(path, hf_model, tmp_path / "awq")
     with pytest.raises(ValueError, match="not supported with tensor parallelism"):
         load_tensor_parallel(EngineConfig(model=str(quantized), device="cpu", tensor_parallel_size=2))
+
+
+@pytest.mark.slow
+def test_embedded_model_in_w8a8_int8_keeps_the_bf16_engines_greedy_tokens():
+    """The embedded SmolLM2 (GGUF) re-quantized at load with --quantization int8 (per-channel int8
+    weights, per-token int8 activations on torch._int_mm) against the same model in bf16: the
+    greedy (top-1) token at every position of fixed texts, teacher-forced. Measured 0.91 over
+    105 positions (0.80-1.00 per text); the bar is 0.85. Free-running, the first 2 greedy tokens
+    of 8 prompts all agree; SmolLM2's activation outliers are what per-token int8 without
+    SmoothQuant loses."""
+    dense = load_model("embedded", "bfloat16", "cpu", quantization="none")
+    int8 = load_model("embedded", "bfloat16", "cpu", quantization="int8")
+    assert isinstance(int8.model.model.layers[0].self_attn.qkv_proj.weight_quant, Int8Weight)
+    agree = total = 0
+    for text in EMBEDDED_TEXTS:
+        ids = dense.tokenizer.encode(text)
+        want = PagedRunner(dense.model, num_blocks=16).step([("a", ids)], all_logits=True).argmax(-1)
+        got = PagedRunner(int8.model, num_blocks=16).step([("a", ids)], all_logits=True).argmax(-1)
+        agree += int((want == got).sum())
+        total += len(ids)
+    assert total > 100 and agree / total >= 0.85
+
+
+EMBEDDED_TEXTS = [
+    "The capital of France is Paris, and the capital of Germany is Berlin.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Kubernetes is a system for automating deployment, scaling, and management of containerized applications.",
+    "Once upon a time, there was a little girl who lived in a village near the forest.",
+    "Water boils at a temperature of 100 degrees Celsius at sea level.",
+]

@@ -13,7 +13,7 @@ from kubeinfer.operator.children import desired_children
 from kubeinfer.operator.resource import InferenceService
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "crds" / "examples"
-OURS = ["embedded-model.yaml", "tp2-gpu-pvc.yaml", "autoscaled.yaml", "api-keys.yaml", "qwen3.yaml", "gemma.yaml"]
+OURS = ["embedded-model.yaml", "tp2-gpu-pvc.yaml", "autoscaled.yaml", "api-keys.yaml", "qwen3.yaml", "gemma.yaml", "fp8.yaml"]
 
 
 @pytest.mark.parametrize("name", OURS)
@@ -33,3 +33,11 @@ def test_tp2_example_requests_two_gpus_per_pod() -> None:
     dep = desired_children(InferenceService.from_body(manifest), CONFIG)[0]
     limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 2
+
+
+def test_fp8_example_asks_for_its_checkpoint_format() -> None:
+    manifest = yaml.safe_load((EXAMPLES / "fp8.yaml").read_text())
+    manifest["metadata"].update(namespace="default", uid="u")
+    args = desired_children(InferenceService.from_body(manifest), CONFIG)[0]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert args[args.index("--quantization") + 1] == "compressed-tensors"

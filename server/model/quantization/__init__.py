@@ -74,12 +74,14 @@ def resolve(quantization_config: dict[str, Any] | None, requested: str) -> Quant
 
 
 def resolve_for_checkpoint(checkpoint: Checkpoint, requested: str) -> QuantizationMethod | None:
-    """`resolve` for any model source: a GGUF file carries its own quantization, so only
-    auto/none apply to it."""
+    """`resolve` for any model source. A GGUF file carries its own quantization: fp8 / int8
+    re-quantize its dequantized weights at load, the HF checkpoint formats do not apply."""
     if checkpoint.gguf:
+        if requested in ("fp8", "int8"):
+            return DenseAtLoad(requested)
         if requested not in ("auto", "none"):
             raise ValueError(f"--quantization {requested} does not apply to a GGUF file (its tensor types are its "
-                             "quantization); use auto or none")
+                             "quantization); use auto, none, fp8 or int8")
         return None
     return resolve(checkpoint.quantization_config, requested)
 
