@@ -26,7 +26,7 @@ from .checkpoint import Checkpoint, one_intra_op_thread
 from .config import ModelConfig
 from .gguf_checkpoint import read_gguf_file
 from .hf_checkpoint import read_hf_directory
-from .quantization import QuantizationMethod, QuantizedLoad, resolve_for_checkpoint
+from .quantization import QuantizedLoad, resolve_for_checkpoint
 from .registry import model_family
 from .tokenizer import Tokenizer
 from .tokenizer_files import embedded_model_path
@@ -103,14 +103,12 @@ def uninitialized_modules(device: torch.device, dtype: torch.dtype) -> Iterator[
 
 
 def fill_model(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device,
-               quantization: QuantizationMethod | None = None) -> float:
+               hook: QuantizedLoad | None = None) -> float:
     """Stream checkpoint tensors into a model built under `uninitialized_modules`, freeze it and
     prepack its GEMM weights (the steps every loader shares); returns the prepack's seconds.
-    With a `quantization` method, its linear layers get their quantized form instead."""
+    With a quantization `hook` (prepared), its linear layers get their quantized form instead."""
     model.reset_rotary(device)   # float32 again after the model's .to(dtype)
-    hook = None if quantization is None else QuantizedLoad(quantization, model)
     if hook is not None:
-        hook.prepare()
         weights = hook.divert(weights)
     model.load_weights((name, tensor.to(device)) for name, tensor in weights)
     if hook is not None:
@@ -147,11 +145,19 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
                 config.architecture, config.num_hidden_layers, config.hidden_size, time.perf_counter() - start)
 
     stage = time.perf_counter()
-    with uninitialized_modules(torch_device, torch_dtype):
+    # NOTE: a quantized model is built on the meta device and only the layers that stay dense
+    # are allocated, so the dense weights of the quantized layers never take memory (on CUDA the
+    # caching allocator would hold them: a 70B AWQ model would need its bf16 size first).
+    with uninitialized_modules(torch_device if method is None else torch.device("meta"), torch_dtype):
         model = model_family(config.architecture).build(
             config, get_attention_backend(torch_device, config.sliding_window)).to(torch_dtype)
+    hook = None
+    if method is not None:
+        hook = QuantizedLoad(method, model)
+        hook.prepare()
+        model = model.to_empty(device=torch_device)
     built = time.perf_counter()
-    pack_seconds = fill_model(model, checkpoint.weights(torch_dtype), torch_device, method)
+    pack_seconds = fill_model(model, checkpoint.weights(torch_dtype), torch_device, hook)
     end = time.perf_counter()
     weighted = end - pack_seconds
     logger.info("loaded %d tensors as %s on %s in %.2fs (build %.2fs, weights %.2fs, prepack %.2fs; total %.2fs)%s",

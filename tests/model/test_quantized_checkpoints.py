@@ -67,6 +67,8 @@ def _reference(hf_model, ids: list[int]) -> torch.Tensor:
 def _check_logits(path, reference_model) -> torch.nn.Module:
     """Prefill, then the prompt in three chunks over the paged cache and 3 decode steps."""
     model = load_model(str(path), dtype="float32", device="cpu").model
+    # built on the meta device: everything that stays dense was allocated and filled
+    assert all(tensor.device.type == "cpu" for tensor in [*model.parameters(), *model.buffers()])
     decoded = PROMPT + [11, 250, 38]
     reference = _reference(reference_model, decoded)
     one_shot = PagedRunner(model).step([("a", PROMPT)], all_logits=True)
