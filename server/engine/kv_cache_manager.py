@@ -36,7 +36,7 @@ class KVCacheManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if self.cache is None:
             return 0
-        blocks = self.cache.match_prefix(seq.token_ids[:-1], seq.params.cache_salt)
+        blocks = self.cache.match_prefix(seq.token_ids[:-1], seq.request.extra_key)
         for block in blocks:
             self.pool.incref(block)
         seq.block_table = blocks
@@ -69,7 +69,8 @@ class KVCacheManager:
         K/V before attention reads any). Where the cache already holds a block, the sequence
         still computes its own copy this step; `cache_full_blocks` adopts the cached one after
         (otherwise it has nothing left to do)."""
-        num_full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+        # draft tokens beyond the known ones are not cached: most are rejected
+        num_full = min(seq.num_computed_tokens + num_new_tokens, seq.num_tokens) // self.block_size
         canonical = self._insert(seq, num_full)
         if canonical is not None and canonical[seq.num_inserted_blocks:] == seq.block_table[
                 seq.num_inserted_blocks:num_full]:
@@ -94,7 +95,7 @@ class KVCacheManager:
         if self.cache is None or num_full <= seq.num_inserted_blocks:
             return None
         return self.cache.insert(seq.token_ids[:num_full * self.block_size], seq.block_table[:num_full],
-                                 seq.params.cache_salt)
+                                 seq.request.extra_key)
 
     def drop_cache(self) -> None:
         """Forget every cached block (sequences keep theirs): after a failed step, blocks
@@ -102,6 +103,22 @@ class KVCacheManager:
         if self.cache is None:
             return
         self.cache.clear()
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks the first `num_tokens` tokens need (and at most that many computed
+        tokens): the tail of rejected draft tokens, or a rolled-back output, goes back to the
+        pool. Blocks the prefix cache holds stay cached (only this sequence's reference goes).
+        A shared block (cached, or a sibling's) cut in the middle goes too, so this sequence's
+        next tokens never overwrite K/V that others read; its first tokens are recomputed."""
+        keep = -(-num_tokens // self.block_size)
+        if (num_tokens % self.block_size and keep <= len(seq.block_table)
+                and self.pool.ref_counts[seq.block_table[keep - 1]] > 1):
+            keep -= 1
+        for block in seq.block_table[keep:]:
+            self.pool.decref(block)
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens, keep * self.block_size)
+        seq.num_inserted_blocks = min(seq.num_inserted_blocks, keep)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share the parent's full prompt blocks; the child recomputes the partial tail."""

@@ -5,12 +5,14 @@ It can recompute a chain of block hashes from the same token ids, so every cache
 named by one (vLLM's KV events do the same):
 
     root(extra) = 0 when extra is None, else blake2b-64(b"kubeinfer-extra\\0" + utf8(extra))
+    root(extra, adapter) = blake2b-64(b"kubeinfer-adapter\\0" + lp(adapter) + lp(extra or ""))
+                           when a LoRA adapter is set (lp = le_u32 length + utf8 bytes)
     block i     = blake2b-64(le_u64(block i-1, or root(extra) for the first block)
                              + le_u32 of each of the block's token ids)
 
 blake2b-64 is blake2b with an 8-byte digest, read as an unsigned little-endian integer;
-`extra` is the cache namespace of the request (today its `cache_salt`), so salted tenants get
-disjoint hashes. Only full blocks are hashed. This module imports nothing heavy: the router
+`extra` is the cache namespace of the request (its `cache_salt`) and `adapter` its LoRA adapter
+(`ExtraKey`), so salted tenants and adapters get disjoint hashes. Only full blocks are hashed. This module imports nothing heavy: the router
 (no torch) computes the same hashes with `block_hashes`.
 """
 
@@ -22,13 +24,25 @@ import secrets
 import struct
 import threading
 from collections import deque
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 HASH_SCHEME = "kubeinfer-blake2b64-v1"
 
 
-def root_hash(extra: str | None) -> int:
+class ExtraKey(NamedTuple):
+    """What a block's KV depends on besides its tokens (SGLang's `RadixKey.extra_key`): the
+    tenant's `cache_salt` and the LoRA adapter. The prefix cache shares blocks only under equal
+    keys; LoRA plugs in by setting `adapter`, without touching the cache."""
+
+    salt: str | None = None
+    adapter: str | None = None
+
+
+def root_hash(extra: str | None, adapter: str | None = None) -> int:
     """The parent of a namespace's first block."""
+    if adapter is not None:
+        data = b"".join(len(part).to_bytes(4, "little") + part for part in (adapter.encode(), (extra or "").encode()))
+        return int.from_bytes(hashlib.blake2b(b"kubeinfer-adapter\0" + data, digest_size=8).digest(), "little")
     if extra is None:
         return 0
     digest = hashlib.blake2b(b"kubeinfer-extra\0" + extra.encode(), digest_size=8).digest()
@@ -49,9 +63,10 @@ def chain_hashes(parent: int, tokens: Sequence[int], block_size: int) -> list[in
     return hashes
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, extra: str | None = None) -> list[int]:
-    """The hash of every full block of a prompt's `tokens` in namespace `extra`."""
-    return chain_hashes(root_hash(extra), tokens, block_size)
+def block_hashes(tokens: Sequence[int], block_size: int, extra: str | None = None,
+                 adapter: str | None = None) -> list[int]:
+    """The hash of every full block of a prompt's `tokens` in namespace `extra` (and `adapter`)."""
+    return chain_hashes(root_hash(extra, adapter), tokens, block_size)
 
 
 class KVEventLog:

@@ -13,10 +13,11 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .outputs import CompletionOutput, RequestOutput
-from .sampler import Sampler, to_logprob_dict
+from .proposer import Proposer
+from .sampler import Sampler, SamplerOutput, to_logprob_dict
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
-from .sequence import Request, Sequence, SequenceStatus
+from .sequence import DraftPosition, Request, SamplingRow, Sequence, SequenceStatus
 from .stats import EngineStats
 from .structured_output import GrammarBackend, GrammarBackendHolder
 from .validation import check_fits, max_prompt_chars, prompt_token_ids
@@ -29,7 +30,9 @@ T = TypeVar("T")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: "LoadedModel | None" = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: "LoadedModel | None" = None,
+                 proposer: Proposer | None = None) -> None:
+        """`proposer`: speculative decoding's draft tokens (`proposer.py`); None = one token a step."""
         from .model_runner import ModelRunner
 
         if loaded is None and config.tensor_parallel_size > 1:  # TP hook: shards + worker processes
@@ -55,6 +58,7 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed, self.loaded.device)
+        self.proposer = proposer
         self.requests: dict[str, Request] = {}
         self._grammars = GrammarBackendHolder(self.tokenizer, self.model_config.vocab_size,
                                               sorted(self.eos_token_ids))
@@ -137,6 +141,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -148,7 +154,9 @@ class LLMEngine:
         sampled = self.sampler(logits, seqs) if logits is not None else None
         self.scheduler.update(out)
         touched: dict[str, Request] = {}
-        if sampled is not None:
+        if sampled is not None and out.num_drafts:
+            self._append_verified(seqs, sampled, touched)
+        elif sampled is not None:
             now = time.monotonic()
             for row, (seq, token, logprobs) in enumerate(zip(seqs, sampled.token_ids, sampled.logprobs)):
                 request = seq.request
@@ -233,6 +241,53 @@ class LLMEngine:
             logprobs=None, finish_reason="error", stop_reason=None) for seq in request.seqs]
         return RequestOutput(request.request_id, request.prompt_token_ids, request.num_cached_tokens,
                              completions, True, request.metrics, error=request.error)
+
+    # -- speculative decoding (with a proposer) ------------------------------------------------
+
+    def _propose(self) -> None:
+        """Draft tokens for every running decode, never past the sequence's length limit. A
+        sequence with logits processors is not drafted: their state (a grammar's) follows the
+        sequence's accepted tokens only, so they cannot score positions after unverified drafts."""
+        assert self.proposer is not None
+        for seq in self.scheduler.running:
+            room = seq.request.max_total_tokens - seq.num_tokens - 1
+            if seq.num_tokens - seq.num_computed_tokens == 1 and room > 0 and not seq.logits_processors:
+                seq.draft_token_ids = list(self.proposer.propose(seq, room))[:room]
+
+    def _append_verified(self, rows: list[SamplingRow], sampled: SamplerOutput, touched: dict[str, Request]
+                         ) -> None:
+        """A speculative step's tokens: per sequence, the drafts up to the first one its sampled
+        token disagrees with, then that sampled token (1 + accepted drafts tokens)."""
+        now = time.monotonic()
+        start = 0
+        while start < len(rows):
+            seq = rows[start]
+            assert isinstance(seq, Sequence)
+            drafts = seq.draft_token_ids
+            end = start + 1
+            while end < len(rows) and isinstance(rows[end], DraftPosition):
+                end += 1
+            tokens = sampled.token_ids[start:end]
+            accepted = 0
+            while accepted < len(tokens) - 1 and tokens[accepted] == drafts[accepted]:
+                accepted += 1
+            request = seq.request
+            touched[request.request_id] = request
+            if request.error is None:
+                error = next((sampled.errors[row] for row in range(start, end) if row in sampled.errors), None)
+                self._guarded(request, self._append_tokens, seq, tokens[:accepted + 1],
+                              sampled.logprobs[start:start + accepted + 1], now, error=error)
+            seq.draft_token_ids = []
+            start = end
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> None:
+        """Append verified tokens (accepted drafts, then the sampled one) until one finishes the
+        sequence; a sequence still running keeps the drafts' K/V and gives back the rest."""
+        for token, entry in zip(tokens, logprobs):
+            self._append_token(seq, token, entry, now)
+            if seq.finish_reason is not None:
+                return
+        self.scheduler.accept_drafts(seq, len(tokens) - 1)
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

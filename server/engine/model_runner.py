@@ -13,8 +13,8 @@ from ..parallel.plan import kv_heads_per_rank
 from .config import EngineConfig
 from .cpu_cache_memory import lazy_zeros, map_in_background
 from .cpu_threads import limit_torch_threads
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
+from .scheduler import ScheduledSeq, SchedulerOutput
+from .sequence import DraftPosition, SamplingRow
 
 if TYPE_CHECKING:
     from ..model.loader import LoadedModel
@@ -60,15 +60,18 @@ class ModelRunner:
             return int(free * config.gpu_memory_utilization)
         return CPU_DEFAULT_KV_CACHE_BYTES
 
-    def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Sequence], list[int]]:
-        """Flatten the step into tensors (numpy, once per step); also return the sequences that
-        sample and, for each, its row among the computed logits (n>1 siblings share a row)."""
+    def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[SamplingRow], list[int]]:
+        """Flatten the step into tensors (numpy, once per step); also return the sampling rows
+        (sequences, and draft positions in a speculative step) and, for each, its row among the
+        computed logits (n>1 siblings share a row)."""
         items = out.scheduled
         query_lens = [item.num_new_tokens for item in items]
         starts = [item.seq.num_computed_tokens for item in items]
         input_ids: list[int] = []
         for item, start, count in zip(items, starts, query_lens):
             input_ids += item.seq.token_ids[start:start + count]
+            if item.num_drafts:
+                input_ids += item.seq.draft_token_ids[:item.num_drafts]
         tables = [item.seq.block_table for item in items]
         width = max(len(table) for table in tables)
         block_tables = np.array([table + [0] * (width - len(table)) for table in tables],
@@ -81,9 +84,15 @@ class ModelRunner:
         slots = (block_tables[seq_index, positions // self.block_size].astype(np.int64)
                  * self.block_size + positions % self.block_size)
         sampling = [i for i, item in enumerate(items) if item.samples]
-        row_of = {i: row for row, i in enumerate(sampling)}
-        seqs = [items[i].seq for i in sampling] + [sibling for sibling, _ in out.forks]
-        rows = list(range(len(sampling))) + [row_of[parent] for _, parent in out.forks]
+        if out.num_drafts:
+            seqs, logits_indices = self._verify_rows(items, sampling, query_start)
+        else:
+            seqs, logits_indices = [items[i].seq for i in sampling], query_start[1:][sampling] - 1
+        row_of: dict[int, int] = {}   # a fork samples from its parent's row (a prompt's last)
+        for i in sampling if out.forks else ():
+            row_of[i] = len(row_of) + sum(items[j].num_drafts for j in row_of)
+        seqs += [sibling for sibling, _ in out.forks]
+        rows = list(range(len(logits_indices))) + [row_of[parent] for _, parent in out.forks]
         batch = ForwardBatch(
             input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64)),
             positions=self._tensor(positions),
@@ -91,7 +100,7 @@ class ModelRunner:
             block_tables=self._tensor(block_tables),
             query_start_loc=self._tensor(query_start.astype(np.int32)),
             seq_lens=self._tensor(seq_lens.astype(np.int32)),
-            logits_indices=self._tensor(query_start[1:][sampling] - 1),
+            logits_indices=self._tensor(logits_indices),
             max_query_len=max(query_lens),
             max_seq_len=int(seq_lens.max()),
             query_lens_cpu=query_lens,
@@ -99,12 +108,26 @@ class ModelRunner:
         )
         return batch, seqs, rows
 
+    @staticmethod
+    def _verify_rows(items: list[ScheduledSeq], sampling: list[int], query_start: np.ndarray
+                     ) -> tuple[list[SamplingRow], np.ndarray]:
+        """A speculative step's sampling rows: a sequence with k drafts is scored at its last
+        known token and after each draft (k + 1 rows, `DraftPosition`s after the first)."""
+        seqs: list[SamplingRow] = []
+        indices: list[int] = []
+        for i in sampling:
+            item, end = items[i], int(query_start[i + 1])
+            seqs += [item.seq] + [DraftPosition(item.seq, k) for k in range(1, item.num_drafts + 1)]
+            indices += range(end - 1 - item.num_drafts, end)
+        return seqs, np.asarray(indices, dtype=np.int64)
+
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """One forward pass; float32 logits, one row per sampling sequence (None if none sample)."""
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[SamplingRow]]:
+        """One forward pass; float32 logits, one row per sampling row (a sampling sequence, and
+        each of its draft positions in a speculative step; None if none sample)."""
         batch, seqs, rows = self.prepare(out)
         logits = self.model(batch, self.kv_caches)
         if not seqs:

@@ -3,8 +3,9 @@
 Each edge holds a run of full blocks and is keyed by its first block's tokens. The tree owns
 one reference on every block it holds; a node is evictable when it is a leaf and the tree
 holds the only reference to its blocks (no running sequence reads them), so no separate lock
-count can drift out of sync with the block pool. `cache_salt` selects a separate tree, so
-tenants with different salts never share blocks. With a `KVEventLog`, every block also carries
+count can drift out of sync with the block pool. The request's `ExtraKey` (cache salt and
+LoRA adapter) selects a separate tree, so tenants with different salts, and different
+adapters, never share blocks. With a `KVEventLog`, every block also carries
 its chain hash (`kv_events`), and blocks entering and leaving the tree are published there.
 """
 
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
-from .kv_events import KVEventLog, chain_hashes, root_hash
+from .kv_events import ExtraKey, KVEventLog, chain_hashes, root_hash
 
 Key = tuple[int, ...]
 
@@ -36,18 +37,18 @@ class RadixCache:
         self.pool = pool
         self.block_size = block_size
         self.events = events
-        self.roots: dict[str | None, Node] = {}
+        self.roots: dict[ExtraKey, Node] = {}
         self.num_cached_blocks = 0
         self._tick = itertools.count()
 
-    def _root(self, salt: str | None) -> Node:
-        if salt not in self.roots:
-            self.roots[salt] = Node([], [], None)
-        return self.roots[salt]
+    def _root(self, key: ExtraKey) -> Node:
+        if key not in self.roots:
+            self.roots[key] = Node([], [], None)
+        return self.roots[key]
 
-    def _walk(self, tokens: list[int], salt: str | None) -> tuple[Node, int, list[int]]:
+    def _walk(self, tokens: list[int], key: ExtraKey) -> tuple[Node, int, list[int]]:
         """Follow full blocks of `tokens`: (deepest node, blocks matched on its edge, blocks)."""
-        bs, node, matched = self.block_size, self._root(salt), []
+        bs, node, matched = self.block_size, self._root(key), []
         now, pos = time.monotonic(), 0
         while pos + bs <= len(tokens):
             child = node.children.get(tuple(tokens[pos:pos + bs]))
@@ -66,11 +67,11 @@ class RadixCache:
             node = child
         return node, len(node.blocks), matched
 
-    def match_prefix(self, tokens: list[int], salt: str | None = None) -> list[int]:
+    def match_prefix(self, tokens: list[int], key: ExtraKey = ExtraKey()) -> list[int]:
         """Blocks of the longest cached full-block prefix of `tokens` (no references taken)."""
-        return self._walk(tokens, salt)[2]
+        return self._walk(tokens, key)[2]
 
-    def insert(self, tokens: list[int], blocks: list[int], salt: str | None = None) -> list[int]:
+    def insert(self, tokens: list[int], blocks: list[int], key: ExtraKey = ExtraKey()) -> list[int]:
         """Cache `blocks` holding the KV of `tokens` (full blocks only); returns the tree's blocks.
 
         Where the tree already holds a prefix, its blocks win and are returned, so the caller
@@ -78,7 +79,7 @@ class RadixCache:
         """
         num_full = min(len(tokens) // self.block_size, len(blocks))
         tokens = tokens[:num_full * self.block_size]
-        node, count, matched = self._walk(tokens, salt)
+        node, count, matched = self._walk(tokens, key)
         if count < len(node.blocks):
             node = self._split(node, count)
         rest = blocks[len(matched):num_full]
@@ -87,7 +88,7 @@ class RadixCache:
             child = Node(tokens[start:], list(rest), node)
             node.children[tuple(child.tokens[:self.block_size])] = child
             if self.events is not None:
-                parent = node.hashes[-1] if node.parent is not None else root_hash(salt)
+                parent = node.hashes[-1] if node.parent is not None else root_hash(*key)
                 child.hashes = chain_hashes(parent, child.tokens, self.block_size)
                 self.events.stored(child.hashes)
             for block in rest:

@@ -9,6 +9,11 @@ in a single call, seeded rows from their own `torch.Generator` so a request repl
 Logprobs are computed from the raw model logits, before any processing, as vLLM does by
 default: they describe the model, not the sampling knobs.
 
+A row is a sequence, or in a speculative step one of its draft positions (`DraftPosition`:
+the sequence plus the drafts before that position), so penalties and min_tokens see the
+tokens in front of that very position (sequences with logits processors are not drafted). The
+engine, not the sampler, decides how many of a sequence's rows it keeps.
+
 A fault in one row must not fail the batch: the random numbers are drawn first, so when the
 batched pass raises (or yields a token outside the vocabulary) each row is sampled again on
 its own with the same draws, the other rows get exactly the tokens the batch would have given,
@@ -27,7 +32,7 @@ import torch
 from .argmax import argmax_rows
 from .logits_processor import apply_logits_processors
 from .outputs import Logprob
-from .sequence import Sequence
+from .sequence import DraftPosition, SamplingRow, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +59,7 @@ class Sampler:
     def forget(self, seq: Sequence) -> None:
         self.seeded.pop(id(seq), None)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SamplerOutput:
         greedy = [seq.params.temperature == 0.0 for seq in seqs]
         uniform, errors = self._draw(seqs, greedy)
         if not errors:
@@ -78,7 +83,7 @@ class Sampler:
             out.logprobs.append(None)
         return out
 
-    def _draw(self, seqs: list[Sequence], greedy: list[bool]
+    def _draw(self, seqs: list[SamplingRow], greedy: list[bool]
               ) -> tuple[torch.Tensor | None, dict[int, Exception]]:
         """One uniform number per row (None when every row is greedy): unseeded rows from the
         engine generator in one call, seeded rows from their own."""
@@ -94,7 +99,7 @@ class Sampler:
                     errors[row] = error
         return uniform, errors
 
-    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[SamplingRow], greedy: list[bool],
                       uniform: torch.Tensor | None) -> SamplerOutput:
         raw = logits
         logits = self._apply_penalties(logits, seqs)
@@ -112,7 +117,7 @@ class Sampler:
     def _column(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         rep = [s.params.repetition_penalty for s in seqs]
         pres = [s.params.presence_penalty for s in seqs]
         freq = [s.params.frequency_penalty for s in seqs]
@@ -142,7 +147,7 @@ class Sampler:
                                                                        device=self.device))
         return counts[:, :vocab]
 
-    def _apply_processors(self, logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence]
+    def _apply_processors(self, logits: torch.Tensor, raw: torch.Tensor, seqs: list[SamplingRow]
                           ) -> torch.Tensor:
         """Per-row logits processors (grammars, ...), last so they have the final say; rows
         without any are not touched, and a batch without any costs one scan of `seqs`."""
@@ -155,7 +160,7 @@ class Sampler:
             apply_logits_processors(logits, per_row)
         return logits
 
-    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[SamplingRow]
                                       ) -> torch.Tensor:
         rows, cols = [], []
         for row, seq in enumerate(seqs):
@@ -169,7 +174,7 @@ class Sampler:
         logits[rows, cols] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
+    def _sample(self, logits: torch.Tensor, seqs: list[SamplingRow], greedy: list[bool],
                 uniform: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]
         temperature = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
@@ -196,7 +201,8 @@ class Sampler:
         greedy_mask = torch.tensor(greedy, device=self.device)
         return torch.where(greedy_mask, argmax_rows(logits), sampled)
 
-    def _seeded_generator(self, seq: Sequence) -> torch.Generator:
+    def _seeded_generator(self, row: SamplingRow) -> torch.Generator:
+        seq = row.seq if isinstance(row, DraftPosition) else row   # the draft rows share their sequence's
         generator = self.seeded.get(id(seq))
         if generator is None:
             generator = torch.Generator(device=self.device)
@@ -205,7 +211,7 @@ class Sampler:
             self.seeded[id(seq)] = generator
         return generator
 
-    def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor
+    def _logprobs(self, raw: torch.Tensor, seqs: list[SamplingRow], tokens: torch.Tensor
                   ) -> list[tuple[list[int], list[float], float, int] | None]:
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         result: list[tuple[list[int], list[float], float, int] | None] = [None] * len(seqs)

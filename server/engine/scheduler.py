@@ -2,7 +2,8 @@
 
 Every step gives each sequence a number of new tokens to compute: running decodes first,
 then prefill chunks of partially prefilled sequences, then waiting sequences, under
-`max_num_batched_tokens` and `max_num_seqs`. When blocks run out the newest running
+`max_num_batched_tokens` and `max_num_seqs`. A decode with draft tokens (speculative decoding,
+`proposer.py`) gets one position per draft too, as far as the budget goes. When blocks run out the newest running
 sequence (highest priority value, latest arrival) is preempted: its blocks are freed and it
 is recomputed later, cheaply when its prefix is still cached.
 
@@ -26,8 +27,9 @@ from .sequence import Request, Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens computed this step, plus `num_drafts` draft tokens after them
     samples: bool  # this chunk reaches the end of the known tokens: sample the next one
+    num_drafts: int = 0  # draft tokens scored this step (speculative decoding); each is a sampling row
 
 
 @dataclass
@@ -37,6 +39,7 @@ class SchedulerOutput:
     # from the logits of the first sequence's last prompt chunk.
     forks: list[tuple[Sequence, int]] = field(default_factory=list)
     num_tokens: int = 0
+    num_drafts: int = 0  # over all scheduled sequences; 0 = one sampling row per sampling sequence
 
     @property
     def is_empty(self) -> bool:
@@ -75,7 +78,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            unknown = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(unknown + len(seq.draft_token_ids), budget)
             while not self.kv.allocate_slots(seq, num_new):
                 victim = self._pick_victim(scheduled)
                 if victim is None:
@@ -85,7 +89,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._add(out, seq, num_new)
+                num_drafts = max(0, num_new - unknown)
+                del seq.draft_token_ids[num_drafts:]   # those the budget leaves no room for
+                self._add(out, seq, num_new, num_drafts)
                 scheduled.add(id(seq))
                 budget -= num_new
         while (self.waiting and budget > 0 and not preempted
@@ -109,10 +115,11 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
-        samples = seq.num_computed_tokens + num_new == seq.num_tokens
-        out.scheduled.append(ScheduledSeq(seq, num_new, samples))
+    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, num_drafts: int = 0) -> None:
+        samples = seq.num_computed_tokens + num_new - num_drafts == seq.num_tokens
+        out.scheduled.append(ScheduledSeq(seq, num_new, samples, num_drafts))
         out.num_tokens += num_new
+        out.num_drafts += num_drafts
         self.kv.cache_scheduled_blocks(seq, num_new)
         if samples and seq.index == 0:
             for sibling in seq.request.seqs[1:]:
@@ -130,19 +137,29 @@ class Scheduler:
         """Free the sequence's blocks and queue it for recomputation."""
         self.running.remove(seq)
         self.kv.free(seq)
+        seq.draft_token_ids = []
         self._enqueue(seq)
         self.num_preemptions += 1
 
     def update(self, out: SchedulerOutput) -> None:
         """Account for a finished forward pass: advance, cache full blocks, fork siblings."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_drafts
             self.kv.cache_full_blocks(item.seq)
         for sibling, parent_index in out.forks:
             if sibling.status is SequenceStatus.FORK_PENDING:
                 self.kv.fork(out.scheduled[parent_index].seq, sibling)
                 sibling.status = SequenceStatus.RUNNING
                 bisect.insort(self.running, sibling, key=lambda s: s.sort_key)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After a speculative step: the first `num_accepted` drafts are now tokens of `seq`
+        (appended by the engine) whose K/V the step computed; the blocks of the rejected rest go
+        back. Call only for a sequence still running."""
+        seq.draft_token_ids = []
+        seq.num_computed_tokens += num_accepted
+        self.kv.truncate(seq, seq.num_computed_tokens)
+        self.kv.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Retire a sequence (done or aborted) and release its blocks at once."""

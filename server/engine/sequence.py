@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .kv_events import ExtraKey
 from .logits_processor import LogitsProcessor, ProcessorFactory
 from .outputs import Logprob, RequestMetrics
 from .sampling_params import SamplingParams
@@ -45,8 +46,11 @@ class Request:
     error: str | None = None  # why handling it failed (it then finished with "error")
     # each sequence builds its own processors from these (e.g. a grammar matcher)
     processor_factories: list[ProcessorFactory] = field(default_factory=list)
+    adapter: str | None = None  # LoRA adapter name; None = the base weights (no adapters yet)
+    extra_key: ExtraKey = field(init=False)  # the prefix-cache namespace of its blocks
 
     def __post_init__(self) -> None:
+        self.extra_key = ExtraKey(self.params.cache_salt, self.adapter)
         self.seqs = [Sequence(self, i) for i in range(self.params.n)]
         for sibling in self.seqs[1:]:
             sibling.status = SequenceStatus.FORK_PENDING
@@ -79,6 +83,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     detokenizer: "IncrementalDetokenizer | None" = None
     num_sent_tokens: int = 0  # output tokens already reported to the caller
+    draft_token_ids: list[int] = field(default_factory=list)  # a proposer's guesses after token_ids
     logits_processors: list[LogitsProcessor] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,3 +113,46 @@ class Sequence:
     def sort_key(self) -> tuple[int, int, int]:
         """Scheduling order: priority (lower first), then arrival, then completion index."""
         return (self.request.params.priority, self.request.arrival_order, self.index)
+
+
+@dataclass(eq=False)
+class DraftPosition:
+    """A sampling row after `seq`'s tokens and its first `num_drafts` draft tokens: one of the
+    positions a speculative step verifies. To the sampler it reads like the sequence there."""
+
+    seq: Sequence
+    num_drafts: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.seq.draft_token_ids[:self.num_drafts]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.seq.draft_token_ids[:self.num_drafts]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + self.num_drafts
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def request(self) -> Request:
+        return self.seq.request
+
+    @property
+    def index(self) -> int:
+        return self.seq.index
+
+    @property
+    def logits_processors(self) -> list[LogitsProcessor]:
+        """None: a processor's state is at the sequence's last token, not at this position, so
+        the engine drafts only for sequences without processors (`LLMEngine._propose`)."""
+        assert not self.seq.logits_processors
+        return []
+
+
+SamplingRow = Sequence | DraftPosition   # one row of logits the sampler turns into a token

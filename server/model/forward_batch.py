@@ -33,6 +33,9 @@ class ForwardBatch:
     # Host-side mirrors of query_start_loc and seq_lens, for CPU backends that loop in Python.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # [T] int32 LoRA adapter slot of each token; None = every token on the base weights (always,
+    # until adapters exist: the LoRA layers read it, the engine fills it from `Request.adapter`)
+    adapter_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

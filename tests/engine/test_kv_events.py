@@ -2,7 +2,7 @@
 what enters and leaves it (GET /kv/blocks) as net changes since a sequence number."""
 
 from kubeinfer.server.engine.block_pool import BlockPool
-from kubeinfer.server.engine.kv_events import (HASH_SCHEME, KVEventLog, block_hash, block_hashes,
+from kubeinfer.server.engine.kv_events import (HASH_SCHEME, ExtraKey, KVEventLog, block_hash, block_hashes,
                                                root_hash)
 from kubeinfer.server.engine.radix_cache import RadixCache
 
@@ -14,9 +14,10 @@ def _cache(num_blocks: int = 32) -> tuple[BlockPool, RadixCache, KVEventLog]:
     return pool, RadixCache(pool, BS, events), events
 
 
-def _store(pool: BlockPool, cache: RadixCache, tokens: list[int], salt: str | None = None) -> None:
+def _store(pool: BlockPool, cache: RadixCache, tokens: list[int], salt: str | None = None,
+           adapter: str | None = None) -> None:
     blocks = pool.allocate(len(tokens) // BS)
-    cache.insert(tokens, blocks, salt)
+    cache.insert(tokens, blocks, ExtraKey(salt, adapter))
     for block in blocks:
         pool.decref(block)
 
@@ -85,3 +86,16 @@ def test_since_answers_net_changes_and_resets_readers_it_cannot_serve():
 
 def test_a_new_process_has_a_new_epoch():
     assert KVEventLog(BS).epoch != KVEventLog(BS).epoch
+
+
+def test_an_adapter_gets_its_own_hash_chain_and_no_adapter_keeps_the_salt_one():
+    import hashlib
+
+    assert root_hash("tenant", None) == root_hash("tenant")
+    data = b"kubeinfer-adapter\0" + (6).to_bytes(4, "little") + b"lora-a" + (6).to_bytes(4, "little") + b"tenant"
+    assert root_hash("tenant", "lora-a") == int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    roots = {root_hash(None), root_hash("lora-a"), root_hash(None, "lora-a"), root_hash("lora-a", "lora-a")}
+    assert len(roots) == 4
+    pool, cache, events = _cache()
+    _store(pool, cache, list(range(8)), salt="tenant", adapter="lora-a")
+    assert _live(events) == set(block_hashes(list(range(8)), BS, "tenant", "lora-a"))

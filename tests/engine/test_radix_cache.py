@@ -1,8 +1,11 @@
-"""RadixCache: block-granular prefix matching, sharing, LRU eviction of unreferenced leaves, salts."""
+"""RadixCache: block-granular prefix matching, sharing, LRU eviction of unreferenced leaves, salts
+and adapters (one `ExtraKey`)."""
 
 from hypothesis import given, settings, strategies as st
 
 from kubeinfer.server.engine.block_pool import BlockPool
+from kubeinfer.server.engine.kv_cache_manager import KVCacheManager
+from kubeinfer.server.engine.kv_events import ExtraKey
 from kubeinfer.server.engine.radix_cache import RadixCache
 
 BS = 4
@@ -13,11 +16,11 @@ def _cache(num_blocks: int = 32) -> tuple[BlockPool, RadixCache]:
     return pool, RadixCache(pool, BS)
 
 
-def _store(pool: BlockPool, cache: RadixCache, tokens: list[int], salt: str | None = None
-           ) -> list[int]:
+def _store(pool: BlockPool, cache: RadixCache, tokens: list[int], salt: str | None = None,
+           adapter: str | None = None) -> list[int]:
     """Compute-and-cache as a sequence would: allocate, insert, drop the sequence's references."""
     blocks = pool.allocate(len(tokens) // BS)
-    canonical = cache.insert(tokens, blocks, salt)
+    canonical = cache.insert(tokens, blocks, ExtraKey(salt, adapter))
     for block in blocks:
         pool.decref(block)
     return canonical
@@ -44,9 +47,9 @@ def test_insert_splits_edges_and_reuses_existing_blocks():
 def test_cache_salt_isolates_tenants():
     pool, cache = _cache()
     _store(pool, cache, list(range(8)), salt="tenant-a")
-    assert cache.match_prefix(list(range(8)), "tenant-b") == []
+    assert cache.match_prefix(list(range(8)), ExtraKey("tenant-b")) == []
     assert cache.match_prefix(list(range(8))) == []
-    assert len(cache.match_prefix(list(range(8)), "tenant-a")) == 2
+    assert len(cache.match_prefix(list(range(8)), ExtraKey("tenant-a"))) == 2
 
 
 def test_eviction_takes_least_recently_used_unreferenced_leaves():
@@ -92,3 +95,30 @@ def test_random_inserts_and_evictions_never_leak_blocks(sequences, evictions):
         assert sorted(cache.cached_blocks()) == sorted(set(cache.cached_blocks()))
     cache.clear()
     assert pool.num_free == 64
+
+
+def test_adapters_never_share_blocks_with_the_base_model_or_each_other():
+    pool, cache = _cache()
+    _store(pool, cache, list(range(8)), adapter="lora-a")
+    _store(pool, cache, list(range(8)), salt="tenant", adapter="lora-a")
+    assert cache.match_prefix(list(range(8))) == []
+    assert cache.match_prefix(list(range(8)), ExtraKey(adapter="lora-b")) == []
+    assert cache.match_prefix(list(range(8)), ExtraKey("tenant")) == []
+    mine, salted = (cache.match_prefix(list(range(8)), key) for key in
+                    (ExtraKey(adapter="lora-a"), ExtraKey("tenant", "lora-a")))
+    assert len(mine) == len(salted) == 2 and not set(mine) & set(salted)
+
+
+def test_a_sequence_is_cached_under_its_salt_and_adapter():
+    from kubeinfer.server.engine.sampling_params import SamplingParams
+    from kubeinfer.server.engine.sequence import Request
+
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    prompt = list(range(9))
+    first = Request("a", prompt, SamplingParams(cache_salt="t"), frozenset(), 64, adapter="lora-a").seqs[0]
+    kv.allocate_slots(first, len(prompt))
+    kv.cache_scheduled_blocks(first, len(prompt))
+    for adapter, salt, hit in [("lora-a", "t", 8), ("lora-b", "t", 0), (None, "t", 0), ("lora-a", None, 0)]:
+        seq = Request("b", prompt, SamplingParams(cache_salt=salt), frozenset(), 64, adapter=adapter).seqs[0]
+        assert kv.match_prefix(seq) == hit, (adapter, salt)
+        kv.free(seq)

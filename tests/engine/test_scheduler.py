@@ -1,4 +1,4 @@
-"""Scheduler properties under random add / step / abort / preempt interleavings.
+"""Scheduler properties under random add / step / abort / preempt / truncate interleavings.
 
 The model is replaced by a cheap deterministic test double: a fake KV store where each slot
 records a hash of the token prefix it was computed for, and next tokens derived from that
@@ -94,6 +94,16 @@ def _run_step(sched: Scheduler, model: FakeModel, requests: list[Request]) -> No
                 sched.finish(seq)
 
 
+def _roll_back(kv: KVCacheManager, seq: Sequence, cut: int) -> None:
+    """Drop some of a sequence's output tokens (as rejected drafts or a rollback would) and give
+    back the KV blocks past what the kept tokens need; the last kept token is recomputed."""
+    keep = seq.num_prompt_tokens + cut % (seq.num_output_tokens + 1)
+    del seq.token_ids[keep:]
+    kv.truncate(seq, min(seq.num_computed_tokens, keep - 1))
+    assert len(seq.block_table) * BS >= seq.num_computed_tokens
+    assert seq.num_computed_tokens <= keep - 1 and seq.num_inserted_blocks <= len(seq.block_table)
+
+
 def _abort(sched: Scheduler, request: Request) -> None:
     request.aborted = True
     for seq in request.seqs:
@@ -108,6 +118,7 @@ operations = st.lists(st.one_of(
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 100)),
     st.tuples(st.just("preempt"), st.integers(0, 100)),
+    st.tuples(st.just("truncate"), st.integers(0, 100), st.integers(0, 100)),
 ), max_size=60)
 
 
@@ -134,6 +145,8 @@ def test_random_interleavings_never_leak_and_always_finish(ops, num_blocks, budg
             _abort(sched, requests[op[1] % len(requests)])
         elif op[0] == "preempt" and sched.running:
             sched.preempt(sched.running[op[1] % len(sched.running)])
+        elif op[0] == "truncate" and sched.running:
+            _roll_back(kv, sched.running[op[1] % len(sched.running)], op[2])
         _check_references(kv, [s for r in requests for s in r.seqs])
     for _ in range(2000):
         if not sched.num_unfinished_seqs:
@@ -218,3 +231,34 @@ def test_newest_request_is_preempted_when_blocks_run_out():
     out = sched.schedule()  # "old" needs a third block: "new" gives way
     assert [i.seq.request.request_id for i in out.scheduled] == ["old"]
     assert sched.num_preemptions == 1 and new.seqs[0].status is SequenceStatus.WAITING
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=40), st.integers(0, 40), st.integers(0, 40),
+       st.booleans())
+def test_truncate_keeps_the_cache_and_the_other_sequence_intact(prompt, cut, shared_len, share_tail):
+    """A sequence cut anywhere (even inside a block the cache or a sibling holds) keeps
+    consistent references, never keeps a shared block it would write into, and the block it
+    shared still matches the other sequence's prefix."""
+    kv = KVCacheManager(32, BS, True)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = Request("a", prompt, params, frozenset(), 32 * BS).seqs[0]
+    kv.allocate_slots(first, len(prompt))
+    kv.cache_scheduled_blocks(first, len(prompt))
+    first.num_computed_tokens = len(prompt)
+    kv.cache_full_blocks(first)
+    other = Request("b", prompt[:max(1, shared_len % (len(prompt) + 1))], params, frozenset(), 32 * BS).seqs[0]
+    kv.match_prefix(other)
+    shared = list(other.block_table)
+    before = list(first.block_table)
+    kv.truncate(first, cut % (len(prompt) + 1))
+    _check_references(kv, [first, other])
+    kept = first.block_table
+    assert kept == before[:len(kept)] and first.num_computed_tokens <= len(kept) * BS
+    if first.num_computed_tokens % BS:   # a partly kept block is written next: it must be this sequence's alone
+        assert kv.pool.ref_counts[kept[-1]] == 1
+    assert kv.cache.match_prefix(prompt) == before[:len(prompt) // BS]   # the cache lost nothing
+    assert other.block_table == shared
+    for seq in (first, other):
+        kv.free(seq)
+    _check_references(kv, [first, other])

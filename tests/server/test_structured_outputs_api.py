@@ -260,7 +260,7 @@ def test_a_failing_grammar_fails_only_its_request(server, model, monkeypatch) ->
     monkeypatch.undo()
     engine = state.engine.engine
     deadline = asyncio.run(_settle(state))
-    assert deadline and engine.kv.pool.num_free + engine.kv.num_cached_blocks == engine.kv.pool.num_blocks
+    assert deadline and engine.kv.pool.num_free + engine.kv.cache.num_cached_blocks == engine.kv.pool.num_blocks
     again = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600).completions.create(
         model=model, prompt="Item 9:", max_tokens=16, temperature=0, extra_body={"guided_json": schema})
     assert json.loads(again.choices[0].text)["a"] in range(10)
