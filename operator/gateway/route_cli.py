@@ -40,7 +40,7 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
          "A replica whose load exceeds (1 + this) x the mean load, plus --balance-slack, gets no new request."),
     Flag("balance-slack", float, 2.0, "Requests a replica may exceed the bounded load by."),
     Flag("kv-usage-limit", float, 0.95, "A replica whose KV cache is this full gets no new request."),
-    Flag("poll-interval", float, 0.25, "Seconds between reads of each engine's /kv/blocks."),
+    Flag("poll-interval", float, 0.5, "Seconds between reads of each engine's /kv/blocks (its /metrics: 4x that)."),
 )
 
 
@@ -77,7 +77,7 @@ def build_routing(args: argparse.Namespace, client: Any) -> tuple[Any, Any]:
     from kubeinfer.operator.gateway.pickers import PrefixAwareConfig, make_picker
     from kubeinfer.operator.gateway.routing import Routing
 
-    views = EngineViews(client, interval=args.poll_interval)
+    views = EngineViews(client, interval=args.poll_interval, metrics_interval=4 * args.poll_interval)
     config = PrefixAwareConfig(load_penalty_tokens=args.load_penalty_tokens, balance_factor=args.balance_factor,
                                balance_slack=args.balance_slack, kv_usage_limit=args.kv_usage_limit)
     picker = make_picker(args.strategy, views, config)

@@ -140,3 +140,19 @@ def test_the_router_imports_no_torch() -> None:
             "import kubeinfer.operator.gateway.routing, kubeinfer.server.model.tokenizer_files\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_line_scan_of_engine_metrics_agrees_with_the_prometheus_parser() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from kubeinfer.operator.autoscaler.scrape import parse_gauges
+    from kubeinfer.operator.gateway.engine_views import GAUGES, scan_gauges
+
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_running", "r", ["model_name"], registry=registry).labels("a").set(3)
+    Gauge("vllm:num_requests_waiting", "w", ["model_name"], registry=registry).labels("a").set(2)
+    Counter("vllm:prefix_cache_hits", "h", ["model_name"], registry=registry).labels("a").inc(1234)
+    Histogram("vllm:time_to_first_token_seconds", "t", registry=registry).observe(0.3)
+    text = generate_latest(registry).decode()
+    assert scan_gauges(text, GAUGES) == parse_gauges(text, GAUGES)
+    assert scan_gauges(text, GAUGES)["vllm:prefix_cache_hits_total"] == 1234
