@@ -1,0 +1,187 @@
+"""The cache-aware router on the local cluster (issue #19): 3 real engine pods, 2 router pods.
+
+Scaled down from the issue's workload to fit 2 vCPUs: 8 tenants, each with its own ~250-token
+system prompt, 4 chat requests each (32), concurrency 8, sent alternately through both router
+pods (the local cluster has no kube-proxy, so the test talks to pod IPs, as the Service would).
+Asserted: the engines' reported cached prompt tokens are >= 85% of a single replica's for the
+same workload (run first against one engine pod directly, with its own cache_salt); no engine
+serves more than 1.5x the mean of the routed requests; both routers send the same request to
+the same engine; and with the routers' deletion costs set, scaling 3 -> 2 removes the engine
+whose cache served least.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from e2e.helpers import SYSTEM_NS, Cluster, pod_ready, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+NAME = "routed"
+ENGINES = f"app.kubernetes.io/component=engine,kubeinfer.io/inferenceservice={NAME}"
+ROUTERS = f"app.kubernetes.io/component=gateway,kubeinfer.io/inferenceservice={NAME}"
+COST = "controller.kubernetes.io/pod-deletion-cost"
+TENANTS, PER_TENANT, CONCURRENCY = 8, 4, 8
+TOPICS = ["garden tools", "train tickets", "tax forms", "pet food", "guitar strings", "bike repair",
+          "tea leaves", "phone plans"]
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> str:
+    cluster.install_chart("operator.driftIntervalSeconds=15")
+    return SYSTEM_NS
+
+
+def manifest(replicas: int) -> str:
+    spec = {"model": {"source": "embedded", "servedName": "smollm2", "maxModelLen": 512},
+            "engine": {"device": "cpu", "kvCacheMemory": "192Mi", "maxNumSeqs": 8,
+                       "maxNumBatchedTokens": 512},
+            "resources": {"cpu": "1", "memory": "2Gi"}, "replicas": replicas,
+            "routing": {"strategy": "prefix-aware"}}
+    return json.dumps({"apiVersion": "kubeinfer.io/v1alpha1", "kind": "InferenceService",
+                       "metadata": {"name": NAME}, "spec": spec})
+
+
+def ready_urls(cluster: Cluster, namespace: str, selector: str, port: int, count: int) -> dict[str, str]:
+    def found() -> dict[str, str] | None:
+        pods = [p for p in cluster.pods(namespace, selector) if pod_ready(p) and not p.metadata.deletion_timestamp]
+        return {p.metadata.name: f"http://{p.status.pod_ip}:{port}" for p in pods} if len(pods) == count else None
+
+    return wait_for(found, f"{count} Ready pods {selector}", timeout=900, interval=2)
+
+
+def system_prompt(tenant: int) -> str:
+    topic = TOPICS[tenant]
+    rules = " ".join(f"Rule {i}: when a customer asks about {topic}, answer in one short sentence, "
+                     f"cite the {topic} catalogue and never discuss anything else." for i in range(6))
+    return f"Tenant {tenant}. You are the support assistant for {topic}. {rules}"
+
+
+def body(tenant: int, question: int | str, salt: str) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": system_prompt(tenant)},
+                         {"role": "user", "content": f"Question {question}: what do you recommend?"}],
+            "max_tokens": 2, "temperature": 0, "cache_salt": salt}
+
+
+async def workload(urls: list[str], salt: str) -> int:
+    """Cached prompt tokens of the whole run; request i goes to urls[i % len(urls)]."""
+    bodies = [body(t, q, salt) for q in range(PER_TENANT) for t in range(TENANTS)]
+    slots = asyncio.Semaphore(CONCURRENCY)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(index: int, request: dict) -> int:
+            async with slots:
+                response = await client.post(f"{urls[index % len(urls)]}/v1/chat/completions", json=request)
+                assert response.status_code == 200, response.text
+                return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        return sum(await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies))))
+
+
+def served(engines: dict[str, str]) -> dict[str, float]:
+    def count(url: str) -> float:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:request_success_total"))
+    return {name: count(url) for name, url in engines.items()}
+
+
+def routers_ready_for_keys(routers: list[str]) -> None:
+    """Each router has learned the engines' tokenizer: a probe request is routed by its key."""
+    for index, url in enumerate(routers):
+        def keyed() -> bool:
+            httpx.post(f"{url}/v1/chat/completions", json=body(0, f"probe {time.time()}", f"probe-{index}"),
+                       timeout=600)
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            return 'reason="affinity"' in text or 'reason="prefix"' in text
+        wait_for(keyed, f"router {url} routing by key", timeout=120, interval=2)
+
+
+def test_prefix_aware_routing_on_the_cluster(local_cluster: Cluster, operator: str, namespace: str) -> None:
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest(3))
+    engines = ready_urls(local_cluster, namespace, ENGINES, 8000, 3)
+    routers = list(ready_urls(local_cluster, namespace, ROUTERS, 8080, 2).values())
+    routers_ready_for_keys(routers)
+
+    before = served(engines)
+    routed = asyncio.run(workload(routers, "routed"))
+    after = served(engines)
+    counts = [after[name] - before[name] for name in engines]
+    # the same workload on one engine, in a cache namespace of its own (after the routed run:
+    # its load would otherwise steer the routers' first choices for a few seconds)
+    single = asyncio.run(workload([next(iter(engines.values()))], "single-replica"))
+    print(f"cached prompt tokens: single replica {single}, routed {routed}; requests per engine {counts}")
+    assert routed >= 0.85 * single
+    assert max(counts) <= 1.5 * sum(counts) / len(counts)
+
+    time.sleep(5.0)   # the engines' digests and idle gauges reach both routers
+    for tenant in range(TENANTS):
+        chosen = []
+        for router in routers:
+            start = served(engines)
+            response = httpx.post(f"{router}/v1/chat/completions", json=body(tenant, "same", "routed"), timeout=600)
+            assert response.status_code == 200
+            end = served(engines)
+            chosen.append([name for name in engines if end[name] > start[name]])
+            time.sleep(0.6)
+        assert chosen[0] == chosen[1] and len(chosen[0]) == 1, chosen
+
+    def costs() -> dict[str, int] | None:
+        pods = {p.metadata.name: (p.metadata.annotations or {}).get(COST) for p in local_cluster.pods(namespace, ENGINES)}
+        return {name: int(cost) for name, cost in pods.items()} if all(pods.values()) and len(pods) == 3 else None
+
+    cost = wait_for(costs, "deletion costs on every engine pod", timeout=120, interval=2)
+    coldest = min(cost, key=cost.get)
+    assert sorted(cost.values())[0] < sorted(cost.values())[1], cost
+    local_cluster.kubectl("scale", "inferenceservice", NAME, "-n", namespace, "--replicas=2")
+    wait_for(lambda: coldest not in {p.metadata.name for p in local_cluster.pods(namespace, ENGINES)},
+             f"the coldest engine {coldest} removed", timeout=180, interval=2)
+    remaining = {p.metadata.name for p in local_cluster.pods(namespace, ENGINES) if not p.metadata.deletion_timestamp}
+    assert remaining == set(cost) - {coldest}
+
+
+async def stream(url: str, request: dict) -> list[str]:
+    """The data lines of one streamed answer (ends by itself: the router never leaves it hanging)."""
+    events = []
+    async with httpx.AsyncClient(timeout=300) as client:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json={**request, "stream": True}) as answer:
+            assert answer.status_code == 200
+            async for line in answer.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+    return events
+
+
+def test_engine_and_router_pods_going_away(local_cluster: Cluster, operator: str, namespace: str) -> None:
+    """Chaos: an engine pod killed mid-run, then a router pod."""
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest(3))
+    engines = ready_urls(local_cluster, namespace, ENGINES, 8000, 3)
+    routers = ready_urls(local_cluster, namespace, ROUTERS, 8080, 2)
+    first, second = list(routers.values())
+    routers_ready_for_keys([first, second])
+
+    async def run() -> tuple[list[list[str]], list[int]]:
+        long = [{**body(t, "long", "chaos"), "max_tokens": 64, "ignore_eos": True} for t in range(6)]
+        streams = [asyncio.create_task(stream(first, request)) for request in long]
+        await asyncio.sleep(5)   # the streams are under way
+        victim = next(iter(engines))
+        local_cluster.kubectl("delete", "pod", victim, "-n", namespace, "--grace-period=0", "--force")
+        async with httpx.AsyncClient(timeout=300) as client:   # requests not yet started go elsewhere
+            later = await asyncio.gather(*(client.post(f"{first}/v1/chat/completions", json=body(t, "after", "chaos"))
+                                           for t in range(TENANTS)))
+        return await asyncio.wait_for(asyncio.gather(*streams), timeout=600), [r.status_code for r in later]
+
+    events, later = asyncio.run(run())
+    assert later == [200] * TENANTS
+    for answer in events:
+        assert answer[-1] == "[DONE]"
+        broken = [json.loads(e)["error"] for e in answer[:-1] if e.startswith('{"error"')]
+        assert not broken or broken[0]["type"] == "server_error"
+    local_cluster.kubectl("delete", "pod", next(iter(routers)), "-n", namespace, "--grace-period=0", "--force")
+    answer = httpx.post(f"{second}/v1/chat/completions", json=body(1, "survivor", "chaos"), timeout=600)
+    assert answer.status_code == 200
