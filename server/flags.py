@@ -99,12 +99,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("device", str, "auto", "auto = cuda when available, else cpu.", ("auto", "cpu", "cuda")),
     Flag("quantization", str, "auto",
          "auto = a Hugging Face checkpoint's quantization_config (compressed-tensors W4A16/W8A16/"
-         "W8A8-int8/FP8, GPTQ 4/8-bit, AWQ 4-bit) keeps its weights quantized in memory; GGUF "
+         "W8A8-int8/FP8, GPTQ 4/8-bit, AWQ 4-bit, fp8) keeps its weights quantized in memory; GGUF "
          "weights stored as Q4_0, Q4_1 or Q8_0 stay quantized for decode-sized batches on CPUs "
          "with AVX512-BF16; none = dequantize GGUF weights to --dtype; compressed-tensors, gptq, "
          "awq = as auto, but refuse a checkpoint not quantized that way; fp8, int8 = quantize an "
          "unquantized checkpoint's linear weights at load (per output channel, dynamic per-token "
-         "activations).", ("auto", "none", *QUANTIZATION_METHODS)),
+         "activations); fp8 also serves a checkpoint with quant_method fp8.", ("auto", "none", *QUANTIZATION_METHODS)),
     Flag("block-size", int, 16, "Tokens per KV-cache block."),
     Flag("kv-cache-memory", _optional(parse_bytes), None,
          "KV-cache pool size in bytes (e.g. 2GiB). Default on CPU: 1GiB; on CUDA: "

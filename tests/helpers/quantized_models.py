@@ -179,15 +179,36 @@ def write_awq(path: Path, hf_model: torch.nn.Module, target: Path, *, group_size
     return target, reference
 
 
-def add_activation_fake_quant(model: torch.nn.Module, kind: str, static_scale: float | None = None) -> None:
+def write_fp8(path: Path, hf_model: torch.nn.Module, target: Path, *, activation_scheme: str = "dynamic",
+              input_scale: float = 0.01) -> tuple[Path, torch.nn.Module]:
+    """`quant_method: fp8` (AutoFP8's layout): e4m3 weights with one float32 scale per tensor."""
+    reference = copy.deepcopy(hf_model)
+    quantized = {}
+    for (name, module), (_, ref_module) in zip(_quantized_linears(hf_model), _quantized_linears(reference),
+                                               strict=True):
+        weight = module.weight.detach().float()
+        scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+        fp8 = (weight / scale).to(torch.float8_e4m3fn)
+        ref_module.weight.data = fp8.float() * scale
+        quantized[f"{name}.weight"] = fp8
+        quantized[f"{name}.weight_scale"] = scale.reshape(())
+        if activation_scheme == "static":
+            quantized[f"{name}.input_scale"] = torch.tensor(input_scale)
+    _write(path, hf_model, target, quantized, {"quant_method": "fp8", "activation_scheme": activation_scheme})
+    return target, reference
+
+
+def add_activation_fake_quant(model: torch.nn.Module, kind: str, static_scale: float | None = None,
+                              per_tensor: bool = False) -> None:
     """Round the input of every quantized linear layer of `model` as the engine's W8A8 / FP8 paths
-    do: 'int8' (symmetric, per token amax/127, or `static_scale`) or 'fp8' (e4m3, amax/448)."""
+    do: 'int8' (symmetric, per token amax/127, or `static_scale`) or 'fp8' (e4m3, amax/448 per
+    token, or over the whole input with `per_tensor`)."""
 
     def hook(module: torch.nn.Module, args: tuple) -> tuple:
         x = args[0].float()
         top = 127.0 if kind == "int8" else float(torch.finfo(torch.float8_e4m3fn).max)
-        scale = (torch.tensor(static_scale) if static_scale is not None
-                 else x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / top)
+        amax = x.abs().amax() if per_tensor else x.abs().amax(-1, keepdim=True)
+        scale = torch.tensor(static_scale) if static_scale is not None else amax.clamp(min=1e-10) / top
         if kind == "int8":
             return (torch.round(x / scale).clamp(-128, 127) * scale,)
         return ((x / scale).clamp(-top, top).to(torch.float8_e4m3fn).float() * scale,)

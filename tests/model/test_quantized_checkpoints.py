@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers.paged import PagedRunner
 from helpers.quantized_models import (add_activation_fake_quant, quantize_compressed_tensors, write_awq,
-                                      write_gptq)
+                                      write_fp8, write_gptq)
 from helpers.tiny_models import build_tiny_llama, build_tiny_qwen2
 
 from kubeinfer.server.engine.config import EngineConfig
@@ -64,8 +64,8 @@ def _reference(hf_model, ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([ids])).logits[0].float()
 
 
-def _check_logits(path, reference_model) -> torch.nn.Module:
-    """Prefill, then the prompt in three chunks over the paged cache and 3 decode steps."""
+def _check_logits(path, reference_model, chunked: bool = True) -> torch.nn.Module:
+    """Prefill, then (`chunked`) the prompt in three chunks over the paged cache and 3 decode steps."""
     model = load_model(str(path), dtype="float32", device="cpu").model
     # built on the meta device: everything that stays dense was allocated and filled
     assert all(tensor.device.type == "cpu" for tensor in [*model.parameters(), *model.buffers()])
@@ -73,6 +73,8 @@ def _check_logits(path, reference_model) -> torch.nn.Module:
     reference = _reference(reference_model, decoded)
     one_shot = PagedRunner(model).step([("a", PROMPT)], all_logits=True)
     torch.testing.assert_close(one_shot, reference[:len(PROMPT)], atol=FP32_ATOL, rtol=0)
+    if not chunked:
+        return model
     runner = PagedRunner(model)
     chunks = [runner.step([("a", PROMPT[:5])], all_logits=True), runner.step([("a", PROMPT[5:13])], all_logits=True),
               runner.step([("a", PROMPT[13:])], all_logits=True)]
@@ -124,6 +126,23 @@ def test_awq_logits_equal_dequantized_reference(family, tmp_path):
     path, hf_model = BUILDERS[family](tmp_path)
     model = _check_logits(*write_awq(path, hf_model, tmp_path / "awq"))
     assert isinstance(model.model.layers[1].self_attn.o_proj.weight_quant, PackedIntWeight)
+
+
+@pytest.mark.parametrize("activation_scheme", ["dynamic", "static"])
+def test_fp8_checkpoint_logits_equal_dequantized_reference(activation_scheme, tmp_path):
+    """`quant_method: fp8` (AutoFP8): per-tensor weight scales; dynamic activations take one
+    amax/448 scale for the whole input (vLLM's per-tensor dynamic FP8), static the checkpoint's.
+    A per-tensor dynamic scale depends on the batch (in vLLM too), so that scheme is compared on
+    the whole prompt in one step, where the reference sees the same batch."""
+    path, hf_model = build_tiny_llama(tmp_path)
+    quantized, reference = write_fp8(path, hf_model, tmp_path / "fp8", activation_scheme=activation_scheme)
+    static = 0.01 if activation_scheme == "static" else None
+    add_activation_fake_quant(reference, "fp8", static, per_tensor=True)
+    model = _check_logits(quantized, reference, chunked=activation_scheme == "static")
+    form = model.model.layers[0].self_attn.qkv_proj.weight_quant
+    assert isinstance(form, Fp8Weight) and form.weight.dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="--quantization int8 conflicts"):
+        load_model(str(quantized), dtype="float32", device="cpu", quantization="int8")
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
@@ -203,6 +222,7 @@ def test_unsupported_compressed_tensors_layouts_are_refused_naming_them(edit, me
     (write_gptq, lambda q: q.update(checkpoint_format="marlin"), "checkpoint_format 'marlin'"),
     (write_awq, lambda q: q.update(version="gemv"), "AWQ checkpoint: version 'gemv'"),
     (write_awq, lambda q: q.update(zero_point=False), "zero_point false"),
+    (write_fp8, lambda q: q.update(weight_block_size=[128, 128]), r"block-wise weight scales \(weight_block_size"),
 ])
 def test_unsupported_gptq_awq_layouts_are_refused_naming_them(writer, edit, message, tmp_path):
     path, hf_model = build_tiny_llama(tmp_path)

@@ -22,6 +22,8 @@ from ..moe import FusedExperts
 from .base import QuantizationMethod
 from .weights import QuantizedLinearWeight, quantize_per_channel
 
+# config.json `quant_method`s read (fp8: AutoFP8 / vLLM's FP8 export)
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 # checkpoint tensor suffixes that belong to a quantized layer (kept in the checkpoint's dtype)
 QUANTIZED_TENSOR_SUFFIXES = frozenset({
     "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale",
@@ -52,15 +54,15 @@ def resolve(quantization_config: dict[str, Any] | None, requested: str) -> Quant
     'auto' follows the checkpoint, 'none' is only for unquantized checkpoints and GGUF, a named
     method must agree with the checkpoint's own."""
     checkpoint_method = (quantization_config or {}).get("quant_method")
-    if quantization_config is not None and checkpoint_method not in QUANTIZATION_METHODS[:3]:
+    if quantization_config is not None and checkpoint_method not in CHECKPOINT_METHODS:
         raise ValueError(f"quantization method {checkpoint_method!r} of this checkpoint is not supported; "
-                         f"supported: {', '.join(QUANTIZATION_METHODS[:3])}")
+                         f"supported: {', '.join(CHECKPOINT_METHODS)}")
     if requested not in ("auto", "none", *QUANTIZATION_METHODS):
         raise ValueError(f"unknown quantization {requested!r}; choose auto, none, {', '.join(QUANTIZATION_METHODS)}")
     if checkpoint_method is not None and requested not in ("auto", checkpoint_method):
         raise ValueError(f"--quantization {requested} conflicts with the checkpoint's quantization_config "
                          f"(quant_method {checkpoint_method}); use --quantization auto or {checkpoint_method}")
-    if checkpoint_method is None and requested in QUANTIZATION_METHODS[:3]:
+    if checkpoint_method is None and requested in CHECKPOINT_METHODS[:3]:
         raise ValueError(f"--quantization {requested} needs a checkpoint quantized with {requested}; this one "
                          "has no quantization_config (fp8 and int8 quantize an unquantized checkpoint at load)")
     method = checkpoint_method or (requested if requested in ("fp8", "int8") else None)
@@ -70,6 +72,9 @@ def resolve(quantization_config: dict[str, Any] | None, requested: str) -> Quant
     if method in ("gptq", "awq"):
         from .gptq import AWQMethod, GPTQMethod
         return (GPTQMethod if method == "gptq" else AWQMethod)(quantization_config)
+    if checkpoint_method == "fp8":
+        from .fp8 import FP8CheckpointMethod
+        return FP8CheckpointMethod(quantization_config)
     return DenseAtLoad(method) if method else None
 
 

@@ -147,7 +147,8 @@ def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tens
 @dataclass
 class Fp8Weight:
     """float8 e4m3 weights [N, K] with float32 scales per output channel (a per-tensor scale is
-    broadcast); `activations` as `Int8Weight`'s."""
+    broadcast); `activations` as `Int8Weight`'s, or "dynamic-tensor" (one amax/448 scale for the
+    whole input: the `fp8` checkpoints' dynamic scheme, as vLLM)."""
 
     weight: torch.Tensor                   # float8_e4m3fn [N, K]
     scale: torch.Tensor                    # float32 [N]
@@ -170,7 +171,10 @@ class Fp8Weight:
         if self.activations is None:
             out = F.linear(rows, self.dequantize(x.dtype))
         else:
-            xq = fake_quantize_fp8(rows, self.input_scale if self.activations == "static" else None)
+            scale = {"static": self.input_scale, "dynamic": None}.get(self.activations)
+            if self.activations == "dynamic-tensor":
+                scale = rows.float().abs().amax().clamp(min=_INT8_EPS) / FP8_MAX
+            xq = fake_quantize_fp8(rows, scale)
             out = F.linear(xq, self.dequantize()).to(x.dtype)
         if bias is not None:
             out = out + bias
