@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from .registry import supported_architectures
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,13 @@ class ModelConfig:
         if partial_rotary != 1.0:
             raise ValueError(f"partial rotary embeddings (partial_rotary_factor {partial_rotary}) are not supported")
         rope.pop("partial_rotary_factor", None)
-        if rope.get("rope_type") == "yarn":
-            rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 4096))
+        if rope.get("rope_type") == "su":   # Phi-3's first spelling of longrope
+            rope["rope_type"] = "longrope"
+        if rope.get("rope_type") in ("yarn", "longrope"):
+            rope.setdefault("original_max_position_embeddings", config.get("original_max_position_embeddings")
+                            or config.get("max_position_embeddings", 4096))
+        if rope.get("rope_type") == "longrope" and rope.get("factor") is None:   # as transformers derives it
+            rope["factor"] = config.get("max_position_embeddings", 4096) / rope["original_max_position_embeddings"]
         eos = config.get("eos_token_id")
         layer_types = tuple(config.get("layer_types") or _gemma_layer_types(model_type, config))
         use_sliding = config.get("use_sliding_window",

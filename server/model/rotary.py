@@ -27,6 +27,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / scaling["factor"]
     if rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if rope_type == "longrope":   # the short factors; `RotaryEmbedding` keeps the long ones too
+        return longrope_inv_freq(head_dim, theta, scaling["short_factor"])
     if rope_type != "llama3":
         return inv_freq   # "default"; "freq_factors" divisors are loaded with the weights
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -55,12 +57,23 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling:
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
+def longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE's frequencies, each slowed by its own factor (transformers' rounding order)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+
+
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What YaRN multiplies cos and sin by (`attention_factor`, else from `mscale` / `factor`); 1 otherwise."""
-    if (scaling or {}).get("rope_type") != "yarn":
+    """What YaRN and LongRoPE multiply cos and sin by (`attention_factor`, else from the scaling
+    factor as transformers derives it); 1 otherwise."""
+    rope_type = (scaling or {}).get("rope_type")
+    if rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if rope_type == "longrope":
+        factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(scale: float, weight: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
@@ -73,7 +86,12 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 
 class RotaryEmbedding(nn.Module):
     """The model's rotary frequencies; which form a step uses (`cos_sin` per step or the
-    position-indexed `table`) is the attention backend's choice (`AttentionBackend.rotate`)."""
+    position-indexed `table`) is the attention backend's choice (`AttentionBackend.rotate`).
+
+    LongRoPE (Phi-3 128k, Phi-3.5) has two sets: a sequence rotates with the short factors while
+    it is within `original_max_position_embeddings`, with the long ones in a step that takes it
+    past (transformers decides per forward call the same way, so its generate agrees). Its table
+    holds the short rows, then the long ones; `table_positions` points each token at its half."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int) -> None:
         super().__init__()
@@ -85,6 +103,10 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the float32 frequencies, e.g. after the model was built on the meta device."""
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.long_inv_freq: torch.Tensor | None = None
+        if (self.scaling or {}).get("rope_type") == "longrope":
+            self.long_inv_freq = longrope_inv_freq(self.head_dim, self.theta, self.scaling["long_factor"]).to(device)
+            self.original_max_positions = int(self.scaling["original_max_position_embeddings"])
         self._table: torch.Tensor | None = None
         self._step: tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -93,6 +115,9 @@ class RotaryEmbedding(nn.Module):
         (after loading, so GGUF rope_freqs divisors are in)."""
         if self._table is None:
             self._table = cos_sin_table(self.inv_freq, self.max_positions, self.inv_freq.device)
+            if self.long_inv_freq is not None:
+                long = cos_sin_table(self.long_inv_freq, self.max_positions, self.inv_freq.device)
+                self._table = torch.cat([self._table, long])
             if self.attention_factor != 1.0:
                 self._table.mul_(self.attention_factor)
         return self._table
@@ -101,14 +126,32 @@ class RotaryEmbedding(nn.Module):
         """`cos_sin` of the step's positions, computed on its first layer and reused by the others
         (the engine builds a new ForwardBatch per step, never mutates one)."""
         if self._step is None or self._step[0] is not batch:
-            self._step = batch, self.cos_sin(batch.positions, dtype)
+            self._step = batch, self.cos_sin(batch.positions, dtype, self._long_tokens(batch))
         return self._step[1]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, head_dim] for `positions` [T], once per step for all layers.
+    def table_positions(self, batch: ForwardBatch) -> torch.Tensor:
+        """The rows of `table` for the step's tokens: their positions (LongRoPE: in the long half
+        for sequences past the original context)."""
+        long = self._long_tokens(batch)
+        return batch.positions if long is None else batch.positions + long * self.max_positions
+
+    def _long_tokens(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """LongRoPE: [T] whether each token's sequence is past the original context after this step."""
+        if self.long_inv_freq is None:
+            return None
+        query_lens = torch.tensor(batch.query_lens_cpu, device=batch.seq_lens.device)
+        return torch.repeat_interleave(batch.seq_lens > self.original_max_positions, query_lens)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, long: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, head_dim] for `positions` [T], once per step for all layers
+        (`long` [T]: LongRoPE tokens on the long factors).
 
         The sin's first half is negated, folding `rotate_half`'s negation into the table."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        inv_freq = self.inv_freq.float()[None, :]
+        if long is not None:
+            inv_freq = torch.where(long[:, None], self.long_inv_freq.float()[None, :], inv_freq)
+        freqs = positions.float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
         sin[..., :freqs.shape[1]].neg_()

@@ -219,13 +219,14 @@ def build_tiny_gemma3(tmp_path: Path, *, tie_word_embeddings: bool = True, num_k
 
 
 def build_tiny_phi3(tmp_path: Path, *, tie_word_embeddings: bool = False, num_kv_heads: int = 2, seed: int = 0,
-                    sliding_window: int | None = 8, name: str = "tiny-phi3") -> tuple[Path, torch.nn.Module]:
+                    sliding_window: int | None = 8, rope_scaling: dict | None = None,
+                    name: str = "tiny-phi3") -> tuple[Path, torch.nn.Module]:
     """A 2-layer Phi-3: its checkpoint stacks q|k|v and gate|up; a sliding window of 8 as
     Phi-3-mini-4k has one (2047)."""
     from transformers import Phi3Config
 
     config = Phi3Config(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, sliding_window=sliding_window,
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})},
                         tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                         pad_token_id=0, **_DIMS)
     return _build(tmp_path, config, seed, False, None, name)

@@ -193,3 +193,27 @@ def test_unsupported_architecture_or_feature_is_refused_at_load(change, message,
     (path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=message):
         load_model(str(path), dtype="float32", device="cpu")
+
+
+def test_longrope_switches_to_the_long_factors_past_the_original_context(tmp_path):
+    """Phi-3.5-style LongRoPE over an original context of 16: a sequence rotates with the short
+    factors while within 16 positions and with the long ones (and the attention factor) in the
+    steps that take it past, as transformers' generate does, step for step through its cache:
+    a 12-token prefill, decode steps that cross 16, and a 30-token prefill that starts past it."""
+    half = 8   # head_dim 16
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+    path, hf_model = build_tiny_phi3(tmp_path, sliding_window=None, rope_scaling=rope)
+    model = load_model(str(path), dtype="float32", device="cpu").model
+    for prompt, steps in ((PROMPT[:12], 8), ((PROMPT * 2)[:30], 3)):
+        tokens = prompt + _continuation(2)[:steps]
+        chunks = [prompt] + [[token] for token in tokens[len(prompt):]]
+        runner = PagedRunner(model, num_blocks=32)
+        ours = torch.cat([runner.step([("a", chunk)], all_logits=True) for chunk in chunks])
+        cache, reference = None, []
+        with torch.no_grad():
+            for chunk in chunks:
+                out = hf_model(torch.tensor([chunk]), past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                reference.append(out.logits[0])
+        torch.testing.assert_close(ours, torch.cat(reference), atol=FP32_ATOL, rtol=0)
