@@ -5,11 +5,14 @@ next to the prompt's second chunk (prefill over a cached prefix), then decodes o
 come from a shuffled pool (`PagedRunner`), so block tables are never contiguous.
 """
 
+import functools
+
 import pytest
 import torch
 from helpers.paged import PagedRunner
 from helpers.quantized_models import write_gptq
-from helpers.tiny_models import build_tiny_llama, make_tiny_gemma2, make_tiny_gemma3, make_tiny_llama, make_tiny_mixtral, make_tiny_qwen3_moe
+from helpers.tiny_models import (build_tiny_llama, make_tiny_gemma2, make_tiny_gemma3, make_tiny_llama, make_tiny_mixtral,
+                                 make_tiny_phi3, make_tiny_qwen3_moe)
 
 from kubeinfer.kernels import ops
 
@@ -60,10 +63,15 @@ def test_tiny_llama_decodes_the_same_tokens_through_triton_attention(tmp_path):
     pytest.param(make_tiny_gemma3, id="gemma3-local-global-rope"),
     pytest.param(make_tiny_mixtral, id="mixtral-moe-kernel"),
     pytest.param(make_tiny_qwen3_moe, id="qwen3-moe-kernel"),
+    # sequence "b" (13 prompt tokens) passes the original 16 positions while decoding
+    pytest.param(functools.partial(make_tiny_phi3, sliding_window=None, rope_scaling={
+        "rope_type": "longrope", "original_max_position_embeddings": 16, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.5 * i for i in range(8)]}), id="phi3-longrope-table-halves"),
 ])
 def test_new_families_decode_the_same_tokens_on_every_triton_kernel(build, tmp_path):
     """Every op on its Triton kernel (attention with each layer's window and soft-cap, the MoE
-    grouped GEMM, norms, rotary), interpreted, against the CPU path."""
+    grouped GEMM, norms, rotary from the table, LongRoPE's long half included), interpreted,
+    against the CPU path."""
     path = str(build(tmp_path))
     torch_model = load_model(path, dtype="float32", device="cpu").model
     triton_model = load_model(path, dtype="float32", device="cpu").model
