@@ -4,6 +4,8 @@ POST endpoint, bodies that follow the schema and bodies that break it, numbers u
 
 `KUBEINFER_FUZZ_EXAMPLES` raises the number of requests for a longer run by hand
 (README, "Reliability"); the default keeps `make test` at about a minute on 2 vCPUs.
+`KUBEINFER_FUZZ_MODEL=tiny` fuzzes the tiny random test model instead (same server, ~50x less
+compute a token), for long runs on a busy machine.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ CONTEXT = 64
 
 
 @pytest.fixture(scope="module")
-def server(start_server):
-    with start_server("embedded", max_num_seqs=32, max_model_len=CONTEXT, kv_cache_memory=128 * 2**20) as served:
+def server(start_server, request):
+    model = os.environ.get("KUBEINFER_FUZZ_MODEL", "embedded")
+    if model == "tiny":
+        model = request.getfixturevalue("tiny_model_path")
+    with start_server(model, max_num_seqs=32, max_model_len=CONTEXT, kv_cache_memory=128 * 2**20) as served:
         yield served
 
 
