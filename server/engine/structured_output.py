@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Sequence as Seq, cast
 
 import numpy as np
 import torch
@@ -181,7 +181,7 @@ class GrammarProcessor(LogitsProcessor):
 
     @classmethod
     def apply_rows(cls, logits: torch.Tensor, rows: list[int], processors: Seq[LogitsProcessor]) -> None:
-        grammars = [p for p in processors if isinstance(p, GrammarProcessor)]
+        grammars = cast("Seq[GrammarProcessor]", processors)  # the sampler groups processors by class
         backend = grammars[0].backend
         xgr = backend._xgr
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])

@@ -88,6 +88,15 @@ def test_sweep_reports_every_level_and_respects_concurrency(live_server, tmp_pat
     assert len(body["prompt"]) == 8 and all(isinstance(t, int) for t in body["prompt"])
 
 
+def test_extra_body_reaches_every_measured_request(live_server, tmp_path: Path) -> None:
+    endpoint = ScriptedEndpoint()
+    with live_server(endpoint.app) as url:
+        _bench(url, tmp_path, "--concurrency", "2", "--no-ignore-eos",
+               "--extra-body", '{"guided_regex": "[a-z]+"}')
+    assert "guided_regex" not in endpoint.bodies[0]  # the warmup is plain
+    assert all(body["guided_regex"] == "[a-z]+" and "ignore_eos" not in body for body in endpoint.bodies[1:])
+
+
 def test_errors_are_counted_not_fatal(live_server, tmp_path: Path) -> None:
     endpoint = ScriptedEndpoint(fail_every=4)
     with live_server(endpoint.app) as url:

@@ -61,10 +61,14 @@ class Pet(BaseModel):
     nickname: str | None = Field(max_length=12)
 
 
+class Stop(BaseModel):
+    city: str = Field(max_length=16)
+    nights: int = Field(ge=1, le=14)
+
+
 class Trip(BaseModel):
     traveller: str = Field(max_length=16)
-    stops: list[City] = Field(max_length=2)
-    nights: int = Field(ge=1, le=14)
+    stops: list[Stop] = Field(max_length=2)
 
 
 @pytest.mark.parametrize("schema, question", [
@@ -74,7 +78,7 @@ class Trip(BaseModel):
 ])
 def test_parse_returns_the_pydantic_object(client, model, schema, question) -> None:
     completion = client.chat.completions.parse(model=model, messages=_ask(question), response_format=schema,
-                                               max_tokens=220, temperature=0)
+                                               max_tokens=160, temperature=0)
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, schema)
@@ -260,7 +264,7 @@ def test_a_failing_grammar_fails_only_its_request(server, model, monkeypatch) ->
     monkeypatch.undo()
     engine = state.engine.engine
     deadline = asyncio.run(_settle(state))
-    assert deadline and engine.kv.pool.num_free + engine.kv.cache.num_cached_blocks == engine.kv.pool.num_blocks
+    assert deadline and engine.stats().kv_cache_usage == 0.0
     again = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600).completions.create(
         model=model, prompt="Item 9:", max_tokens=16, temperature=0, extra_body={"guided_json": schema})
     assert json.loads(again.choices[0].text)["a"] in range(10)
