@@ -157,7 +157,7 @@ def _merge(forms: list[QuantizedLinearWeight]) -> QuantizedLinearWeight:
     output features, which every form keeps as its own dimension."""
     from dataclasses import replace
 
-    from .weights import Fp8Weight, Int8Weight, PackedIntWeight
+    from .weights import PackedIntWeight, ScaledWeight
     first = forms[0]
     if len(forms) == 1:
         return first
@@ -173,7 +173,7 @@ def _merge(forms: list[QuantizedLinearWeight]) -> QuantizedLinearWeight:
         return replace(first, qweight=torch.cat([f.qweight for f in forms], 1),
                        scales=torch.cat([f.scales for f in forms], 1), zeros=torch.cat([f.zeros for f in forms], 1),
                        out_features=sum(f.out_features for f in forms))
-    assert isinstance(first, (Int8Weight, Fp8Weight))
+    assert isinstance(first, ScaledWeight)
     if any(f.activations != first.activations for f in forms):
         raise ValueError("the parts of a merged linear layer quantize activations differently")
     input_scale = None

@@ -101,14 +101,15 @@ def _int_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class Int8Weight:
-    """int8 weights [N, K] with float32 scales per output channel; `activations` None (W8A16),
-    "dynamic" (per-token scales) or "static" (the checkpoint's `input_scale`)."""
+class ScaledWeight:
+    """8-bit weights [N, K] with float32 scales per output channel (a per-tensor scale is
+    broadcast); `activations` None (weight-only), "dynamic" (per-token scales) or "static" (the
+    checkpoint's `input_scale`, a float32 scalar). The subclasses differ only in how they compute."""
 
-    weight: torch.Tensor                   # int8 [N, K]
+    weight: torch.Tensor                   # int8 or float8_e4m3fn [N, K]
     scale: torch.Tensor                    # float32 [N]
     activations: str | None = None
-    input_scale: torch.Tensor | None = None   # float32 scalar, static activations
+    input_scale: torch.Tensor | None = None
 
     @property
     def in_features(self) -> int:
@@ -120,6 +121,11 @@ class Int8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+
+@dataclass
+class Int8Weight(ScaledWeight):
+    """int8 weights; dynamic or static activations run as an int8 x int8 matmul (`torch._int_mm`)."""
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -145,26 +151,9 @@ def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tens
 
 
 @dataclass
-class Fp8Weight:
-    """float8 e4m3 weights [N, K] with float32 scales per output channel (a per-tensor scale is
-    broadcast); `activations` as `Int8Weight`'s, or "dynamic-tensor" (one amax/448 scale for the
+class Fp8Weight(ScaledWeight):
+    """float8 e4m3 weights; `activations` may also be "dynamic-tensor" (one amax/448 scale for the
     whole input: the `fp8` checkpoints' dynamic scheme, as vLLM)."""
-
-    weight: torch.Tensor                   # float8_e4m3fn [N, K]
-    scale: torch.Tensor                    # float32 [N]
-    activations: str | None = None
-    input_scale: torch.Tensor | None = None
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.float() * self.scale[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
