@@ -19,7 +19,7 @@ from kubeinfer.kernels.quant_linear_cpu import QuantizedWeight
 from .checkpoint import FusedParts, QuantizedBlocks
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
-from .linear import Linear, MergedLinear, can_pack, linear, pack_weight
+from .linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight
 from .moe import FusedExperts
 from .rotary import RotaryEmbedding
 
@@ -45,7 +45,15 @@ class CausalLM(nn.Module):
         return {}
 
     def input_embeddings(self) -> nn.Embedding:
-        raise NotImplementedError
+        """Every family keeps its decoder in `self.model` with `embed_tokens`, as transformers does."""
+        return self.model.embed_tokens
+
+    def build_lm_head(self) -> None:
+        """An output projection of its own unless the checkpoint ties it to the embeddings; called
+        after `self.model` exists so the modules keep transformers' order."""
+        if not self.config.tie_word_embeddings:
+            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+                                  role=ParallelRole.VOCAB)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         raise NotImplementedError

@@ -28,7 +28,6 @@ from .attention import AttentionBackend
 from .causal_lm import CausalLM
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
-from .linear import Linear, ParallelRole
 from .llama import PACKED_MODULES
 from .mlp import SwiGLUMLP
 from .rotary import RotaryEmbedding
@@ -107,11 +106,7 @@ class Gemma2ForCausalLM(CausalLM):
         if config.moe is not None:
             raise ValueError(f"{config.architecture}: mixture-of-experts layers are not supported")
         self.model = GemmaModel(config, backend, self.qk_norm)
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, role=ParallelRole.VOCAB)
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
+        self.build_lm_head()
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""

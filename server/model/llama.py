@@ -23,7 +23,6 @@ from .attention import AttentionBackend
 from .causal_lm import CausalLM
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
-from .linear import Linear, ParallelRole
 from .mlp import SwiGLUMLP
 from .moe import GATE_UP_DOWN, SparseMoE
 from .norm import RMSNorm
@@ -96,11 +95,7 @@ class LlamaForCausalLM(CausalLM):
             raise ValueError(f"{config.architecture}: models that mix sliding-window and full-attention layers are "
                              "not supported (only Gemma 2/3's are)")
         self.model = LlamaModel(config, backend, self.parts)
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, role=ParallelRole.VOCAB)
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
+        self.build_lm_head()
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
