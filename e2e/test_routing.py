@@ -7,7 +7,7 @@ Asserted: the engines' reported cached prompt tokens are >= 85% of a single repl
 same workload (run first against one engine pod directly, with its own cache_salt); no engine
 serves more than 1.5x the mean of the routed requests; both routers send the same request to
 the same engine; and with the routers' deletion costs set, scaling 3 -> 2 removes the engine
-whose cache served least.
+whose cache served least (one of them, when two served equally).
 """
 
 from __future__ import annotations
@@ -136,13 +136,19 @@ def test_prefix_aware_routing_on_the_cluster(local_cluster: Cluster, operator: s
         return {name: int(cost) for name, cost in pods.items()} if all(pods.values()) and len(pods) == 3 else None
 
     cost = wait_for(costs, "deletion costs on every engine pod", timeout=120, interval=2)
-    coldest = min(cost, key=cost.get)
-    assert sorted(cost.values())[0] < sorted(cost.values())[1], cost
+    # tenants land whole on engines, so two engines may have served exactly as many cached
+    # tokens: either of them is "the coldest" then, but the hottest must never be chosen
+    coldest = {name for name, value in cost.items() if value == min(cost.values())}
+    assert len(coldest) < len(cost), cost
     local_cluster.kubectl("scale", "inferenceservice", NAME, "-n", namespace, "--replicas=2")
-    wait_for(lambda: coldest not in {p.metadata.name for p in local_cluster.pods(namespace, ENGINES)},
-             f"the coldest engine {coldest} removed", timeout=180, interval=2)
-    remaining = {p.metadata.name for p in local_cluster.pods(namespace, ENGINES) if not p.metadata.deletion_timestamp}
-    assert remaining == set(cost) - {coldest}
+
+    def remaining() -> set[str] | None:
+        names = {p.metadata.name for p in local_cluster.pods(namespace, ENGINES) if not p.metadata.deletion_timestamp}
+        return names if len(names) == 2 else None
+
+    kept = wait_for(remaining, "one engine removed", timeout=180, interval=2)
+    removed = set(cost) - kept
+    assert len(removed) == 1 and removed <= coldest, (cost, removed)
 
 
 async def stream(url: str, request: dict) -> list[str]:
