@@ -23,8 +23,9 @@ from kubeinfer.server.engine.kv_events import HASH_SCHEME
 from kubeinfer.server.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+# the last: prefix-cache hits decayed on the engine (10-minute half-life), the deletion cost
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-          "vllm:prefix_cache_hits_total")
+          "kubeinfer:prefix_cache_hits_recent")
 
 
 def scan_gauges(text: str, names: Sequence[str]) -> dict[str, float]:
@@ -33,7 +34,7 @@ def scan_gauges(text: str, names: Sequence[str]) -> dict[str, float]:
     over the engines' histograms cost it more CPU than routing."""
     totals = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
-        if line.startswith("vllm:"):
+        if line.startswith(("vllm:", "kubeinfer:")):
             name = line.split("{", 1)[0].split(" ", 1)[0]
             if name in totals:
                 totals[name] += float(line.rsplit(" ", 1)[1])
@@ -52,7 +53,7 @@ class EngineView:
     waiting: float = 0.0
     others: float = 0.0   # running + waiting that are not this router's, at the last scrape
     kv_usage: float = 0.0
-    cache_hits: float = 0.0   # prompt tokens its prefix cache served, since the engine started
+    cache_value: float = 0.0   # prompt tokens its prefix cache served of late (decaying)
     metrics_at: float = float("-inf")
 
     def has(self, block: int, now: float) -> bool:
@@ -101,9 +102,11 @@ class EngineViews:
         view = self.views.get(url)
         return in_flight + (view.others if view else 0.0)
 
-    def cache_hits(self) -> dict[str, float]:
-        """Per engine that answered a scrape: prompt tokens its prefix cache has served."""
-        return {url: view.cache_hits for url, view in self.views.items() if view.metrics_at > float("-inf")}
+    def cache_values(self) -> dict[str, float]:
+        """Per engine that answered a scrape: prompt tokens its prefix cache served of late, as
+        the engine itself decays them (`kubeinfer:prefix_cache_hits_recent`), so every router
+        replica reads the same figure."""
+        return {url: view.cache_value for url, view in self.views.items() if view.metrics_at > float("-inf")}
 
     def sent(self, url: str, hashes: Iterable[int]) -> None:
         """Count `hashes` as cached at `url` while the request runs (see `ended`)."""
@@ -138,7 +141,7 @@ class EngineViews:
                 gauges = scan_gauges(response.text, GAUGES)
                 view.running, view.waiting = gauges[GAUGES[0]], gauges[GAUGES[1]]
                 view.others = max(0.0, view.running + view.waiting - self.in_flight.get(view.url, 0))
-                view.kv_usage, view.cache_hits, view.metrics_at = gauges[GAUGES[2]], gauges[GAUGES[3]], now
+                view.kv_usage, view.cache_value, view.metrics_at = gauges[GAUGES[2]], gauges[GAUGES[3]], now
         except (httpx.HTTPError, ValueError, KeyError) as error:
             log.debug("engine %s: %s", view.url, error or type(error).__name__)
         if view.pending:

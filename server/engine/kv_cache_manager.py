@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from .block_pool import BlockPool
 from .kv_events import KVEventLog
 from .radix_cache import RadixCache
 from .sequence import Sequence
+from .stats import DecayingSum
 
 
 class KVCacheManager:
@@ -17,6 +20,7 @@ class KVCacheManager:
         self.cache = RadixCache(self.pool, block_size, self.events) if enable_prefix_caching else None
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
+        self.recent_prefix_cache_hits = DecayingSum()  # tokens, halving every 10 minutes
 
     @property
     def num_used_blocks(self) -> int:
@@ -49,6 +53,8 @@ class KVCacheManager:
         if self.cache is not None:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_cached_tokens
+            if num_cached_tokens:
+                self.recent_prefix_cache_hits = self.recent_prefix_cache_hits.add(num_cached_tokens, time.time())
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False if out of blocks."""

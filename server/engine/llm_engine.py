@@ -328,6 +328,7 @@ class LLMEngine:
             num_blocks_total=kv.pool.num_blocks, num_blocks_free=kv.pool.num_free,
             num_blocks_evictable=evictable,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            recent_prefix_cache_hits=kv.recent_prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens,
             num_steps=c.num_steps, last_step_seconds=c.last_step_seconds,

@@ -2,7 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DecayingSum:
+    """A sum whose terms halve every `half_life` seconds: how much *recent* work a quantity did
+    (the routers' pod-deletion-cost is the prefix-cache hits of the last minutes, not since
+    start). Terms are credited at the end of the wall-clock `tick` they arrived in, and `value`
+    is the sum as of the current tick's start, so every reader within one tick (several router
+    replicas, Prometheus) reads the same number and an idle engine's value still decays.
+    Immutable: the engine thread replaces it, snapshots share it."""
+
+    half_life: float = 600.0
+    tick: float = 15.0
+    index: int = 0   # the tick `settled` is as of the start of
+    settled: float = 0.0   # terms before tick `index`, decayed to its start
+    pending: float = 0.0   # terms within tick `index`
+
+    def _rolled(self, index: int) -> float:
+        if index <= self.index:
+            return self.settled
+        ticks = index - self.index   # pending arrived in tick self.index: settled at its end
+        return (self.settled * 0.5 ** (ticks * self.tick / self.half_life)
+                + self.pending * 0.5 ** ((ticks - 1) * self.tick / self.half_life))
+
+    def add(self, amount: float, now: float) -> "DecayingSum":
+        index = math.floor(now / self.tick)
+        if index <= self.index:
+            return DecayingSum(self.half_life, self.tick, self.index, self.settled, self.pending + amount)
+        return DecayingSum(self.half_life, self.tick, index, self._rolled(index), amount)
+
+    def value(self, now: float) -> float:
+        return self._rolled(math.floor(now / self.tick))
 
 
 @dataclass
@@ -15,6 +48,7 @@ class EngineStats:
     num_blocks_evictable: int = 0  # hold only a cached prefix: reclaimed when blocks run out
     prefix_cache_queries: int = 0  # cumulative, in tokens
     prefix_cache_hits: int = 0  # cumulative, in tokens
+    recent_prefix_cache_hits: DecayingSum = field(default_factory=DecayingSum)  # tokens, decaying
     num_preemptions: int = 0  # cumulative
     prompt_tokens: int = 0  # cumulative
     generation_tokens: int = 0  # cumulative

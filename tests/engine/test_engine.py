@@ -3,6 +3,8 @@ stop conditions and logprobs."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -18,6 +20,7 @@ def test_shared_prefix_is_prefilled_once_and_changes_nothing(make_llm, random_pr
     prefix = random_prompts(1, 512, 512, seed=7)[0]
     prompts = [prefix + suffix for suffix in random_prompts(32, 8, 24, seed=8)]
     cached = make_llm(enable_prefix_caching=True)
+    started = time.time()
     with_cache = cached.generate(prompts, GREEDY)
     uncached = make_llm(enable_prefix_caching=False)
     without_cache = uncached.generate(prompts, GREEDY)
@@ -27,6 +30,9 @@ def test_shared_prefix_is_prefilled_once_and_changes_nothing(make_llm, random_pr
     stats = cached.engine.stats()
     assert stats.prefix_cache_hits == 31 * 512
     assert stats.prefix_cache_queries == sum(len(p) for p in prompts)
+    recent = stats.recent_prefix_cache_hits   # the same hits, decaying (deletion cost), settled next tick
+    oldest = time.time() + recent.tick - started
+    assert 31 * 512 * 0.5 ** (oldest / recent.half_life) <= recent.value(time.time() + recent.tick) <= 31 * 512
     assert uncached.engine.stats().prefix_cache_hits == 0
     assert stats.num_blocks_free == stats.num_blocks_total - cached.engine.kv.cache.num_cached_blocks
     assert stats.kv_cache_usage == 0.0

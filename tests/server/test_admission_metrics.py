@@ -29,6 +29,7 @@ def test_gauges_and_counters_are_read_at_scrape_time() -> None:
     assert samples[("vllm:kv_cache_usage_perc", label)] == 0.25
     assert samples[("vllm:prefix_cache_queries_total", label)] == 100
     assert samples[("vllm:prefix_cache_hits_total", label)] == 40
+    assert samples[("kubeinfer:prefix_cache_hits_recent", label)] == 0   # none settled yet
     assert samples[("vllm:num_preemptions_total", label)] == 2
     assert samples[("kubeinfer:num_requests_in_flight", label)] == 8
     stats.num_waiting = 0
