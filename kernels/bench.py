@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from triton.testing import do_bench
 
-    from kubeinfer.kernels.bench_cases import attention_case, elementwise_cases
+    from .bench_cases import attention_case, elementwise_cases
 
     cases = [
         attention_case(args, "decode attention", args.decode_batch, 1, args.context, num_splits=1),

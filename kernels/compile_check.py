@@ -29,9 +29,9 @@ class CompileCase:
 
 def cases(dtype: str) -> Iterator[CompileCase]:
     """Every kernel at Llama-3-8B-like shapes (32 query / 8 KV heads, head_dim 128), every config."""
-    from kubeinfer.kernels import (activation, kv_cache, moe, rms_norm, rotary, split_kv_attention, unified_attention,
-                                   w4a16)
-    from kubeinfer.kernels.tuning import ATTENTION_CONFIGS, MOE_CONFIGS, RMS_NORM_CONFIGS, W4A16_CONFIGS
+    from . import (activation, kv_cache, moe, rms_norm, rotary, split_kv_attention, unified_attention,
+                   w4a16)
+    from .tuning import ATTENTION_CONFIGS, MOE_CONFIGS, RMS_NORM_CONFIGS, W4A16_CONFIGS
 
     p = "*" + TYPES[dtype]
     attention = dict(lse_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32",
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="SM versions, e.g. 80 90")
     parser.add_argument("--dtype", nargs="+", default=list(TYPES), choices=list(TYPES))
     args = parser.parse_args(argv)
-    from kubeinfer.kernels.tuning import interpreting
+    from .tuning import interpreting
 
     if interpreting():
         print("compile_check: unset TRITON_INTERPRET; the interpreter compiles nothing", file=sys.stderr)

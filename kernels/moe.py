@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kubeinfer.kernels.activation import silu_and_mul
-from kubeinfer.kernels.tuning import MOE_CONFIGS
+from .activation import silu_and_mul
+from .tuning import MOE_CONFIGS
 
 
 @triton.autotune(configs=MOE_CONFIGS, key=["N", "K"])

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from kubeinfer.kernels.activation_ref import silu_and_mul_ref
+from .activation_ref import silu_and_mul_ref
 
 
 # (rows [n, in], expert, 0 = gate|up or 1 = down) -> rows @ that matrix.T

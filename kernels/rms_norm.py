@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kubeinfer.kernels.tuning import RMS_NORM_CONFIGS
+from .tuning import RMS_NORM_CONFIGS
 
 
 @triton.autotune(configs=RMS_NORM_CONFIGS, key=["BLOCK"])

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kubeinfer.kernels.unified_attention import launch_paged_attention
+from .unified_attention import launch_paged_attention
 
 
 @triton.jit

@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kubeinfer.kernels.attention_launch import attention_geometry
-from kubeinfer.kernels.attention_tiles import attend_tiles, kv_tile_range, load_query_tile
-from kubeinfer.kernels.tuning import ATTENTION_CONFIGS
+from .attention_launch import attention_geometry
+from .attention_tiles import attend_tiles, kv_tile_range, load_query_tile
+from .tuning import ATTENTION_CONFIGS
 
 
 # IS_DECODE only keys the autotuner: decode and prefill prefer different tiles.

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kubeinfer.kernels.tuning import W4A16_CONFIGS
+from .tuning import W4A16_CONFIGS
 
 
 @triton.autotune(configs=W4A16_CONFIGS, key=["N", "K"])

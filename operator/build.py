@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubeinfer.operator import api
-from kubeinfer.operator.model_source import model_mounts
-from kubeinfer.operator.resource import InferenceService, OperatorConfig
-from kubeinfer.operator.security import restricted_container, restricted_pod
-from kubeinfer.operator.spec import flag
 from kubeinfer.server.flags import ENGINE_FLAGS, to_args
+from . import api
+from .model_source import model_mounts
+from .resource import InferenceService, OperatorConfig
+from .security import restricted_container, restricted_pod
+from .spec import flag
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubeinfer.operator import api
-from kubeinfer.operator.build import deployment
-from kubeinfer.operator.gateway.build import (gateway_children, gateway_name, gateway_replicas,
-                                              needs_gateway, service_selector)
-from kubeinfer.operator.resource import InferenceService, OperatorConfig
+from . import api
+from .build import deployment
+from .gateway.build import (gateway_children, gateway_name, gateway_replicas,
+                            needs_gateway, service_selector)
+from .resource import InferenceService, OperatorConfig
 
 GATEWAY_KINDS = ("PodDisruptionBudget", "Deployment", "RoleBinding", "Role", "ServiceAccount")  # deletion order
 

@@ -16,9 +16,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from kubeinfer.operator import api
-from kubeinfer.operator.spec import InferenceServiceSpec, rules
-from kubeinfer.operator.status import InferenceServiceStatus
+from . import api
+from .spec import InferenceServiceSpec, rules
+from .status import InferenceServiceStatus
 
 REPO = Path(__file__).resolve().parents[1]
 CHART_CRDS = Path("helm/kubeinfer/files/crds")

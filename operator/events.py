@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kubeinfer.operator.status import Condition
+from .status import Condition
 
 
 @dataclass(frozen=True)

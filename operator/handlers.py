@@ -12,9 +12,9 @@ from typing import Any
 
 import kopf
 
-from kubeinfer.operator import api
-from kubeinfer.operator.events import Event
-from kubeinfer.operator.reconcile import Reconciler
+from . import api
+from .events import Event
+from .reconcile import Reconciler
 
 ISVC = (api.GROUP, api.VERSION, api.PLURAL)
 OWNED = {"app.kubernetes.io/managed-by": api.MANAGED_BY, api.INSTANCE_LABEL: kopf.PRESENT}

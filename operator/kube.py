@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 from kubernetes import client, config
 
-from kubeinfer.operator import api
+from . import api
 
 COLLECTIONS = {
     "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",

@@ -15,13 +15,13 @@ import random
 import kopf
 from prometheus_client import start_http_server
 
-from kubeinfer.operator import api
-from kubeinfer.operator.autoscaler.handlers import register as register_autoscaler
-from kubeinfer.operator.autoscaler.kube import KubeScaleApi
-from kubeinfer.operator.handlers import register
-from kubeinfer.operator.kube import Kube, KubeError, load_api_client
-from kubeinfer.operator.reconcile import Reconciler
-from kubeinfer.operator.resource import OperatorConfig
+from . import api
+from .autoscaler.handlers import register as register_autoscaler
+from .autoscaler.kube import KubeScaleApi
+from .handlers import register
+from .kube import Kube, KubeError, load_api_client
+from .reconcile import Reconciler
+from .resource import OperatorConfig
 
 PEERING_PATHS = {"cluster": "/apis/kopf.dev/v1/clusterkopfpeerings",
                  "namespaced": "/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings"}

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubeinfer.operator import api
-from kubeinfer.operator.security import restricted_container
-from kubeinfer.operator.resource import InferenceService
+from . import api
+from .security import restricted_container
+from .resource import InferenceService
 
 EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded GGUF's own name, the engine's default id
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from kubeinfer.operator.gateway.build import gateway_name, scales_from_zero
-from kubeinfer.operator.model_source import model_mounts
-from kubeinfer.operator.resource import InferenceService, OperatorConfig
-from kubeinfer.operator.status import Condition, InferenceServiceStatus
+from .gateway.build import gateway_name, scales_from_zero
+from .model_source import model_mounts
+from .resource import InferenceService, OperatorConfig
+from .status import Condition, InferenceServiceStatus
 
 STUCK_WAITING_REASONS = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull",
                          "CreateContainerConfigError", "CreateContainerError", "InvalidImageName"}

@@ -15,15 +15,15 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
-from kubeinfer.operator.children import desired_children, stale_children
-from kubeinfer.operator.events import Event, transition_events
-from kubeinfer.operator.gateway.build import gateway_selector_labels, needs_gateway
-from kubeinfer.operator.kube import Kube, KubeError
-from kubeinfer.operator.metrics import RECONCILE_SECONDS, RECONCILES
-from kubeinfer.operator.build import GPU_PRODUCT_LABEL
-from kubeinfer.operator.observe import Observed, observe, pod_problems
-from kubeinfer.operator.resource import InferenceService, OperatorConfig, label_selector
-from kubeinfer.operator.status import Condition, InferenceServiceStatus
+from .children import desired_children, stale_children
+from .events import Event, transition_events
+from .gateway.build import gateway_selector_labels, needs_gateway
+from .kube import Kube, KubeError
+from .metrics import RECONCILE_SECONDS, RECONCILES
+from .build import GPU_PRODUCT_LABEL
+from .observe import Observed, observe, pod_problems
+from .resource import InferenceService, OperatorConfig, label_selector
+from .status import Condition, InferenceServiceStatus
 
 
 def spec_error(error: ValidationError) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kubeinfer.operator import api
-from kubeinfer.operator.spec import InferenceServiceSpec
+from . import api
+from .spec import InferenceServiceSpec
 
 
 def engine_selector_labels(name: str) -> dict[str, str]:

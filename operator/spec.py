@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
-from kubeinfer.operator.gateway.route_cli import routing_flag
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, Flag
+from .gateway.route_cli import routing_flag
 
 MODEL_SOURCE_PATTERN = (r"^(embedded|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
                         r"|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+)$")

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kubeinfer.operator.spec import Section
+from .spec import Section
 
 ConditionType = Literal["Ready", "Progressing", "Degraded"]
 

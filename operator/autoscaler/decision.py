@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from kubeinfer.operator.autoscaler.policy import ScalingPolicy
-from kubeinfer.operator.autoscaler.state import Reading, ScalerState
+from .policy import ScalingPolicy
+from .state import Reading, ScalerState
 
 RUNNING = "vllm:num_requests_running"  # a pod decoding requests is needed: a proposal floor
 MAX_READINGS = 720  # status.autoscaler.samples maxItems; 1 s intervals keep the newest 12 min

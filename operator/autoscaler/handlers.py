@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import kopf
 
-from kubeinfer.operator import api
-from kubeinfer.operator.autoscaler import metrics
-from kubeinfer.operator.autoscaler.kube import ScaleApi
-from kubeinfer.operator.autoscaler.policy import ScalingPolicy
-from kubeinfer.operator.autoscaler.tick import Tick, run_tick
+from .. import api
+from . import metrics
+from .kube import ScaleApi
+from .policy import ScalingPolicy
+from .tick import Tick, run_tick
 
 
 def autoscaling_enabled(spec: Any, **_: Any) -> bool:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from kubeinfer.operator import api
-from kubeinfer.operator.kube import Kube, KubeError, load_api_client
-from kubeinfer.operator.resource import engine_selector_labels, label_selector
+from .. import api
+from ..kube import Kube, KubeError, load_api_client
+from ..resource import engine_selector_labels, label_selector
 
 MERGE_PATCH = "application/merge-patch+json"
 

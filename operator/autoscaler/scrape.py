@@ -16,8 +16,8 @@ from typing import Any, Iterable, Mapping
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubeinfer.operator.autoscaler.decision import PodSample
-from kubeinfer.operator.observe import pod_ready
+from ..observe import pod_ready
+from .decision import PodSample
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 8000  # `kubeinfer serve --port` default, used when the pod names no port

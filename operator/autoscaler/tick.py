@@ -14,14 +14,14 @@ from typing import Any
 
 import httpx
 
-from kubeinfer.operator.autoscaler import metrics
-from kubeinfer.operator.autoscaler.decision import RUNNING, Decision, decide
-from kubeinfer.operator.autoscaler.kube import Conflict, ScaleApi, engine_selector
-from kubeinfer.operator.autoscaler.policy import ScalingPolicy
-from kubeinfer.operator.autoscaler.scrape import pod_targets, scrape
-from kubeinfer.operator.autoscaler.state import ScalerState
-from kubeinfer.operator.gateway.build import gateway_selector_labels
-from kubeinfer.operator.resource import label_selector
+from ..gateway.build import gateway_selector_labels
+from ..resource import label_selector
+from . import metrics
+from .decision import RUNNING, Decision, decide
+from .kube import Conflict, ScaleApi, engine_selector
+from .policy import ScalingPolicy
+from .scrape import pod_targets, scrape
+from .state import ScalerState
 
 log = logging.getLogger(__name__)
 HELD_GAUGE = "kubeinfer_gateway_held_requests"

@@ -18,9 +18,9 @@ from typing import AsyncIterator, Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kubeinfer.operator.gateway.backends import Backends
-from kubeinfer.operator.gateway.pickers import LeastLoad, Picker
-from kubeinfer.operator.gateway.routing_key import RoutingKey
+from .backends import Backends
+from .pickers import LeastLoad, Picker
+from .routing_key import RoutingKey
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from kubeinfer.operator.autoscaler.kube import Conflict, ScaleApi, engine_selector
-from kubeinfer.operator.autoscaler.scrape import pod_targets
+from ..autoscaler.kube import Conflict, ScaleApi, engine_selector
+from ..autoscaler.scrape import pod_targets
 
 log = logging.getLogger(__name__)
 

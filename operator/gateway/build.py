@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubeinfer.operator import api
-from kubeinfer.operator.build import auth_env
-from kubeinfer.operator.gateway.route_cli import ROUTING_FLAGS
-from kubeinfer.operator.resource import InferenceService, OperatorConfig
-from kubeinfer.operator.security import restricted_container, restricted_pod
 from kubeinfer.server.flags import to_args
+from .. import api
+from ..build import auth_env
+from ..resource import InferenceService, OperatorConfig
+from ..security import restricted_container, restricted_pod
+from .route_cli import ROUTING_FLAGS
 
 GATEWAY_PORT = 8080
 COMPONENT = "app.kubernetes.io/component"

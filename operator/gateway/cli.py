@@ -13,8 +13,8 @@ import logging
 import os
 from pathlib import Path
 
-from kubeinfer.operator.gateway.route_cli import KEEPALIVE_SECONDS, ROUTING_FLAGS
 from kubeinfer.server.flags import SERVER_FLAGS, add_flags
+from .route_cli import KEEPALIVE_SECONDS, ROUTING_FLAGS
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -56,13 +56,13 @@ def run(args: argparse.Namespace) -> int:
     import httpx
     import uvicorn
 
-    from kubeinfer.operator.autoscaler.kube import KubeScaleApi
-    from kubeinfer.operator.gateway.activator import Activator, ActivatorConfig, GatewayMetrics
-    from kubeinfer.operator.gateway.backends import KubeBackends
-    from kubeinfer.operator.gateway.deletion_cost import DeletionCosts
-    from kubeinfer.operator.gateway.proxy import build_app
-    from kubeinfer.operator.gateway.route_cli import build_routing
     from kubeinfer.server.api.auth import api_keys_from_args
+    from ..autoscaler.kube import KubeScaleApi
+    from .activator import Activator, ActivatorConfig, GatewayMetrics
+    from .backends import KubeBackends
+    from .deletion_cost import DeletionCosts
+    from .proxy import build_app
+    from .route_cli import build_routing
 
     # uvicorn configures only its own loggers: show ours (wake-ups, API trouble) at the
     # chosen level, and other libraries' (httpx logs every forwarded request) from warnings.

@@ -15,9 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
-from kubeinfer.operator.gateway.engine_views import EngineViews
-from kubeinfer.operator.gateway.route_cli import routing_flag
-from kubeinfer.operator.gateway.routing_key import RoutingKey
+from .engine_views import EngineViews
+from .route_cli import routing_flag
+from .routing_key import RoutingKey
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("prefix-aware", "least-load", "round-robin")

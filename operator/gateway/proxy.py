@@ -21,10 +21,10 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kubeinfer.operator.gateway.activator import Activator, NoReadyPod
-from kubeinfer.operator.gateway.routing import Routing
 from kubeinfer.server.api.auth import OPEN_PATHS, ApiKeyCheck
 from kubeinfer.server.api.errors import OpenAIError, error_body, error_response
+from .activator import Activator, NoReadyPod
+from .routing import Routing
 
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",

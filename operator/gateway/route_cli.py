@@ -73,9 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_routing(args: argparse.Namespace, client: Any) -> tuple[Any, Any]:
     """(picker, routing) for `args.strategy`: the engines' views and the tokenizer."""
-    from kubeinfer.operator.gateway.engine_views import EngineViews
-    from kubeinfer.operator.gateway.pickers import PrefixAwareConfig, make_picker
-    from kubeinfer.operator.gateway.routing import Routing
+    from .engine_views import EngineViews
+    from .pickers import PrefixAwareConfig, make_picker
+    from .routing import Routing
 
     views = EngineViews(client, interval=args.poll_interval, metrics_interval=4 * args.poll_interval)
     config = PrefixAwareConfig(load_penalty_tokens=args.load_penalty_tokens, balance_factor=args.balance_factor,
@@ -95,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
     import httpx
     import uvicorn
 
-    from kubeinfer.operator.gateway.activator import Activator, ActivatorConfig, GatewayMetrics
-    from kubeinfer.operator.gateway.backends import StaticBackends
-    from kubeinfer.operator.gateway.proxy import build_app
+    from .activator import Activator, ActivatorConfig, GatewayMetrics
+    from .backends import StaticBackends
+    from .proxy import build_app
 
     if not args.backend:
         raise SystemExit("kubeinfer route: give at least one --backend URL (or KUBEINFER_BACKEND)")

@@ -11,10 +11,10 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Mapping
 
-from kubeinfer.operator.gateway.backends import Backends
-from kubeinfer.operator.gateway.engine_views import EngineViews
-from kubeinfer.operator.gateway.routing_key import KeyMaker, RoutingKey
 from kubeinfer.server.model.tokenizer import Tokenizer
+from .backends import Backends
+from .engine_views import EngineViews
+from .routing_key import KeyMaker, RoutingKey
 
 log = logging.getLogger(__name__)
 KEYED_PATHS = ("v1/chat/completions", "v1/completions")

@@ -11,8 +11,8 @@ import asyncio
 import time
 from typing import Callable
 
-from kubeinfer.server.api.errors import OpenAIError
-from kubeinfer.server.engine.stats import EngineStats
+from ..engine.stats import EngineStats
+from .errors import OpenAIError
 
 
 class Admission:

@@ -6,19 +6,19 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kubeinfer.server import __version__
-from kubeinfer.server.api.auth import ApiKeyCheck
-from kubeinfer.server.api.cache_routes import cache_routes
-from kubeinfer.server.api.chat import create_chat_completion, render_chat
-from kubeinfer.server.api.completions import create_completion
-from kubeinfer.server.api.errors import OpenAIError, install_error_handlers
-from kubeinfer.server.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           TokenizeRequest)
-from kubeinfer.server.api.responses import ModelCard, ModelList
-from kubeinfer.server.api.middleware import BodyLimit
-from kubeinfer.server.api.state import ServerState
-from kubeinfer.server.api.streams import ClientDisconnected
-from kubeinfer.server.engine.validation import check_token_ids
+from .. import __version__
+from ..engine.validation import check_token_ids
+from .auth import ApiKeyCheck
+from .cache_routes import cache_routes
+from .chat import create_chat_completion, render_chat
+from .completions import create_completion
+from .errors import OpenAIError, install_error_handlers
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest)
+from .responses import ModelCard, ModelList
+from .middleware import BodyLimit
+from .state import ServerState
+from .streams import ClientDisconnected
 
 
 def _api_routes(state: ServerState) -> APIRouter:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from fastapi import Request
 
-from kubeinfer.server.api.errors import OpenAIError
-from kubeinfer.server.flags import parse_api_keys
+from ..flags import parse_api_keys
+from .errors import OpenAIError
 
 # Routes that never need a key: the kubelet's probes and Prometheus cannot send one, routers
 # read the cache and tokenizer routes (hashes and a public tokenizer, never prompts), and

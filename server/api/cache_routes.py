@@ -13,9 +13,9 @@ import json
 
 from fastapi import APIRouter, Query, Response
 
-from kubeinfer.server.api.errors import OpenAIError
-from kubeinfer.server.api.state import ServerState
-from kubeinfer.server.engine.kv_events import HASH_SCHEME
+from ..engine.kv_events import HASH_SCHEME
+from .errors import OpenAIError
+from .state import ServerState
 
 
 def cache_routes(state: ServerState) -> APIRouter:

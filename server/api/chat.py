@@ -9,19 +9,19 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kubeinfer.server.api.errors import OpenAIError
-from kubeinfer.server.api.logprobs import chat_logprobs
-from kubeinfer.server.api.protocol import ChatCompletionRequest, ChatMessage
-from kubeinfer.server.api.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                            ChatCompletionResponse, DeltaMessage, DeltaToolCall, FunctionCallOut,
-                                            ToolCallOut, Usage)
-from kubeinfer.server.api.sampling import sampling_params
-from kubeinfer.server.api.sse import sse_response
-from kubeinfer.server.api.state import ServerState, new_request_id
-from kubeinfer.server.api.streams import Indexed, chain, submit
-from kubeinfer.server.api.structured import compile_ahead, constrain, structured_outputs
-from kubeinfer.server.api.tools import ToolCallStream, ToolPlan, plan_tools, template_messages
-from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
+from ..engine.outputs import CompletionOutput, RequestOutput
+from .errors import OpenAIError
+from .logprobs import chat_logprobs
+from .protocol import ChatCompletionRequest, ChatMessage
+from .responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                        ChatCompletionResponse, DeltaMessage, DeltaToolCall, FunctionCallOut,
+                        ToolCallOut, Usage)
+from .sampling import sampling_params
+from .sse import sse_response
+from .state import ServerState, new_request_id
+from .streams import Indexed, chain, submit
+from .structured import compile_ahead, constrain, structured_outputs
+from .tools import ToolCallStream, ToolPlan, plan_tools, template_messages
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage] | list[dict[str, Any]], add_generation_prompt: bool,

@@ -8,15 +8,15 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kubeinfer.server.api.logprobs import completion_logprobs
-from kubeinfer.server.api.protocol import CompletionRequest
-from kubeinfer.server.api.responses import CompletionChoice, CompletionResponse, Usage
-from kubeinfer.server.api.sampling import sampling_params
-from kubeinfer.server.api.sse import sse_response
-from kubeinfer.server.api.state import ServerState, new_request_id
-from kubeinfer.server.api.streams import Indexed, chain, submit
-from kubeinfer.server.api.structured import constrain
-from kubeinfer.server.engine.outputs import CompletionOutput, RequestOutput
+from ..engine.outputs import CompletionOutput, RequestOutput
+from .logprobs import completion_logprobs
+from .protocol import CompletionRequest
+from .responses import CompletionChoice, CompletionResponse, Usage
+from .sampling import sampling_params
+from .sse import sse_response
+from .state import ServerState, new_request_id
+from .streams import Indexed, chain, submit
+from .structured import constrain
 
 
 def _prompts(body: CompletionRequest) -> list[str | list[int]]:

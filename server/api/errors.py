@@ -67,8 +67,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def as_openai_error(exc: Exception) -> OpenAIError:
     """The client-facing form of an exception raised while serving a request."""
-    from kubeinfer.server.engine.async_engine import EngineDeadError, RequestFailedError
-    from kubeinfer.server.engine.sampling_params import InvalidRequestError
+    from ..engine.async_engine import EngineDeadError, RequestFailedError
+    from ..engine.sampling_params import InvalidRequestError
 
     if isinstance(exc, OpenAIError):
         return exc
@@ -88,9 +88,9 @@ def install_error_handlers(app: FastAPI) -> None:
     """Handlers for every error a route raises on purpose; anything else is answered by
     `middleware.ContainErrors` (a handler for `Exception` would make Starlette re-raise it
     after answering, and uvicorn close the keep-alive connection)."""
-    from kubeinfer.server.api.middleware import ContainErrors
-    from kubeinfer.server.engine.async_engine import EngineDeadError, RequestFailedError
-    from kubeinfer.server.engine.sampling_params import InvalidRequestError
+    from ..engine.async_engine import EngineDeadError, RequestFailedError
+    from ..engine.sampling_params import InvalidRequestError
+    from .middleware import ContainErrors
 
     app.add_middleware(ContainErrors)
 

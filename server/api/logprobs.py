@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kubeinfer.server.api.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
-from kubeinfer.server.engine.outputs import Logprob
+from ..engine.outputs import Logprob
+from .responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
 def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],

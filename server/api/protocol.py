@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kubeinfer.server.engine.sampling_params import SEED_RANGE
+from ..engine.sampling_params import SEED_RANGE
 
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 2048  # prompts in one /v1/completions request, OpenAI's documented limit

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
-from kubeinfer.server.engine.outputs import RequestOutput
+from ..engine.outputs import RequestOutput
 
 
 class PromptTokensDetails(BaseModel):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubeinfer.server.api.protocol import SamplingRequest
-from kubeinfer.server.engine.sampling_params import SamplingParams
+from ..engine.sampling_params import SamplingParams
+from .protocol import SamplingRequest
 
 # Knobs the model's generation_config may default: passed to the engine only when the
 # client set them, so SamplingParams can tell "unset" from "set to the default".

@@ -24,10 +24,10 @@ from typing import Callable
 import uvicorn
 
 from kubeinfer.kernels import cpu_build
-from kubeinfer.server.api.admission import Admission
-from kubeinfer.server.api.auth import api_keys_from_args
-from kubeinfer.server.api.errors import OpenAIError
-from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
+from ..flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
+from .admission import Admission
+from .auth import api_keys_from_args
+from .errors import OpenAIError
 
 logger = logging.getLogger("kubeinfer.serve")
 
@@ -97,10 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _serve(args: argparse.Namespace) -> int:
     """Serve until drained (0) or until the engine loop dies (1)."""
-    from kubeinfer.server.api.app import build_app
-    from kubeinfer.server.api.state import ServerState
-    from kubeinfer.server.engine.async_engine import AsyncEngine
-    from kubeinfer.server.engine.config import EngineConfig
+    from ..engine.async_engine import AsyncEngine
+    from ..engine.config import EngineConfig
+    from .app import build_app
+    from .state import ServerState
 
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))
     if args.device in ("auto", "cpu"):   # the attention kernels: now, off the loading path

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from kubeinfer.server.api.errors import as_openai_error, error_body
-from kubeinfer.server.api.streams import ClientDisconnected
+from .errors import as_openai_error, error_body
+from .streams import ClientDisconnected
 
 DONE = "data: [DONE]\n\n"
 

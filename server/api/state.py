@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from kubeinfer.server.api.admission import Admission
-from kubeinfer.server.api.errors import OpenAIError
-from kubeinfer.server.api.metrics import ServerMetrics
+from .admission import Admission
+from .errors import OpenAIError
+from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from kubeinfer.server.engine.async_engine import AsyncEngine
+    from ..engine.async_engine import AsyncEngine
 
 T = TypeVar("T")
 

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 
-from kubeinfer.server.api.metrics import ServerMetrics
-from kubeinfer.server.api.state import ServerState
-from kubeinfer.server.engine.outputs import RequestOutput
-from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
-from kubeinfer.server.engine.sequence import Request as EngineRequest
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from ..engine.sequence import Request as EngineRequest
+from .metrics import ServerMetrics
+from .state import ServerState
 
 
 Indexed = tuple[int, RequestOutput]  # (prompt index, output) from a multi-prompt request

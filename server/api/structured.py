@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from kubeinfer.server.api.errors import OpenAIError
-from kubeinfer.server.api.protocol import SamplingRequest
-from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from ..engine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from .errors import OpenAIError
+from .protocol import SamplingRequest
 
 if TYPE_CHECKING:
-    from kubeinfer.server.engine.async_engine import AsyncEngine
+    from ..engine.async_engine import AsyncEngine
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

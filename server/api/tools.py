@@ -21,9 +21,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kubeinfer.server.api.errors import OpenAIError
-from kubeinfer.server.api.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
-from kubeinfer.server.engine.sampling_params import StructuredOutputsParams
+from ..engine.sampling_params import StructuredOutputsParams
+from .errors import OpenAIError
+from .protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 
 Family = Literal["hermes", "llama3_json"]
 

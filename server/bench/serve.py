@@ -20,9 +20,9 @@ from dataclasses import asdict
 import httpx
 from tqdm import tqdm
 
-from kubeinfer.server.bench.serve_client import RequestResult, send_request
-from kubeinfer.server.bench.serve_datasets import BenchRequest, DatasetConfig, build_dataset
-from kubeinfer.server.bench.serve_report import LevelReport, format_table, plot, summarize
+from .serve_client import RequestResult, send_request
+from .serve_datasets import BenchRequest, DatasetConfig, build_dataset
+from .serve_report import LevelReport, format_table, plot, summarize
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

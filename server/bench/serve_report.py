@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kubeinfer.server.bench.serve_client import RequestResult
+from .serve_client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 
