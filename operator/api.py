@@ -27,3 +27,4 @@ HTTP_PORT = 8000
 SERVICE_PORT = 80
 ENGINE_CONTAINER = "engine"
 MODEL_MOUNT = "/models"
+ADAPTER_MOUNT = "/adapters"

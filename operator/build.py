@@ -10,7 +10,7 @@ from typing import Any
 
 from kubeinfer.server.flags import ENGINE_FLAGS, to_args
 from . import api
-from .model_source import model_mounts
+from .model_source import adapter_volumes, model_mounts
 from .resource import InferenceService, OperatorConfig
 from .security import restricted_container, restricted_pod
 from .spec import flag
@@ -43,7 +43,18 @@ def engine_args(isvc: InferenceService, model_path: str, served_name: str | None
               "max_model_len": model.max_model_len,
               "enable_prefix_caching": engine.prefix_cache.enabled,
               "tensor_parallel_size": engine.tensor_parallel_size}
-    return ["serve", *to_args(values, ENGINE_FLAGS), *engine.extra_args]
+    return ["serve", *to_args(values, ENGINE_FLAGS), *lora_args(isvc), *engine.extra_args]
+
+
+def lora_args(isvc: InferenceService) -> list[str]:
+    """LoRA support and its limits, but no `--lora-modules`: the adapter list must not be part
+    of the pod template (editing it would restart every pod), so the operator loads adapters
+    through the engines' runtime API instead, into new pods as soon as they are Ready."""
+    lora = isvc.spec.engine.lora
+    if not isvc.spec.lora_enabled:
+        return []
+    return ["--enable-lora", "--allow-runtime-lora-updating", "--max-loras", str(lora.max_loras),
+            "--max-lora-rank", str(lora.max_lora_rank)]
 
 
 def auth_env(isvc: InferenceService) -> list[tuple[str, dict[str, Any]]]:
@@ -94,8 +105,9 @@ def probes() -> dict[str, Any]:
 def pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
     spec = isvc.spec
     mounts = model_mounts(isvc, spec.engine.image or config.engine_image)
-    volumes = [{"name": "tmp", "emptyDir": {}}, *mounts.volumes]
-    volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts.volume_mounts]
+    adapter_vols, adapter_mounts = adapter_volumes(isvc)
+    volumes = [{"name": "tmp", "emptyDir": {}}, *mounts.volumes, *adapter_vols]
+    volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts.volume_mounts, *adapter_mounts]
     if spec.engine.tensor_parallel_size > 1:  # NCCL/ranks exchange tensors through /dev/shm
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         volume_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})

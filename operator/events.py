@@ -24,6 +24,9 @@ def transition_events(before: list[Condition], after: list[Condition]) -> list[E
     events = []
     for cond in after:
         prev, is_true = old.get(cond.type), cond.status == "True"
+        if cond.type == "AdaptersReady":
+            events += adapter_events(prev, cond)
+            continue
         if prev is not None and prev.status == cond.status and \
                 not (cond.type == "Degraded" and is_true and prev.reason != cond.reason):
             continue
@@ -38,3 +41,15 @@ def transition_events(before: list[Condition], after: list[Condition]) -> list[E
         elif cond.type == "Progressing" and is_true:
             events.append(Event("Normal", cond.reason, cond.message))
     return events
+
+
+def adapter_events(prev: Condition | None, cond: Condition) -> list[Event]:
+    """A Warning for each new adapter failure (a retry failing the same way stays quiet), and
+    the all-clear after one; waiting for pods or loads to finish is the expected start."""
+    failed = cond.reason == "AdapterLoadFailed"
+    was_failing = prev is not None and prev.reason == "AdapterLoadFailed"
+    if failed and not (was_failing and prev is not None and prev.message == cond.message):
+        return [Event("Warning", cond.reason, cond.message)]
+    if cond.status == "True" and was_failing:
+        return [Event("Normal", cond.reason, cond.message)]
+    return []

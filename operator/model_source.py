@@ -4,16 +4,24 @@
 - `pvc://claim/path`: the claim mounted read-only at /models; path is a model dir or .gguf.
 - `hf://org/name`: an init container (same image, the `hf` CLI of huggingface_hub) downloads
   the repository into an emptyDir before the engine starts.
+
+LoRA adapters (`spec.adapters`, `pvc://claim/path` only) are loaded into running pods, so their
+files must already be there: each pod mounts, read-only, every claim its adapters name (the
+model's claim is reused at /models, others go under /adapters/<claim>). The volumes depend on
+the set of claims only, never on the adapter list, so adding an adapter on a mounted claim
+leaves the pod template alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import api
 from .security import restricted_container
 from .resource import InferenceService
+from .spec import AdapterSpec
 
 EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded GGUF's own name, the engine's default id
 
@@ -59,3 +67,36 @@ def model_mounts(isvc: InferenceService, image: str) -> ModelMounts:
             volume_mounts=[{"name": "model", "mountPath": api.MODEL_MOUNT, "readOnly": True}],
             init_containers=[download])
     raise ValueError(f"unknown model source scheme in {source!r}")
+
+
+def _pvc(source: str) -> tuple[str, str]:
+    """(claim, path inside it) of a `pvc://claim/path` source."""
+    claim, _, path = source.removeprefix("pvc://").partition("/")
+    return claim, path
+
+
+def model_claim(isvc: InferenceService) -> str | None:
+    source = isvc.spec.model.source
+    return _pvc(source)[0] if source.startswith("pvc://") else None
+
+
+def adapter_mount(claim: str) -> str:
+    return f"{api.ADAPTER_MOUNT}/{claim}"
+
+
+def adapter_path(isvc: InferenceService, adapter: AdapterSpec) -> str:
+    """Where the engine finds `adapter`'s files inside the pod (the `lora_path` it is loaded from)."""
+    claim, path = _pvc(adapter.source)
+    root = api.MODEL_MOUNT if claim == model_claim(isvc) else adapter_mount(claim)
+    return f"{root}/{path}".rstrip("/")
+
+
+def adapter_volumes(isvc: InferenceService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) for the adapters' claims other than the model's, in claim order."""
+    claims = sorted({_pvc(a.source)[0] for a in isvc.spec.adapters} - {model_claim(isvc)})
+    volumes, mounts = [], []
+    for claim in claims:  # volume names are DNS labels; claim names may be longer
+        name = "adapters-" + hashlib.sha256(claim.encode()).hexdigest()[:12]
+        volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": name, "mountPath": adapter_mount(claim), "readOnly": True})
+    return volumes, mounts

@@ -5,6 +5,7 @@ Service answers": at zero replicas, and while a request wakes an engine once the
 been served before (the gateway holds it). Progressing means "a rollout is in flight";
 Degraded means "something needs a human" — a scheduler refusal, a crash loop, an image pull
 failure, a rejected apply — and its message says why in the cluster's own words.
+AdaptersReady (only with LoRA on) means every Ready replica holds every spec.adapters entry.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .adapters import AdapterReport, adapter_condition, adapter_status
 from .gateway.build import gateway_name, scales_from_zero
 from .model_source import model_mounts
 from .resource import InferenceService, OperatorConfig
@@ -33,6 +35,7 @@ class Observed:
     error: str | None = None  # why applying failed, if it did
     gpu_products: list[str] | None = None  # node GPU products, looked up when pods are stuck
     gateway_pods: list[dict[str, Any]] = field(default_factory=list)  # at minReplicas 0
+    adapters: AdapterReport | None = None  # the Ready engines' LoRA adapters after a sync
 
 
 def gpu_product_problems(wanted: str | None, available: list[str] | None) -> list[tuple[str, str]]:
@@ -136,7 +139,8 @@ def conditions(isvc: InferenceService, seen: Observed, ready: int,
         progressing = (False, "RolloutComplete", f"{desired} replicas on the current spec")
     degraded = (True, problems[0][0], problem_text) if problems else \
         (False, "AsExpected", "no problems observed")
-    return [("Ready", *ready_c), ("Progressing", *progressing), ("Degraded", *degraded)]
+    found = [("Ready", *ready_c), ("Progressing", *progressing), ("Degraded", *degraded)]
+    return found + [adapter_condition(isvc, seen.adapters)] if isvc.spec.lora_enabled else found
 
 
 def observe(isvc: InferenceService, seen: Observed, config: OperatorConfig,
@@ -161,4 +165,5 @@ def observe(isvc: InferenceService, seen: Observed, config: OperatorConfig,
         "desired_replicas": isvc.spec.replicas, "replica_summary": f"{ready}/{isvc.spec.replicas}",
         "selector": isvc.selector, "url": isvc.url(config),
         "served_model_name": isvc.spec.model.served_name
-        or model_mounts(isvc, isvc.spec.engine.image or config.engine_image).served_name})
+        or model_mounts(isvc, isvc.spec.engine.image or config.engine_image).served_name,
+        **adapter_status(isvc, seen.adapters)})

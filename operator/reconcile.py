@@ -7,6 +7,7 @@ different ones run in parallel in kopf's thread pool.
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from collections import defaultdict
@@ -15,6 +16,10 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
+from kubeinfer.server.flags import parse_api_keys
+
+from .adapter_sync import AdapterSync
+from .adapters import AdapterReport, action_events
 from .children import desired_children, stale_children
 from .events import Event, transition_events
 from .gateway.build import gateway_selector_labels, needs_gateway
@@ -41,8 +46,9 @@ def previous_status(body: Mapping[str, Any]) -> InferenceServiceStatus:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+    def __init__(self, kube: Kube, config: OperatorConfig, adapters: AdapterSync | None = None) -> None:
         self.kube, self.config = kube, config
+        self.adapters = adapters or AdapterSync()
         self._locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         # The status we last wrote, by uid: a queued call's body predates the call before it,
         # and transition times and Events must build on what was really written last.
@@ -83,12 +89,31 @@ class Reconciler:
         gateway_pods = self.kube.list("Pod", isvc.namespace,
                                       label_selector(gateway_selector_labels(isvc.name))) \
             if needs_gateway(isvc) else []
+        adapters = self._sync_adapters(isvc, pods) if isvc.spec.lora_enabled else None
         seen = Observed(deployment=self.kube.get("Deployment", isvc.namespace, isvc.name),
                         pods=pods, applied_generation=applied, error=error,
-                        gpu_products=self._gpu_products(isvc, pods), gateway_pods=gateway_pods)
+                        gpu_products=self._gpu_products(isvc, pods), gateway_pods=gateway_pods,
+                        adapters=adapters)
         status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
         self._write(isvc.uid, isvc.namespace, isvc.name, status)
-        return transition_events(previous.conditions, status.conditions)
+        return action_events(adapters) + transition_events(previous.conditions, status.conditions)
+
+    def _sync_adapters(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> AdapterReport:
+        """Load and unload adapters in the Ready engines; with spec.auth, as a client holding
+        one of the service's own API keys (the runtime adapter API is behind them)."""
+        ref = isvc.spec.auth.api_key_secret_ref
+        key = None
+        if ref is not None:
+            try:
+                secret = self.kube.get("Secret", isvc.namespace, ref.name) or {}
+            except KubeError as exc:  # the chart grants it only with operator.readApiKeySecrets
+                return AdapterReport([], f"cannot read API key Secret {ref.name} to call the engines' "
+                                         f"adapter API ({exc.message}); install the chart with "
+                                         "operator.readApiKeySecrets=true")
+            encoded = (secret.get("data") or {}).get(ref.key)
+            keys = parse_api_keys(base64.b64decode(encoded).decode()) if encoded else []
+            key = keys[0] if keys else None
+        return self.adapters.sync(isvc, pods, key)
 
     def _gpu_products(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> list[str] | None:
         """Node GPU products, read only when a GPU product is asked for and pods are stuck."""

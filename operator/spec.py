@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, Flag
@@ -21,6 +21,11 @@ MODEL_SOURCE_PATTERN = (r"^(embedded|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# An adapter lives on a claim its pods mount, so it can be loaded into a running pod (an hf://
+# repository would need a download inside every running pod; see operator/adapters.py).
+ADAPTER_SOURCE_PATTERN = r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?$"
+ADAPTER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
+MAX_ADAPTERS = 64
 
 
 def flag(dest: str) -> Flag:
@@ -112,6 +117,43 @@ class PrefixCacheSpec(Section):
                           description=flag("enable_prefix_caching").help)
 
 
+class LoraSpec(Section):
+    """LoRA adapter serving (vLLM's --enable-lora and its limits), for spec.adapters."""
+
+    enabled: bool | None = Field(
+        None, description="Start the engines with LoRA support. Default: on when spec.adapters "
+                          "names any adapter. Set it to true to add the first adapters later "
+                          "without a restart (turning LoRA on or off restarts the pods).")
+    max_loras: int = Field(1, ge=1, le=256,
+                           description="Adapters resident in device memory at once (vLLM's "
+                                       "--max-loras); the engine keeps the others on the CPU and "
+                                       "swaps the least recently used idle one out.")
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 512] = Field(
+        16, description="Largest adapter rank the engine accepts (vLLM's --max-lora-rank); "
+                        "an adapter of higher rank fails to load.")
+
+
+class AdapterSpec(Section):
+    """A LoRA adapter (PEFT format: adapter_config.json + adapter_model.safetensors) of the model."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=ADAPTER_NAME_PATTERN,
+                      description="The model id clients send to use this adapter "
+                                  "(`model` in requests, listed by /v1/models with the base "
+                                  "model as its parent): lowercase letters, digits, '-', '_' and "
+                                  "'.', starting and ending with a letter or digit.")
+    source: Annotated[str, _match(ADAPTER_SOURCE_PATTERN, "an adapter source")] = Field(
+        max_length=512,
+        description="'pvc://<claim>/<path>': the adapter's directory on a "
+                    "PersistentVolumeClaim, mounted read-only. Pods mount every claim their "
+                    "adapters name, so adding or removing adapters on claims already in use "
+                    "(the model's or another adapter's) loads or unloads them in the running "
+                    "pods without a restart; naming a new claim rolls the pods once to mount it.",
+        json_schema_extra=rules((f"self.matches(r'{ADAPTER_SOURCE_PATTERN}')",
+                                 "adapters[].source must be 'pvc://<claim>/<path>': adapters are "
+                                 "loaded into running pods, so they must be on a volume the pods "
+                                 "mount (hf:// cannot be fetched into a running pod)")))
+
+
 class EngineSpec(Section):
     """The serving engine each pod runs (`kubeinfer serve`)."""
 
@@ -136,6 +178,7 @@ class EngineSpec(Section):
     max_num_batched_tokens: int = Field(flag("max_num_batched_tokens").default, ge=16,
                                         le=1 << 20, description=flag("max_num_batched_tokens").help)
     prefix_cache: PrefixCacheSpec = section(PrefixCacheSpec, PrefixCacheSpec.__doc__ or "")
+    lora: LoraSpec = section(LoraSpec, LoraSpec.__doc__ or "")
     extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64,
         description="Extra `kubeinfer serve` arguments, appended after the generated ones.")
@@ -244,10 +287,34 @@ class RoutingSpec(Section):
                                    description=routing_flag("prefix_key_tokens").help)
 
 
+def _unique_names(adapters: list[AdapterSpec]) -> list[AdapterSpec]:
+    names = [a.name for a in adapters]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"adapter names must be unique; repeated: {', '.join(duplicates)}")
+    return adapters
+
+
 class InferenceServiceSpec(Section):
     """A model served by a set of identical kubeinfer engine pods behind one Service."""
 
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("!has(self.adapters) || !has(self.model.servedName) || "
+         "self.adapters.all(a, a.name != self.model.servedName)",
+         "adapters[].name must differ from model.servedName: both are model ids clients send"),
+        ("!has(self.adapters) || size(self.adapters) == 0 || !has(self.engine.lora.enabled) || "
+         "self.engine.lora.enabled",
+         "engine.lora.enabled is false but spec.adapters names adapters")))
     model: ModelSpec = section(ModelSpec, ModelSpec.__doc__ or "")
+    adapters: Annotated[list[AdapterSpec], AfterValidator(_unique_names)] = Field(
+        default_factory=list, max_length=MAX_ADAPTERS,
+        description="LoRA adapters of the model, served next to it by every replica (a request "
+                    "names one as its `model`). Adding or removing one loads or unloads it in "
+                    "the running pods through the engines' API, without a restart; "
+                    "status.adapters shows which replicas hold each, and the AdaptersReady "
+                    "condition carries the engine's error when one fails to load.",
+        json_schema_extra=rules(("self.all(a, self.exists_one(b, b.name == a.name))",
+                                 "adapters[].name must be unique")))
     engine: EngineSpec = section(EngineSpec, EngineSpec.__doc__ or "")
     resources: ResourcesSpec = section(ResourcesSpec, ResourcesSpec.__doc__ or "")
     replicas: int = Field(1, ge=0, le=1000,
@@ -264,3 +331,17 @@ class InferenceServiceSpec(Section):
     affinity: KubeObject | None = Field(None, description="Pod affinity (core Affinity object).")
     priority_class_name: str | None = Field(None, max_length=253,
                                             description="PriorityClass of the pods.")
+
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> InferenceServiceSpec:
+        """The CEL rules above, for objects that did not pass an API server."""
+        if any(a.name == self.model.served_name for a in self.adapters):
+            raise ValueError("adapters[].name must differ from model.servedName: both are model "
+                             "ids clients send")
+        if self.adapters and self.engine.lora.enabled is False:
+            raise ValueError("engine.lora.enabled is false but spec.adapters names adapters")
+        return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora.enabled if self.engine.lora.enabled is not None else bool(self.adapters)

@@ -14,13 +14,13 @@ from pydantic import Field
 
 from .spec import Section
 
-ConditionType = Literal["Ready", "Progressing", "Degraded"]
+ConditionType = Literal["Ready", "Progressing", "Degraded", "AdaptersReady"]
 
 
 class Condition(Section):
     """One aspect of the service's state, in the standard Kubernetes condition shape."""
 
-    type: ConditionType = Field(description="Ready, Progressing or Degraded.")
+    type: ConditionType = Field(description="Ready, Progressing, Degraded or AdaptersReady.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
                         description="CamelCase cause, for machines.")
@@ -28,6 +28,23 @@ class Condition(Section):
     observed_generation: int | None = Field(None, ge=0,
                                             description="metadata.generation this was computed for.")
     last_transition_time: datetime = Field(description="When status last changed.")
+
+
+class AdapterStatus(Section):
+    """One entry of spec.adapters, as the Ready replicas hold it."""
+
+    name: str = Field(max_length=63, description="The adapter's model id.")
+    source: str = Field(max_length=512, description="Where it is loaded from.")
+    loaded_replicas: int = Field(0, ge=0, description="Ready replicas holding it.")
+    ready_replicas: int = Field(0, ge=0, description="Ready replicas that should hold it.")
+
+
+class ReplicaAdapters(Section):
+    """The adapters one Ready engine pod reports (its /v1/models)."""
+
+    pod: str = Field(max_length=253, description="Engine pod name.")
+    adapters: list[str] = Field(default_factory=list, max_length=256,
+                                description="Adapter names the engine holds.")
 
 
 class MetricSample(Section):
@@ -65,7 +82,9 @@ class InferenceServiceStatus(Section):
     conditions: list[Condition] = Field(
         default_factory=list, max_length=8,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="Ready, Progressing and Degraded.")
+        description="Ready, Progressing, Degraded and, when LoRA is on, AdaptersReady (False "
+                    "with reason AdapterLoadFailed and the engine's error when an adapter "
+                    "fails to load).")
     replicas: int = Field(0, ge=0, description="Engine pods that exist.")
     ready_replicas: int = Field(0, ge=0, description="Engine pods passing their readiness probe.")
     updated_replicas: int = Field(0, ge=0, description="Pods already running the current spec.")
@@ -78,5 +97,11 @@ class InferenceServiceStatus(Section):
     served_model_name: str | None = Field(
         None, max_length=1024, description="The model id clients send (`model` in requests, /v1/models); "
                                            "unset when the engine names it from the weights (pvc://).")
+    adapters: list[AdapterStatus] = Field(
+        default_factory=list, max_length=64,
+        description="Per entry of spec.adapters: how many Ready replicas hold it.")
+    replica_adapters: list[ReplicaAdapters] = Field(
+        default_factory=list, max_length=1000,
+        description="Per Ready engine pod: the adapters it holds.")
     last_scale_time: datetime | None = Field(None, description="Last autoscaler change.")
     autoscaler: AutoscalerStatus | None = Field(None, description=AutoscalerStatus.__doc__)

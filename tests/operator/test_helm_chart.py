@@ -117,3 +117,9 @@ def test_values_schema_refuses_bad_values(helm: str) -> None:
     result = run(helm, "template", "kubeinfer", str(CHART), "--kube-version", KUBE_VERSION,
                  "--set", "operator.logLevel=loud")
     assert result.returncode != 0 and "logLevel" in result.stderr
+
+
+def test_reading_api_key_secrets_is_opt_in(helm: str) -> None:
+    docs = render(helm, "operator.readApiKeySecrets=true")
+    rules = by_kind(docs, "ClusterRole")[0]["rules"]
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]} in rules
