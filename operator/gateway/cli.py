@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),
                           GatewayMetrics(), picker)
     routing.views.in_flight = activator.in_flight
+    routing.views.api_key = next(iter(api_keys_from_args(args)), None)   # to read the engines' adapters
     costs = DeletionCosts(backends.pods, routing.views.cache_values, backends.patch_pod)
     routing.background.append(costs.run)
     app = build_app(activator, args.inferenceservice, retry_after=args.retry_after, http=client,

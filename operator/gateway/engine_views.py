@@ -55,6 +55,7 @@ class EngineView:
     kv_usage: float = 0.0
     cache_value: float = 0.0   # prompt tokens its prefix cache served of late (decaying)
     metrics_at: float = float("-inf")
+    adapters: frozenset[str] = frozenset()   # LoRA adapters it holds (its /v1/models)
 
     def has(self, block: int, now: float) -> bool:
         return block in self.cached or self.pending.get(block, 0.0) > now
@@ -89,6 +90,11 @@ class EngineViews:
         self.pending_seconds, self.timeout = pending_seconds, timeout
         self.views: dict[str, EngineView] = {}
         self.in_flight: Mapping[str, int] = {}   # this router's own requests (the activator's count)
+        self.api_key: str | None = None   # for /v1/models when the engines want keys
+
+    def adapters(self) -> frozenset[str]:
+        """Every LoRA adapter some engine holds: the model names that route by adapter."""
+        return frozenset().union(*(view.adapters for view in self.views.values()))
 
     def get(self, url: str) -> EngineView:
         view = self.views.get(url)
@@ -142,10 +148,19 @@ class EngineViews:
                 view.running, view.waiting = gauges[GAUGES[0]], gauges[GAUGES[1]]
                 view.others = max(0.0, view.running + view.waiting - self.in_flight.get(view.url, 0))
                 view.kv_usage, view.cache_value, view.metrics_at = gauges[GAUGES[2]], gauges[GAUGES[3]], now
+                view.adapters = await self._adapters(view.url)
         except (httpx.HTTPError, ValueError, KeyError) as error:
             log.debug("engine %s: %s", view.url, error or type(error).__name__)
         if view.pending:
             view.pending = {block: until for block, until in view.pending.items() if until > now}
+
+    async def _adapters(self, url: str) -> frozenset[str]:
+        """The adapters `/v1/models` lists (vLLM gives each a `parent`); none if it will not say."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        response = await self.client.get(f"{url}/v1/models", headers=headers, timeout=self.timeout)
+        if response.status_code != 200:
+            return frozenset()
+        return frozenset(card["id"] for card in response.json().get("data") or [] if card.get("parent"))
 
     async def run(self, ready: Callable[[], Awaitable[list[str]]]) -> None:
         """Poll forever (the router's lifetime), over whichever engines are Ready."""

@@ -98,7 +98,8 @@ class PrefixAware:
     (1 + balance_factor) x the mean + balance_slack (consistent hashing with bounded loads) and
     whose KV cache is not full; ties go by rendezvous hashing of the prompt's start, so routers
     agree and a new prefix settles on one replica. A session (`x-session-id` or `user`) keeps
-    its replica while that replica stays within those bounds.
+    its replica while that replica stays within those bounds. A request for a LoRA adapter
+    goes only among the replicas holding it, when any does.
     """
 
     def __init__(self, views: EngineViews, config: PrefixAwareConfig = PrefixAwareConfig()) -> None:
@@ -110,6 +111,8 @@ class PrefixAware:
         if key is None:
             return Decision(self.least_load.pick(urls, None, in_flight).url, "no-key")
         now, config, views = time.monotonic(), self.config, self.views
+        if key.adapter is not None:   # a replica without the adapter would load it (or 404) first
+            urls = [url for url in urls if key.adapter in views.get(url).adapters] or urls
         loads = {url: views.load(url, in_flight.get(url, 0)) for url in urls}
         limit = (sum(loads.values()) + 1) / len(urls) * (1 + config.balance_factor) + config.balance_slack
         eligible = [url for url in urls if loads[url] + 1 <= limit

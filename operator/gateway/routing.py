@@ -33,7 +33,7 @@ class Routing:
     def key(self, path: str, body: bytes, headers: Mapping[str, str]) -> RoutingKey | None:
         if self.keys is None or path.strip("/") not in KEYED_PATHS:
             return None
-        return self.keys.make(path, body, headers)
+        return self.keys.make(path, body, headers, self.views.adapters())
 
     async def start(self, backends: Backends) -> None:
         self._tasks.append(asyncio.create_task(self.views.run(backends.ready)))

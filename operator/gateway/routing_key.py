@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import pydantic
 
@@ -34,6 +34,7 @@ class RoutingKey:
     hashes: tuple[int, ...]
     affinity: int
     session: str | None = None
+    adapter: str | None = None   # the LoRA adapter the request names as its model
 
 
 def session_of(body: Mapping[str, Any] | None, headers: Mapping[str, str]) -> str | None:
@@ -53,23 +54,26 @@ class KeyMaker:
         self.tokenizer, self.block_size = tokenizer, block_size
         self.prefix_key_tokens = prefix_key_tokens
 
-    def prompt_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int], str | None] | None:
-        """(prompt token ids, cache_salt) of the request's first prompt."""
+    def prompt_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int], str | None, str] | None:
+        """(prompt token ids, cache_salt, model) of the request's first prompt."""
         if path.endswith("chat/completions"):
             chat = ChatCompletionRequest.model_validate(body)
             ids = self.tokenizer.encode_chat([m.to_template() for m in chat.messages],
                                              chat.add_generation_prompt, chat.continue_final_message,
                                              chat.chat_template_kwargs)
-            return ids, chat.cache_salt
+            return ids, chat.cache_salt, chat.model
         if path.endswith("completions"):
             completion = CompletionRequest.model_validate(body)
             prompt = completion.prompt
             first = prompt[0] if isinstance(prompt, list) and not isinstance(prompt[0], int) else prompt
             ids = self.tokenizer.encode(first) if isinstance(first, str) else [int(t) for t in first]
-            return ids, completion.cache_salt
+            return ids, completion.cache_salt, completion.model
         return None
 
-    def make(self, path: str, body: bytes, headers: Mapping[str, str]) -> RoutingKey | None:
+    def make(self, path: str, body: bytes, headers: Mapping[str, str],
+             adapters: Collection[str] = ()) -> RoutingKey | None:
+        """`adapters`: the LoRA adapter names the engines hold; a request whose model is one is
+        hashed in that adapter's namespace, as the engine hashes its blocks."""
         try:
             parsed = json.loads(body) if body else None
         except ValueError:
@@ -84,7 +88,8 @@ class KeyMaker:
             return None
         if found is None or not found[0]:
             return None
-        ids, salt = found
-        hashes = tuple(block_hashes(ids[:-1], self.block_size, salt))
-        affinity = block_hash(root_hash(salt), ids[:self.prefix_key_tokens])
-        return RoutingKey(len(ids), self.block_size, hashes, affinity, session)
+        ids, salt, model = found
+        adapter = model if model in adapters else None
+        hashes = tuple(block_hashes(ids[:-1], self.block_size, salt, adapter))
+        affinity = block_hash(root_hash(salt, adapter), ids[:self.prefix_key_tokens])
+        return RoutingKey(len(ids), self.block_size, hashes, affinity, session, adapter)
