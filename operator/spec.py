@@ -147,7 +147,8 @@ class AdapterSpec(Section):
                     "PersistentVolumeClaim, mounted read-only. Pods mount every claim their "
                     "adapters name, so adding or removing adapters on claims already in use "
                     "(the model's or another adapter's) loads or unloads them in the running "
-                    "pods without a restart; naming a new claim rolls the pods once to mount it.",
+                    "pods without a restart; a claim no pod mounts yet (or dropping a claim's "
+                    "last adapter) changes the pods' volumes, which rolls them once.",
         json_schema_extra=rules((f"self.matches(r'{ADAPTER_SOURCE_PATTERN}')",
                                  "adapters[].source must be 'pvc://<claim>/<path>': adapters are "
                                  "loaded into running pods, so they must be on a volume the pods "

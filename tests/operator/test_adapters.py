@@ -261,3 +261,22 @@ def test_an_unreadable_key_secret_is_a_condition_not_a_crash() -> None:
     cond = next(c for c in kube.statuses[-1]["conditions"] if c["type"] == "AdaptersReady")
     assert (cond["status"], cond["reason"]) == ("False", "ApiKeyUnavailable")
     assert "operator.readApiKeySecrets=true" in cond["message"]
+
+
+def test_the_lora_example_builds_against_its_own_claim() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from kubeinfer.operator.children import desired_children
+    from kubeinfer.operator.resource import InferenceService
+    docs = list(yaml.safe_load_all((Path(__file__).parents[2] / "crds/examples/lora-adapters.yaml").read_text()))
+    claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")["metadata"]["name"]
+    manifest = next(d for d in docs if d["kind"] == "InferenceService")
+    manifest["metadata"].update(namespace="default", uid="u", generation=1)
+    isvc = InferenceService.from_body(manifest)
+    assert {a.source.split("/")[2] for a in isvc.spec.adapters} == {claim}
+    pod = desired_children(isvc, CONFIG)[0]["spec"]["template"]["spec"]
+    assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v] == [claim]
+    copier = next(d for d in docs if d["kind"] == "Pod")["spec"]["securityContext"]
+    assert copier["runAsUser"] == pod["securityContext"]["runAsUser"]   # the engines can read what it writes
