@@ -20,6 +20,10 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 FIELD_MANAGER = "kubeinfer-operator"
 MANAGED_BY = "kubeinfer-operator"
 INSTANCE_LABEL = "kubeinfer.io/inferenceservice"
+# Which autoscaler drives spec.replicas when the built-in one is off (KServe's autoscalerClass):
+# `keda` makes the operator check that KEDA is installed and that the two do not both scale.
+AUTOSCALER_CLASS_ANNOTATION = "kubeinfer.io/autoscaler-class"
+KEDA_CRD = "scaledobjects.keda.sh"
 # Room left under the 63-character DNS-1035 label limit for suffixed children (`-gateway`).
 MAX_NAME_LENGTH = 50
 

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from kubeinfer.server import exit_codes
+
+from . import api
 from .adapters import AdapterReport, adapter_condition, adapter_status
+from .build import GPU_RESOURCE, device
 from .gateway.build import gateway_name, scales_from_zero
 from .model_source import model_mounts
 from .resource import InferenceService, OperatorConfig
@@ -34,8 +38,20 @@ class Observed:
     applied_generation: int | None  # the spec generation whose children were applied
     error: str | None = None  # why applying failed, if it did
     gpu_products: list[str] | None = None  # node GPU products, looked up when pods are stuck
+    gpus_allocatable: int | None = None  # nvidia.com/gpu over all nodes, looked up with gpu_products
     gateway_pods: list[dict[str, Any]] = field(default_factory=list)  # at minReplicas 0
     adapters: AdapterReport | None = None  # the Ready engines' LoRA adapters after a sync
+    keda_installed: bool | None = None  # looked up when the autoscaler class is keda; None: unknown
+
+
+def gpu_problems(isvc: InferenceService, gpus_allocatable: int | None) -> list[tuple[str, str]]:
+    """GPUs asked for on a cluster whose nodes advertise none: the scheduler only says 'Insufficient'."""
+    if gpus_allocatable != 0 or device(isvc) != "cuda" or isvc.spec.resources.gpu_product:  # that one says more
+        return []
+    return [("GPUUnavailable", f"engine.device is cuda ({isvc.spec.engine.tensor_parallel_size} "
+                               f"{GPU_RESOURCE} per pod) but no node advertises {GPU_RESOURCE}: set "
+                               "spec.engine.device to cpu or auto (auto is cpu unless resources.gpuProduct "
+                               "names a GPU), or add GPU nodes with the NVIDIA device plugin")]
 
 
 def gpu_product_problems(wanted: str | None, available: list[str] | None) -> list[tuple[str, str]]:
@@ -45,6 +61,34 @@ def gpu_product_problems(wanted: str | None, available: list[str] | None) -> lis
     have = ", ".join(sorted(set(available))) or "none"
     return [("GPUProductUnavailable", f"no node has nvidia.com/gpu.product={wanted} "
                                       f"(GPU products in the cluster: {have})")]
+
+
+def autoscaler_problems(isvc: InferenceService, keda_installed: bool | None) -> list[tuple[str, str]]:
+    """An autoscaler class that cannot scale this service: KEDA missing, or two autoscalers at once.
+
+    Without KEDA's CRDs the ScaledObject never got past `kubectl apply`, so nothing but this
+    condition tells the service's owner that nobody will scale it.
+    """
+    wanted, annotation = isvc.autoscaler_class, api.AUTOSCALER_CLASS_ANNOTATION
+    if wanted is None:
+        return []
+    if wanted != "keda":
+        return [("UnknownAutoscalerClass", f"annotation {annotation}={wanted!r} is not a known autoscaler "
+                                           "class: use keda, or remove it and set spec.autoscaling.enabled "
+                                           "for the built-in autoscaler")]
+    problems = []
+    if keda_installed is False:
+        problems.append(("AutoscalerUnavailable", f"annotation {annotation}=keda, but the cluster has no KEDA "
+                         f"(CustomResourceDefinition {api.KEDA_CRD} not found), so no ScaledObject can scale "
+                         "this service: install KEDA (helm install keda kedacore/keda -n keda "
+                         "--create-namespace) and apply its ScaledObject (crds/examples/keda-scaledobject.yaml), "
+                         f"or remove the annotation and set spec.autoscaling.enabled: true for the built-in "
+                         "autoscaler"))
+    if isvc.spec.autoscaling.enabled:
+        problems.append(("AutoscalerConflict", f"annotation {annotation}=keda and spec.autoscaling.enabled: "
+                         "both KEDA and the built-in autoscaler would set spec.replicas; set "
+                         "spec.autoscaling.enabled: false, or remove the annotation"))
+    return problems
 
 
 def pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -66,6 +110,11 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
                 exit_code = f"exit code {last['exitCode']}" if "exitCode" in last else ""
                 detail = " ".join(filter(None, [exit_code, _last_words(last.get("message") or ""),
                                                 waiting.get("message", "")]))
+                if last.get("exitCode") == exit_codes.DEVICE_UNAVAILABLE:  # restarts cannot help
+                    problems.append(("DeviceUnavailable", f"pod {name} container {cs['name']}: the engine "
+                                     f"cannot use its device ({detail}); set spec.engine.device to cpu or "
+                                     "auto, or run on nodes whose GPUs the container runtime exposes"))
+                    continue
                 problems.append((waiting["reason"], f"pod {name} container {cs['name']}: "
                                                     f"{waiting['reason']} {detail}".strip()))
     return problems
@@ -105,6 +154,7 @@ def conditions(isvc: InferenceService, seen: Observed, ready: int,
     """(type, status, reason, message) for Ready, Progressing and Degraded."""
     desired, gateway = isvc.spec.replicas, scales_from_zero(isvc)
     problems = ([("ReconcileError", seen.error)] if seen.error else []) \
+        + gpu_problems(isvc, seen.gpus_allocatable) \
         + gpu_product_problems(isvc.spec.resources.gpu_product, seen.gpu_products) \
         + pod_problems(seen.pods) + pod_problems(seen.gateway_pods)
     gateway_up = gateway and any(pod_ready(p) for p in seen.gateway_pods)
@@ -137,8 +187,10 @@ def conditions(isvc: InferenceService, seen: Observed, ready: int,
         progressing = (True, "RollingOut", f"{updated}/{desired} replicas updated, {ready} ready")
     else:
         progressing = (False, "RolloutComplete", f"{desired} replicas on the current spec")
-    degraded = (True, problems[0][0], problem_text) if problems else \
-        (False, "AsExpected", "no problems observed")
+    # Last: they do not keep replicas from becoming Ready, so they never name the Ready reason.
+    problems += autoscaler_problems(isvc, seen.keda_installed)
+    degraded = (True, problems[0][0], "; ".join(dict.fromkeys(m for _, m in problems))[:MAX_MESSAGE]) \
+        if problems else (False, "AsExpected", "no problems observed")
     found = [("Ready", *ready_c), ("Progressing", *progressing), ("Degraded", *degraded)]
     return found + [adapter_condition(isvc, seen.adapters)] if isvc.spec.lora_enabled else found
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from kubeinfer.server.flags import parse_api_keys
 
+from . import api
 from .adapter_sync import AdapterSync
 from .adapters import AdapterReport, action_events
 from .children import desired_children, stale_children
@@ -25,7 +26,7 @@ from .events import Event, transition_events
 from .gateway.build import gateway_selector_labels, needs_gateway
 from .kube import Kube, KubeError
 from .metrics import RECONCILE_SECONDS, RECONCILES
-from .build import GPU_PRODUCT_LABEL
+from .build import GPU_PRODUCT_LABEL, GPU_RESOURCE, device
 from .observe import Observed, observe, pod_problems
 from .resource import InferenceService, OperatorConfig, label_selector
 from .status import Condition, InferenceServiceStatus
@@ -90,10 +91,11 @@ class Reconciler:
                                       label_selector(gateway_selector_labels(isvc.name))) \
             if needs_gateway(isvc) else []
         adapters = self._sync_adapters(isvc, pods) if isvc.spec.lora_enabled else None
+        gpu_products, gpus = self._gpu_nodes(isvc, pods)
         seen = Observed(deployment=self.kube.get("Deployment", isvc.namespace, isvc.name),
                         pods=pods, applied_generation=applied, error=error,
-                        gpu_products=self._gpu_products(isvc, pods), gateway_pods=gateway_pods,
-                        adapters=adapters)
+                        gpu_products=gpu_products, gpus_allocatable=gpus, gateway_pods=gateway_pods,
+                        keda_installed=self._keda_installed(isvc), adapters=adapters)
         status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
         self._write(isvc.uid, isvc.namespace, isvc.name, status)
         return action_events(adapters) + transition_events(previous.conditions, status.conditions)
@@ -115,16 +117,34 @@ class Reconciler:
             key = keys[0] if keys else None
         return self.adapters.sync(isvc, pods, key)
 
-    def _gpu_products(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> list[str] | None:
-        """Node GPU products, read only when a GPU product is asked for and pods are stuck."""
-        if not isvc.spec.resources.gpu_product or not any(
+    def _gpu_nodes(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> tuple[list[str] | None, int | None]:
+        """Node GPU products and the GPUs all nodes advertise, read only when a service asks for
+        GPUs and its pods cannot be scheduled."""
+        if not (isvc.spec.resources.gpu_product or device(isvc) == "cuda") or not any(
                 reason == "Unschedulable" for reason, _ in pod_problems(pods)):
+            return None, None
+        try:
+            nodes = self.kube.list("Node", "", "")
+        except KubeError:  # e.g. no RBAC for nodes: the scheduler's message still explains
+            return None, None
+        products = [n["metadata"]["labels"][GPU_PRODUCT_LABEL] for n in nodes
+                    if GPU_PRODUCT_LABEL in (n["metadata"].get("labels") or {})]
+        gpus = 0
+        for node in nodes:
+            try:
+                gpus += int(((node.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE, 0))
+            except ValueError:  # not a plain count: GPUs of some kind are there
+                gpus += 1
+        return products, gpus
+
+    def _keda_installed(self, isvc: InferenceService) -> bool | None:
+        """Whether KEDA's ScaledObject CRD exists, asked only of services whose autoscaler is KEDA."""
+        if isvc.autoscaler_class != "keda":
             return None
         try:
-            nodes = self.kube.list("Node", "", GPU_PRODUCT_LABEL)
-        except KubeError:  # e.g. no RBAC for nodes: the scheduler's message still explains
+            return self.kube.get("CustomResourceDefinition", "", api.KEDA_CRD) is not None
+        except KubeError:  # e.g. RBAC: say nothing rather than something wrong
             return None
-        return [n["metadata"]["labels"][GPU_PRODUCT_LABEL] for n in nodes]
 
     def _write_invalid(self, body: Mapping[str, Any], previous: InferenceServiceStatus,
                        message: str) -> list[Event]:

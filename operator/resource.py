@@ -34,6 +34,7 @@ class InferenceService:
     uid: str
     generation: int
     spec: InferenceServiceSpec = field(default_factory=InferenceServiceSpec)
+    autoscaler_class: str | None = None  # the kubeinfer.io/autoscaler-class annotation
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> InferenceService:
@@ -41,7 +42,8 @@ class InferenceService:
         meta = body["metadata"]
         return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
                    generation=int(meta.get("generation", 1)),
-                   spec=InferenceServiceSpec.model_validate(body.get("spec") or {}))
+                   spec=InferenceServiceSpec.model_validate(body.get("spec") or {}),
+                   autoscaler_class=(meta.get("annotations") or {}).get(api.AUTOSCALER_CLASS_ANNOTATION))
 
     @property
     def selector_labels(self) -> dict[str, str]:

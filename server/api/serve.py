@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import time
 from types import FrameType
@@ -24,6 +25,7 @@ from typing import Callable
 import uvicorn
 
 from kubeinfer.kernels import cpu_build
+from .. import exit_codes
 from ..flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 from .admission import Admission
 from .auth import api_keys_from_args
@@ -31,6 +33,7 @@ from .errors import OpenAIError
 
 logger = logging.getLogger("kubeinfer.serve")
 
+TERMINATION_LOG = "/dev/termination-log"
 _ANSWER_GRACE_SECONDS = 2.0  # for failed requests to write their last bytes before exit
 
 
@@ -129,4 +132,17 @@ def run(args: argparse.Namespace) -> int:
         logger.info("API keys required on the OpenAI routes (%d configured)", len(args.api_keys))
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
         cpu_build.start_building(cpu_build.LOADING_KERNELS)
-    return asyncio.run(_serve(args))
+    from ..model.loader import DeviceUnavailableError
+    try:
+        return asyncio.run(_serve(args))
+    except DeviceUnavailableError as exc:  # one line, not a traceback, and an exit code that says so
+        logger.error("%s", exc)
+        _write_termination_message(str(exc))
+        return exit_codes.DEVICE_UNAVAILABLE
+
+
+def _write_termination_message(message: str) -> None:
+    """What Kubernetes puts in the container's last state (terminationMessagePath's default)."""
+    if os.path.exists(TERMINATION_LOG):  # only inside a container, where the kubelet mounts it
+        with open(TERMINATION_LOG, "w") as f:
+            f.write(message)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,12 +48,21 @@ class LoadedModel:
     device: torch.device
 
 
+class DeviceUnavailableError(ValueError):
+    """The requested device does not exist here: a restart on the same node cannot fix it."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available; use 'cpu' or 'auto'")
+        why = "this torch build has no CUDA support" if torch.version.cuda is None else \
+            f"torch (CUDA {torch.version.cuda}) sees no GPU: is the NVIDIA driver there and does the " \
+            f"container runtime expose the GPUs? CUDA_VISIBLE_DEVICES=" \
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}"
+        raise DeviceUnavailableError(f"device {name!r} requested but CUDA is not available ({why}); "
+                                     "use device 'cpu' or 'auto'")
     return device
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta, timezone
 
 from isvc_builders import CONFIG, crashing_pod, deployment_with, make_isvc, pending_pod, ready_pod
@@ -9,6 +10,7 @@ from isvc_builders import CONFIG, crashing_pod, deployment_with, make_isvc, pend
 from kubeinfer.operator.events import transition_events
 from kubeinfer.operator.observe import Observed, observe
 from kubeinfer.operator.status import InferenceServiceStatus
+from kubeinfer.server import exit_codes
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -127,3 +129,69 @@ def test_status_names_the_model_id_clients_send() -> None:
     assert status_of({"model": {"servedName": "chat"}}, seen).served_model_name == "chat"
     assert status_of({"model": {"source": "hf://Qwen/Qwen3-0.6B"}}, seen).served_model_name == "Qwen/Qwen3-0.6B"
     assert status_of({"model": {"source": "pvc://w/llama"}}, seen).served_model_name is None  # the engine names it
+
+
+def keda_isvc(spec: dict | None = None, autoscaler_class: str = "keda"):
+    return dataclasses.replace(make_isvc(spec), autoscaler_class=autoscaler_class)
+
+
+def degraded_of(isvc, seen: Observed) -> tuple[str, str, str]:
+    status = observe(isvc, seen, CONFIG, InferenceServiceStatus(), NOW)
+    c = next(c for c in status.conditions if c.type == "Degraded")
+    return c.status, c.reason, c.message
+
+
+def test_keda_asked_for_on_a_cluster_without_keda_says_how_to_get_it() -> None:
+    seen = Observed(deployment_with(1, 1), [], applied_generation=1, keda_installed=False)
+    isvc = keda_isvc({"autoscaling": {"enabled": False}})
+    status, reason, message = degraded_of(isvc, seen)
+    assert (status, reason) == ("True", "AutoscalerUnavailable")
+    assert "CustomResourceDefinition scaledobjects.keda.sh not found" in message
+    assert "helm install keda kedacore/keda" in message and "spec.autoscaling.enabled: true" in message
+    # it does not keep the replicas from serving
+    ready = next(c for c in observe(isvc, seen, CONFIG, InferenceServiceStatus(), NOW).conditions
+                 if c.type == "Ready")
+    assert (ready.status, ready.reason) == ("True", "Available")
+
+
+def test_keda_installed_is_not_a_problem_but_two_autoscalers_are() -> None:
+    seen = Observed(deployment_with(1, 1), [], applied_generation=1, keda_installed=True)
+    assert degraded_of(keda_isvc(), seen)[:2] == ("False", "AsExpected")
+    status, reason, message = degraded_of(keda_isvc({"autoscaling": {"enabled": True}}), seen)
+    assert (status, reason) == ("True", "AutoscalerConflict") and "spec.replicas" in message
+    assert degraded_of(keda_isvc(autoscaler_class="hpa"), seen)[1] == "UnknownAutoscalerClass"
+
+
+def test_keda_unknown_says_nothing() -> None:  # e.g. no RBAC to read CRDs
+    seen = Observed(deployment_with(1, 1), [], applied_generation=1, keda_installed=None)
+    assert degraded_of(keda_isvc(), seen)[:2] == ("False", "AsExpected")
+
+
+def test_engine_without_its_device_is_device_unavailable_not_a_bare_crash_loop() -> None:
+    pod = crashing_pod()
+    pod["status"]["containerStatuses"][0]["lastState"]["terminated"] = {
+        "exitCode": exit_codes.DEVICE_UNAVAILABLE,
+        "message": "device 'cuda' requested but CUDA is not available (no GPU); use device 'cpu' or 'auto'"}
+    seen = Observed(deployment_with(1, 0), [pod], applied_generation=1)
+    status = status_of({"engine": {"device": "cuda"}}, seen)
+    assert conds(status)["Ready"] == ("False", "DeviceUnavailable")
+    degraded = next(c for c in status.conditions if c.type == "Degraded")
+    assert degraded.reason == "DeviceUnavailable"
+    assert "CUDA is not available (no GPU)" in degraded.message
+    assert "set spec.engine.device to cpu or auto" in degraded.message
+    events = transition_events([], status.conditions)
+    assert any(e.type == "Warning" and e.reason == "DeviceUnavailable" for e in events)
+
+
+def test_cuda_on_a_cluster_without_gpus_names_the_fix() -> None:
+    seen = Observed(deployment_with(1, 0), [pending_pod("0/1 nodes are available: 1 Insufficient nvidia.com/gpu.")],
+                    applied_generation=1, gpu_products=[], gpus_allocatable=0)
+    status = status_of({"engine": {"device": "cuda", "tensorParallelSize": 2}}, seen)
+    degraded = next(c for c in status.conditions if c.type == "Degraded")
+    assert degraded.reason == "GPUUnavailable"
+    assert degraded.message.startswith("engine.device is cuda (2 nvidia.com/gpu per pod) but no node "
+                                       "advertises nvidia.com/gpu: set spec.engine.device to cpu or auto")
+    assert "Insufficient nvidia.com/gpu" in degraded.message   # the scheduler's words stay
+    with_gpus = dataclasses.replace(seen, gpus_allocatable=8)
+    assert next(c for c in status_of({"engine": {"device": "cuda"}}, with_gpus).conditions
+                if c.type == "Degraded").reason == "Unschedulable"

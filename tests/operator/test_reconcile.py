@@ -139,3 +139,35 @@ def test_stuck_pods_with_a_gpu_product_look_up_the_nodes() -> None:
         body({"resources": {"gpuProduct": "NVIDIA-A100"}}), trigger="create")
     degraded = next(c for c in kube.statuses[-1]["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "GPUProductUnavailable" and "NVIDIA-L4" in degraded["message"]
+
+
+def test_keda_autoscaler_class_checks_for_keda_and_recovers_once_installed() -> None:
+    kube = MemoryKube()
+    isvc = body({"autoscaling": {"enabled": False}})
+    isvc["metadata"]["annotations"] = {"kubeinfer.io/autoscaler-class": "keda"}
+    events = Reconciler(kube, CONFIG).reconcile(isvc, trigger="create")  # type: ignore[arg-type]
+    assert conditions(kube.statuses[-1])["Degraded"] == "True/AutoscalerUnavailable"
+    warning = next(e for e in events if e.reason == "AutoscalerUnavailable")
+    assert warning.type == "Warning" and "scaledobjects.keda.sh" in warning.message
+    kube.objects[("CustomResourceDefinition", "scaledobjects.keda.sh")] = {"kind": "CustomResourceDefinition"}
+    events = Reconciler(kube, CONFIG).reconcile(isvc, trigger="update")  # type: ignore[arg-type]
+    assert conditions(kube.statuses[-1])["Degraded"] == "False/AsExpected"
+
+
+def test_no_autoscaler_class_never_asks_for_crds() -> None:
+    class NoCrds(MemoryKube):
+        def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+            assert kind != "CustomResourceDefinition"
+            return super().get(kind, namespace, name)
+
+    kube = NoCrds()
+    Reconciler(kube, CONFIG).reconcile(body(), trigger="create")  # type: ignore[arg-type]
+    assert conditions(kube.statuses[-1])["Degraded"] == "False/AsExpected"
+
+
+def test_stuck_cuda_pods_count_the_gpus_nodes_advertise() -> None:
+    kube = MemoryKube()
+    kube.listed = {"Pod": [pending_pod("0/1 nodes are available: 1 Insufficient nvidia.com/gpu.")],
+                   "Node": [{"metadata": {"labels": {}}, "status": {"allocatable": {"cpu": "4"}}}]}
+    Reconciler(kube, CONFIG).reconcile(body({"engine": {"device": "cuda"}}), trigger="create")  # type: ignore[arg-type]
+    assert conditions(kube.statuses[-1])["Degraded"] == "True/GPUUnavailable"
