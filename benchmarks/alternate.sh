@@ -9,6 +9,11 @@
 # Needs `benchmarks/peers.sh install` first.
 #
 #   benchmarks/alternate.sh [rounds]    # default 4; ~3 min to start vLLM, ~2 min a round
+#
+# Before/after a change: KUBEINFER_BASELINE=<a checkout of the older commit, e.g. from
+# `git archive`> puts that tree's kubeinfer on the second port instead of vLLM (it is imported
+# through a `kubeinfer` package of links in front of the installed one), and each round runs
+# random 128/128 at c=1 and at c=32 instead.
 set -euo pipefail
 ROUNDS="${1:-4}"
 PY="${KUBEINFER_PYTHON:-$HOME/.cache/kubeinfer/venv-bootstrap/bin/python}"
@@ -18,13 +23,25 @@ GGUF="$("$PY" -c 'import importlib.metadata as m; print(next(f.locate() for f in
 HOST=127.0.0.1
 LOGS="${TMPDIR:-/tmp}"
 THREADS="${THREADS:-$(nproc)}"
+BASELINE="${KUBEINFER_BASELINE:-}"
+PEER=$([[ -n $BASELINE ]] && echo baseline || echo vllm)
 
-"$PY" -m kubeinfer.server.cli serve --model "$GGUF" --served-model-name smollm2 --host $HOST --port 8801 \
-  --kv-cache-memory 4GiB --max-num-seqs 64 --enable-prefix-caching --log-level warning > "$LOGS/alternate-kubeinfer.log" 2>&1 &
+serve() {  # port log
+  "$PY" -m kubeinfer.server.cli serve --model "$GGUF" --served-model-name smollm2 --host $HOST --port "$1" \
+    --kv-cache-memory 4GiB --max-num-seqs 64 --enable-prefix-caching --log-level warning > "$2" 2>&1 &
+}
+serve 8801 "$LOGS/alternate-kubeinfer.log"
+if [[ -n $BASELINE ]]; then
+  SHIM="$LOGS/alternate-baseline/kubeinfer"
+  mkdir -p "$SHIM" && touch "$SHIM/__init__.py"
+  for folder in server kernels operator; do ln -sfn "$(realpath "$BASELINE/$folder")" "$SHIM/$folder"; done
+  PYTHONPATH="$(dirname "$SHIM")" serve 8802 "$LOGS/alternate-baseline.log"
+else
 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=4 VLLM_HOST_IP=$HOST \
   "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name smollm2 \
   --host $HOST --port 8802 --dtype bfloat16 --enable-prefix-caching --max-model-len 2048 --max-num-seqs 64 \
   > "$LOGS/alternate-vllm.log" 2>&1 &
+fi
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 for port in 8801 8802; do
   for _ in $(seq 400); do curl -sf "http://$HOST:$port/v1/models" > /dev/null && break; sleep 1; done
@@ -38,8 +55,13 @@ bench() {  # port seed dataset-flags...
 for round in $(seq "$ROUNDS"); do
   order="8801 8802"; (( round % 2 == 0 )) && order="8802 8801"
   for port in $order; do
-    name=$([[ $port == 8801 ]] && echo kubeinfer || echo vllm)
-    echo "round $round $name $(date -u +%T)"
+    name=$([[ $port == 8801 ]] && echo kubeinfer || echo $PEER)
+    echo "round $round $name $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
+    if [[ -n $BASELINE ]]; then
+      echo "  random c=1:   $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 1)"
+      echo "  random c=32:  $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 32)"
+      continue
+    fi
     echo "  random c=32:  $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 32)"
     echo "  shared c=16:  $(bench $port $((round * 100)) --dataset shared-prefix --num-groups 4 --prefix-len 512 \
       --input-len 32 --output-len 128 --concurrency 16)"
