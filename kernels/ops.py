@@ -19,6 +19,7 @@ import torch
 
 from . import fused_cpu
 from .activation_ref import silu_and_mul_ref
+from .lora_ref import lora_shrink_expand_ref
 from .moe_ref import fused_moe_ref
 from .rms_norm_ref import rms_norm_ref
 from .rope_cache import build_rope_cache, cos_sin_table
@@ -30,7 +31,7 @@ if _backend not in BACKENDS:
     raise ValueError(f"KUBEINFER_KERNEL_BACKEND={_backend!r}; expected one of {', '.join(BACKENDS)}")
 
 __all__ = ["build_rope_cache", "cos_sin_table", "triton_paged_attention", "rms_norm", "apply_rotary",
-           "rotate_signed", "silu_and_mul", "fused_moe", "use_backend", "uses_triton",
+           "rotate_signed", "silu_and_mul", "fused_moe", "lora_shrink_expand", "use_backend", "uses_triton",
            "uses_cpu_kernels"]
 
 
@@ -143,3 +144,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         return fused_moe_ref(x, w13, w2, weights, ids)
     from .moe import fused_moe as grouped
     return grouped(x, w13, w2, weights, ids)
+
+
+def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor,
+                       slots: torch.Tensor, longest: int) -> torch.Tensor:
+    """Multi-LoRA delta added in place: out += (x @ a[slot].T) @ b[slot].T per segment of rows
+    sharing a slot (slot -1: none), see `lora_ref`; the Triton SGMV kernel on CUDA."""
+    if not uses_triton(x):
+        return lora_shrink_expand_ref(x, out, a, b, starts, slots)
+    from .lora import lora_shrink_expand as sgmv_lora
+    return sgmv_lora(x, out, a, b, starts, slots, longest)

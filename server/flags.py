@@ -8,6 +8,7 @@ This module imports nothing heavy: the operator image has no torch.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -59,6 +60,50 @@ def parse_api_keys(text: str | list[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class LoRAModuleSpec:
+    """One `--lora-modules` entry: vLLM's `name=path` or its JSON form
+    `{"name": ..., "path": ..., "base_model_name": ...}`."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    def __str__(self) -> str:
+        if self.base_model_name is None:
+            return f"{self.name}={self.path}"
+        return json.dumps({"name": self.name, "path": self.path, "base_model_name": self.base_model_name})
+
+
+def parse_lora_module(text: str | LoRAModuleSpec) -> LoRAModuleSpec:
+    if isinstance(text, LoRAModuleSpec):
+        return text
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--lora-modules: not valid JSON: {text!r} ({error})") from error
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(
+                entry.get("path"), str) or not set(entry) <= {"name", "path", "base_model_name"}:
+            raise ValueError(f"--lora-modules: JSON form is {{\"name\": ..., \"path\": ..., "
+                             f"\"base_model_name\": ... (optional)}}, got {text!r}")
+        return LoRAModuleSpec(entry["name"], entry["path"], entry.get("base_model_name"))
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules: expected name=path or JSON, got {text!r}")
+    return LoRAModuleSpec(name, path)
+
+
+def parse_lora_modules_env(text: str) -> list[LoRAModuleSpec]:
+    """KUBEINFER_LORA_MODULES: a JSON list (of strings or objects), or name=path entries
+    separated by whitespace."""
+    text = text.strip()
+    if text.startswith("["):
+        return [parse_lora_module(item if isinstance(item, str) else json.dumps(item)) for item in json.loads(text)]
+    return [parse_lora_module(item) for item in text.split()]
+
+
+@dataclass(frozen=True)
 class Flag:
     """One knob: `--name` on the command line, `KUBEINFER_NAME` in the environment."""
 
@@ -67,6 +112,8 @@ class Flag:
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
+    nargs: str | None = None                              # "+": several values (each parsed)
+    parse_env: Callable[[str], Any] | None = None         # the env var's form, when not `parse`
 
     @property
     def dest(self) -> str:
@@ -120,6 +167,16 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("enable-prefix-caching", parse_bool, True, "Reuse KV blocks of shared prompt prefixes."),
     Flag("tensor-parallel-size", int, 1, "Worker processes (one per GPU) sharing the model."),
     Flag("seed", int, 0, "Seed for requests that do not set their own."),
+    Flag("enable-lora", parse_bool, False, "Serve LoRA adapters of the base model (PEFT format); a request "
+         "names one as its 'model'."),
+    Flag("lora-modules", parse_lora_module, None,
+         "LoRA adapters to load at startup: name=path, or JSON "
+         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (several, space-separated).",
+         nargs="+", parse_env=parse_lora_modules_env),
+    Flag("max-loras", int, 1, "Most LoRA adapters in one batch (device slots); others wait for a slot."),
+    Flag("max-lora-rank", int, 16, "Largest LoRA rank served; adapters of higher rank are refused."),
+    Flag("max-cpu-loras", _optional(int), None,
+         "LoRA adapters kept in host memory (default: --max-loras); others are read from disk again when used."),
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (
@@ -146,6 +203,9 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     Flag("shutdown-timeout", float, 30.0,
          "Seconds SIGTERM waits for in-flight requests before exiting."),
     Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),
+    Flag("allow-runtime-lora-updating", parse_bool, False,
+         "With --enable-lora: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which turns them on too)."),
 )
 
 
@@ -154,7 +214,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...],
     """Add flags to a parser; an environment variable, when set, replaces the default."""
     environ = os.environ if environ is None else environ
     for flag in flags:
-        default = flag.parse(environ[flag.env]) if flag.env in environ else flag.default
+        default = (flag.parse_env or flag.parse)(environ[flag.env]) if flag.env in environ else flag.default
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": default,
                                   "help": f"{flag.help} [env {flag.env}]"}
         if flag.parse is parse_bool:
@@ -163,6 +223,8 @@ def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...],
             kwargs["type"] = flag.parse
             if flag.choices:
                 kwargs["choices"] = flag.choices
+            if flag.nargs:
+                kwargs["nargs"] = flag.nargs
         parser.add_argument(flag.option, **kwargs)
 
 
@@ -176,6 +238,8 @@ def to_args(values: Mapping[str, Any], flags: tuple[Flag, ...] = ENGINE_FLAGS) -
             continue
         if flag.parse is parse_bool:
             args.append(flag.option if value else "--no-" + flag.name)
+        elif flag.nargs:
+            args += [flag.option, *(str(v) for v in value)]
         elif isinstance(value, list):
             args += [flag.option, ",".join(str(v) for v in value)]
         else:

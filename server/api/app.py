@@ -13,6 +13,7 @@ from .cache_routes import cache_routes
 from .chat import create_chat_completion, render_chat
 from .completions import create_completion
 from .errors import OpenAIError, install_error_handlers
+from .lora import lora_routes
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeRequest)
 from .responses import ModelCard, ModelList
@@ -32,17 +33,22 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, state)
 
-    def card() -> ModelCard:
-        return ModelCard(id=state.model_name, root=state.model_source, max_model_len=state.engine.max_model_len)
+    def cards() -> list[ModelCard]:
+        """The base model, then each LoRA adapter with `parent` = the base (vLLM's listing)."""
+        max_model_len = state.engine.max_model_len
+        base = ModelCard(id=state.model_name, root=state.model_source, max_model_len=max_model_len)
+        adapters = state.engine.adapters.modules() if state.engine.adapters is not None else []
+        return [base] + [ModelCard(id=module.name, root=module.path, parent=module.base_model_name or state.model_name,
+                                   max_model_len=max_model_len) for module in adapters]
 
     @router.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=cards())
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         state.check_model(model_id)
-        return card()
+        return next(card for card in cards() if card.id == model_id)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -107,8 +113,10 @@ def default_max_body_bytes(max_model_len: int) -> int:
     return max(MIN_BODY_BYTES, 64 * max_model_len)
 
 
-def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | None = None) -> FastAPI:
-    """`max_body_bytes` defaults to `default_max_body_bytes` of the engine's context."""
+def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | None = None,
+              runtime_lora_updating: bool = False) -> FastAPI:
+    """`max_body_bytes` defaults to `default_max_body_bytes` of the engine's context;
+    `runtime_lora_updating` mounts the LoRA load/unload routes (with --enable-lora)."""
     app = FastAPI(title="kubeinfer", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
@@ -123,6 +131,8 @@ def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | Non
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
     app.include_router(_api_routes(state), dependencies=[Depends(ApiKeyCheck(api_keys))])
+    if runtime_lora_updating and state.engine.adapters is not None:
+        app.include_router(lora_routes(state), dependencies=[Depends(ApiKeyCheck(api_keys))])
     app.include_router(_ops_routes(state))
     app.include_router(cache_routes(state))
     return app

@@ -57,7 +57,8 @@ def _logprobs(body: ChatCompletionRequest, choice: CompletionOutput, token_ids: 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState) -> Response:
-    state.check_model(body.model)
+    adapter = state.resolve_model(body.model)
+    model_name = adapter or state.model_name
     template = state.engine.tokenizer.chat_template
     plan = plan_tools(body, template)
     messages, tools = template_messages(body, plan, template)
@@ -76,16 +77,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         await constrain(state.engine, body, params)
     request_id, created = new_request_id("chatcmpl"), int(time.time())
     first, outputs = await submit(state, request, request_id, [prompt], params, "messages",
-                                  add_special_tokens=False)
+                                  add_special_tokens=False, adapter=adapter)
     if body.stream:
-        return sse_response(_stream(body, state, request_id, created, first, outputs, plan))
+        return sse_response(_stream(body, model_name, request_id, created, first, outputs, plan))
     final: RequestOutput = first[1]
     async for _, output in outputs:
         final = output
     usage = Usage()
     usage.add_request(final)
     choices = [_choice(body, plan, c) for c in final.outputs]
-    response = ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
+    response = ChatCompletionResponse(id=request_id, created=created, model=model_name,
                                       choices=choices, usage=usage)
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -107,11 +108,11 @@ def _finish_reason(c: CompletionOutput, called: bool) -> str | None:
     return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
 
-async def _stream(body: ChatCompletionRequest, state: ServerState, request_id: str, created: int,
+async def _stream(body: ChatCompletionRequest, model_name: str, request_id: str, created: int,
                   first: Indexed, outputs: AsyncIterator[Indexed], plan: ToolPlan | None = None
                   ) -> AsyncIterator[ChatCompletionChunk]:
     def chunk(*choices: ChatChunkChoice, usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
+        return ChatCompletionChunk(id=request_id, created=created, model=model_name,
                                    choices=list(choices), usage=usage)
 
     # The role comes first and alone, as OpenAI sends it.

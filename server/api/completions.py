@@ -40,14 +40,15 @@ def _choice(body: CompletionRequest, prompt_index: int, choice: CompletionOutput
 
 
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
-    state.check_model(body.model)
+    adapter = state.resolve_model(body.model)
+    model_name = adapter or state.model_name
     prompts = _prompts(body)
     params = sampling_params(body, body.max_tokens, body.logprobs)
     await constrain(state.engine, body, params)
     request_id, created = new_request_id("cmpl"), int(time.time())
-    first, outputs = await submit(state, request, request_id, prompts, params)
+    first, outputs = await submit(state, request, request_id, prompts, params, adapter=adapter)
     if body.stream:
-        return sse_response(_stream(body, state, request_id, created, first, outputs))
+        return sse_response(_stream(body, model_name, request_id, created, first, outputs))
     finals: dict[int, RequestOutput] = {}
     async for index, output in chain(first, outputs):
         finals[index] = output
@@ -55,12 +56,12 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     for index, output in sorted(finals.items()):
         usage.add_request(output)
         choices += [_choice(body, index, c, c.text, c.token_ids, 0) for c in output.outputs]
-    response = CompletionResponse(id=request_id, created=created, model=state.model_name,
+    response = CompletionResponse(id=request_id, created=created, model=model_name,
                                   choices=sorted(choices, key=lambda c: c.index), usage=usage)
     return JSONResponse(response.model_dump(mode="json"))
 
 
-async def _stream(body: CompletionRequest, state: ServerState, request_id: str, created: int,
+async def _stream(body: CompletionRequest, model_name: str, request_id: str, created: int,
                   first: Indexed, outputs: AsyncIterator[Indexed]) -> AsyncIterator[CompletionResponse]:
     usage = Usage()
     async for index, output in chain(first, outputs):
@@ -68,10 +69,10 @@ async def _stream(body: CompletionRequest, state: ServerState, request_id: str, 
             if not choice.delta_token_ids and not choice.delta_text and choice.finish_reason is None:
                 continue
             offset = len(choice.text) - len(choice.delta_text)
-            yield CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[
+            yield CompletionResponse(id=request_id, created=created, model=model_name, choices=[
                 _choice(body, index, choice, choice.delta_text, choice.delta_token_ids, offset)])
         if output.finished:
             usage.add_request(output)
     if body.stream_options and body.stream_options.include_usage:
-        yield CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[],
+        yield CompletionResponse(id=request_id, created=created, model=model_name, choices=[],
                                  usage=usage)

@@ -72,8 +72,8 @@ def as_openai_error(exc: Exception) -> OpenAIError:
 
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, InvalidRequestError):
-        return OpenAIError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, InvalidRequestError):   # model_not_found: an adapter unloaded meanwhile
+        return OpenAIError(404 if exc.code == "model_not_found" else 400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, EngineDeadError):
         logger.error("request refused: %s", exc)  # /health and /ready fail; the process exits
         return OpenAIError(503, "the engine is not running; retry on another replica", code="engine_dead",

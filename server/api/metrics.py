@@ -76,6 +76,13 @@ class EngineStatsCollector(Collector):
                            labels=["model_name"])
         in_flight.add_metric([self.model_name], float(self.in_flight()))
         yield in_flight
+        if snapshot.max_lora:
+            # vLLM's form: one sample whose labels list the adapters and whose value is the time
+            info = _GAUGE("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                          labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            info.add_metric([str(snapshot.max_lora), ",".join(snapshot.waiting_lora_adapters),
+                             ",".join(snapshot.running_lora_adapters)], time.time())
+            yield info
 
 
 class ServerMetrics:
@@ -101,6 +108,8 @@ class ServerMetrics:
                                ["model_name", "finished_reason"], registry=self.registry)
         self.rejected = Counter("kubeinfer:requests_rejected", "Requests refused with 503.",
                                 ["model_name", "reason"], registry=self.registry)
+        self.lora_requests = Counter("kubeinfer:lora_requests", "Requests (prompts) started per LoRA adapter.",
+                                     ["model_name", "adapter"], registry=self.registry)
 
     def observe_token_gaps(self, seconds: float, num_gaps: int) -> None:
         """`num_gaps` tokens arrived `seconds` after the previous delivery: the first of them
@@ -125,6 +134,9 @@ class ServerMetrics:
 
     def observe_aborted(self, num_choices: int) -> None:
         self.success.labels(self.model_name, "abort").inc(num_choices)
+
+    def observe_lora_requests(self, adapter: str, count: int) -> None:
+        self.lora_requests.labels(self.model_name, adapter).inc(count)
 
     def observe_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()

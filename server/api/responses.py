@@ -154,6 +154,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kubeinfer"
     root: str
+    parent: str | None = None   # a LoRA adapter's base model, as vLLM lists it
     max_model_len: int
 
 

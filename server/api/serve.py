@@ -110,7 +110,10 @@ async def _serve(args: argparse.Namespace) -> int:
         cpu_build.start_building()
     try:
         state = ServerState.create(engine, args.model, args.max_queued_requests)
-        app = build_app(state, args.api_keys, args.max_request_body_bytes)
+        from kubeinfer.server.api.lora import runtime_updating_allowed
+
+        app = build_app(state, args.api_keys, args.max_request_body_bytes,
+                        runtime_updating_allowed(args.allow_runtime_lora_updating) and args.enable_lora)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=1, timeout_keep_alive=5)
         server = DrainingServer(config, state.admission, args.shutdown_timeout, engine.abort_all)

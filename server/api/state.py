@@ -44,10 +44,18 @@ class ServerState:
         return self.engine.served_model_name
 
     def check_model(self, requested: str | None) -> None:
-        """An absent model means the served one; any other name is a 404, as in vLLM."""
-        if requested is not None and requested != self.model_name:
-            raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model",
-                              code="model_not_found")
+        """An absent model means the served one; a LoRA adapter's name is known too; any other
+        name is a 404, as in vLLM."""
+        self.resolve_model(requested)
+
+    def resolve_model(self, requested: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model; 404 otherwise."""
+        if requested is None or requested == self.model_name:
+            return None
+        adapters = self.engine.adapters
+        if adapters is not None and adapters.known(requested):
+            return requested
+        raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
 
 def new_request_id(prefix: str) -> str:

@@ -125,8 +125,8 @@ async def chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[I
 
 
 async def submit(state: ServerState, request: Request, request_id: str, prompts: list[str | list[int]],
-                 params: SamplingParams, prompt_param: str = "prompt", add_special_tokens: bool = True
-                 ) -> tuple[Indexed, AsyncIterator[Indexed]]:
+                 params: SamplingParams, prompt_param: str = "prompt", add_special_tokens: bool = True,
+                 adapter: str | None = None) -> tuple[Indexed, AsyncIterator[Indexed]]:
     """Admit, validate and tokenize every prompt (off the event loop), start one engine
     request per prompt and wait for the first output.
 
@@ -148,10 +148,12 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
         engine = state.engine
 
         def make_requests() -> list[EngineRequest]:
-            return [engine.make_request(engine_id, prompt, params, prompt_param, add_special_tokens)
+            return [engine.make_request(engine_id, prompt, params, prompt_param, add_special_tokens, adapter)
                     for engine_id, prompt in zip(ids, prompts)]
 
         requests = await state.off_loop(make_requests)
+        if adapter is not None:
+            state.metrics.observe_lora_requests(adapter, len(requests))
         streams = [measured(engine.generate(r.request_id, r), state.metrics, params.n) for r in requests]
         outputs = merged(request, streams, release)
         first = await anext(outputs)

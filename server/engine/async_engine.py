@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
@@ -30,6 +30,7 @@ from .sequence import Request
 from .stats import EngineStats
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STALL_SECONDS = 300.0  # a loop with work that has not finished a step for this long is stuck
 
@@ -54,7 +55,7 @@ class AsyncEngine:
         """`engine`, or a function that builds it on the engine thread (see the module docstring);
         returns once the engine exists, raising what building it raised. `on_dead` is called
         on the engine thread if the loop fails (the server exits so the kubelet restarts it)."""
-        self._inbox: "queue.SimpleQueue[tuple[str, Request | str, BaseException | None]]" = queue.SimpleQueue()
+        self._inbox: "queue.SimpleQueue[tuple[str, Any, BaseException | None]]" = queue.SimpleQueue()
         self.on_dead = on_dead
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _snapshot, _num_pending_adds and _stopped
@@ -74,6 +75,7 @@ class AsyncEngine:
         self.served_model_name = engine.served_model_name
         self.generation_defaults = engine.generation_defaults
         self.kv_events = engine.kv.events   # thread-safe: read by GET /kv/blocks
+        self.adapters = engine.adapters     # LoRA registry (its queries are thread-safe); None without LoRA
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -116,9 +118,20 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     prompt_param: str = "prompt", add_special_tokens: bool = True) -> Request:
+                     prompt_param: str = "prompt", add_special_tokens: bool = True,
+                     adapter: str | None = None) -> Request:
         """Validate and tokenize (see LLMEngine.make_request); safe to call from any thread."""
-        return self.engine.make_request(request_id, prompt, params, prompt_param, add_special_tokens)
+        return self.engine.make_request(request_id, prompt, params, prompt_param, add_special_tokens, adapter)
+
+    async def run_in_engine(self, work: Callable[[LLMEngine], T]) -> T:
+        """`work(engine)` on the engine thread, between steps (e.g. registering a LoRA adapter);
+        raises what it raises."""
+        if self._error is not None or self._stopped:
+            raise EngineDeadError("the engine is not running")
+        done: "Future[T]" = Future()
+        self._inbox.put(("call", (work, done), None))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile a structured-output grammar into the engine's cache (blocking: the server
@@ -205,7 +218,13 @@ class AsyncEngine:
                 kind, payload, error = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
+            if kind == "call":
+                work, done = payload
+                try:
+                    done.set_result(work(self.engine))
+                except Exception as raised:  # noqa: BLE001 - the caller's to handle
+                    done.set_exception(raised)
+            elif kind == "add":
                 assert isinstance(payload, Request)
                 with self._lock:
                     self._num_pending_adds -= 1

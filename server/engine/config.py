@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from ..flags import ENGINE_FLAGS, QUANTIZATION_METHODS
+from ..flags import ENGINE_FLAGS, QUANTIZATION_METHODS, LoRAModuleSpec
 
 
 @dataclass
@@ -26,6 +26,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0
+    enable_lora: bool = False
+    lora_modules: list[LoRAModuleSpec] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -47,6 +52,16 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        names = [module.name for module in self.lora_modules or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {', '.join(names)}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

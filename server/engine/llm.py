@@ -24,8 +24,9 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[list[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order.
+                 use_tqdm: bool = False, adapter: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order. `adapter`: the
+        LoRA adapter of every prompt, or one per prompt (None: the base model).
 
         All prompts are validated before any is queued, so a bad one leaves nothing behind.
         """
@@ -35,8 +36,11 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        requests = [self.engine.make_request(str(next(self._ids)), prompt, p)
-                    for prompt, p in zip(prompts, params)]
+        adapters = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else list(adapter)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
+        requests = [self.engine.make_request(str(next(self._ids)), prompt, p, adapter=name)
+                    for prompt, p, name in zip(prompts, params, adapters)]
         order = {request.request_id: i for i, request in enumerate(requests)}
         for request in requests:
             self.engine.add_request(request.request_id, request)

@@ -24,6 +24,7 @@ from .validation import check_fits, max_prompt_chars, prompt_token_ids
 
 if TYPE_CHECKING:
     from ..model.loader import LoadedModel
+    from .lora import EngineAdapters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,12 +58,25 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.adapters = self._adapters(config) if config.enable_lora else None
         self.sampler = Sampler(config.seed, self.loaded.device)
         self.proposer = proposer
         self.requests: dict[str, Request] = {}
         self._grammars = GrammarBackendHolder(self.tokenizer, self.model_config.vocab_size,
                                               sorted(self.eos_token_ids))
         self.counters = EngineStats(num_blocks_total=self.runner.num_blocks)
+
+    def _adapters(self, config: EngineConfig) -> "EngineAdapters":
+        """LoRA slots in the model, hooked into the scheduler (admission) and the runner (token slots)."""
+        from .lora import EngineAdapters
+
+        if config.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+        adapters = EngineAdapters(self.runner.model, config, self.loaded.dtype, self.loaded.device)
+        adapters.scheduler = self.scheduler
+        self.scheduler.admit = adapters.admit
+        self.runner.adapters = adapters
+        return adapters
 
     def _max_model_len(self, config: EngineConfig, num_blocks: int) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -84,12 +98,16 @@ class LLMEngine:
         return self._grammars.get()
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     prompt_param: str = "prompt", add_special_tokens: bool = True) -> Request:
+                     prompt_param: str = "prompt", add_special_tokens: bool = True,
+                     adapter: str | None = None) -> Request:
         """Validate and tokenize; raises InvalidRequestError with a client-facing message whose
         `param` names the field at fault (`prompt_param` for the prompt). Thread-safe: the
-        server calls it off the event loop while the engine thread steps."""
+        server calls it off the event loop while the engine thread steps. `adapter`: the LoRA
+        adapter to run it with (None: the base model)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
+        if adapter is not None and (self.adapters is None or not self.adapters.known(adapter)):
+            raise InvalidRequestError(f"The model `{adapter}` does not exist.", param="model", code="model_not_found")
         explicit = params.explicit_fields
         params = params.with_defaults(self.generation_defaults)
         params.validate()
@@ -106,7 +124,7 @@ class LLMEngine:
             is_json = params.structured_outputs.json is not None or params.structured_outputs.json_object
             factories.append(self.grammars.processor_factory(grammar, is_json))
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len,
-                          processor_factories=factories)
+                          processor_factories=factories, adapter=adapter)
         for seq in request.seqs:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
@@ -144,16 +162,24 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         out = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        if self.adapters is not None:   # adapters that would not load for a waiting request
+            self._fail_adapter_requests(self.adapters.failures, touched)
+            self.adapters.failures = []
         if out.is_empty:
-            return []
+            return [self._failed_output(request) for request in touched.values()]
         try:
             logits, seqs = self.runner.run(out)
         except BaseException:
             self.kv.drop_cache()   # it holds this step's blocks, never computed
             raise
+        if self.adapters is not None:   # an adapter whose delta raised: its requests fail, no others
+            failed = self.adapters.failed_requests(out.scheduled)
+            if failed:
+                self.kv.drop_cache()   # blocks cached at scheduling hold K/V of a failed delta
+                self._fail_adapter_requests(failed, touched)
         sampled = self.sampler(logits, seqs) if logits is not None else None
         self.scheduler.update(out)
-        touched: dict[str, Request] = {}
         if sampled is not None and out.num_drafts:
             self._append_verified(seqs, sampled, touched)
         elif sampled is not None:
@@ -232,6 +258,12 @@ class LLMEngine:
                 seq.finish_reason = "error"
                 self._retire(seq)
         request.metrics.finished_time = time.monotonic()
+
+    def _fail_adapter_requests(self, failed: list[tuple[Request, Exception]], touched: dict[str, Request]) -> None:
+        for request, error in failed:
+            if request.error is None and request.request_id in self.requests:
+                self._fail(request, error)
+                touched[request.request_id] = request
 
     def _failed_output(self, request: Request) -> RequestOutput:
         """The last output of a failed request: what was already sent, no new text."""
@@ -319,7 +351,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         c, kv = self.counters, self.kv
         evictable = kv.num_evictable_blocks
+        running, waiting = self.adapters.running_and_waiting() if self.adapters is not None else ((), ())
         return EngineStats(
+            max_lora=self.adapters.max_loras if self.adapters is not None else 0,
+            running_lora_adapters=tuple(running), waiting_lora_adapters=tuple(waiting),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + sum(
                 1 for r in self.requests.values()

@@ -18,6 +18,7 @@ from .sequence import DraftPosition, SamplingRow
 
 if TYPE_CHECKING:
     from ..model.loader import LoadedModel
+    from .lora import EngineAdapters
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 class ModelRunner:
     def __init__(self, loaded: "LoadedModel", config: EngineConfig) -> None:
         self.model = loaded.model
+        self.adapters: "EngineAdapters | None" = None   # set by the engine with --enable-lora
         self.device = loaded.device
         if self.device.type == "cpu":
             limit_torch_threads()
@@ -93,6 +95,7 @@ class ModelRunner:
             row_of[i] = len(row_of) + sum(items[j].num_drafts for j in row_of)
         seqs += [sibling for sibling, _ in out.forks]
         rows = list(range(len(logits_indices))) + [row_of[parent] for _, parent in out.forks]
+        adapter_slots = self.adapters.token_slots(items, query_lens) if self.adapters is not None else None
         batch = ForwardBatch(
             input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64)),
             positions=self._tensor(positions),
@@ -105,6 +108,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens.tolist(),
+            adapter_indices=self._tensor(adapter_slots) if adapter_slots is not None else None,
         )
         return batch, seqs, rows
 

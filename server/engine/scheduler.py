@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .kv_cache_manager import KVCacheManager
 from .sequence import Request, Sequence, SequenceStatus
@@ -54,6 +55,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self.num_preemptions = 0
+        # whether a waiting sequence may start now (LoRA: its adapter got a device slot); one
+        # that may not is skipped this step and the sequences behind it are considered
+        self.admit: Callable[[Sequence], bool] | None = None
 
     @property
     def num_unfinished_seqs(self) -> int:
@@ -94,10 +98,14 @@ class Scheduler:
                 self._add(out, seq, num_new, num_drafts)
                 scheduled.add(id(seq))
                 budget -= num_new
-        while (self.waiting and budget > 0 and not preempted
+        position = 0
+        while (position < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs
                and len(out.scheduled) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[position]
+            if self.admit is not None and not self.admit(seq):
+                position += 1
+                continue
             cached = self.kv.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate_slots(seq, num_new):
@@ -106,7 +114,7 @@ class Scheduler:
             self.kv.record_lookup(seq.num_tokens, cached)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.num_cached_tokens = cached
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             if seq.request.metrics.first_scheduled_time is None:

@@ -57,3 +57,6 @@ class EngineStats:
     last_step_tokens: int = 0
     last_step_seqs: int = 0
     last_step_time: float = 0.0  # time.monotonic() when the loop last finished a step
+    max_lora: int = 0  # LoRA device slots; 0 = --enable-lora off
+    running_lora_adapters: tuple[str, ...] = ()  # adapters of running requests
+    waiting_lora_adapters: tuple[str, ...] = ()  # adapters of waiting requests

@@ -25,6 +25,7 @@ from kubeinfer.kernels import quant_linear_cpu
 from kubeinfer.kernels.quant_linear_cpu import QuantizedWeight
 
 if TYPE_CHECKING:
+    from .lora_layers import LoRALayer
     from .quantization.weights import QuantizedLinearWeight
 
 
@@ -72,6 +73,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
     weight_quant: "QuantizedLinearWeight | None" = None
+    lora: "LoRALayer | None" = None   # adapter slots, with --enable-lora (lora_layers.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  role: ParallelRole = ParallelRole.REPLICATED) -> None:
@@ -85,8 +87,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_quant is not None:
-            return self.weight_quant.forward(x, self.bias)
-        return linear(x, self.weight, self.packed, self.bias, self.quantized)
+            out = self.weight_quant.forward(x, self.bias)
+        else:
+            out = linear(x, self.weight, self.packed, self.bias, self.quantized)
+        if self.lora is not None:
+            self.lora.apply(x, out)
+        return out
 
 
 class MergedLinear(Linear):

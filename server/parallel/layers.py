@@ -22,6 +22,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, self.packed, None, self.quantized)
+        if self.lora is not None:   # this rank's partial delta (A sliced by input columns) joins the sum
+            self.lora.apply(x, out)
         dist.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
