@@ -2,7 +2,8 @@
 
 vLLM's runtime API: `GET /v1/models` (adapters carry a `parent`), `POST /v1/load_lora_adapter
 {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter {"lora_name"}`. Pods are handled
-concurrently; one pod's failure never stops the others.
+concurrently; one pod's failure never stops the others. A pod counts once its engine answers
+(ContainersReady), before it is Ready: its Ready waits for the adapters (a readiness gate).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 import httpx
 
-from .adapters import MAX_MESSAGE, Action, AdapterReport, PodAdapters, engine_adapters, plan
+from .adapters import MAX_MESSAGE, Action, AdapterReport, PodAdapters, engine_adapters, plan, serving
 from .autoscaler.scrape import pod_targets
 from .model_source import adapter_path
 from .resource import InferenceService
@@ -52,7 +53,9 @@ class AdapterSync:
              api_key: str | None = None) -> AdapterReport:
         desired = {a.name: adapter_path(isvc, a) for a in isvc.spec.adapters}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        targets = sorted((t for t in pod_targets(pods, path="") if t.ready and not t.terminating),
+        pods = list(pods)
+        up = {pod["metadata"]["name"] for pod in pods if serving(pod)}
+        targets = sorted((t for t in pod_targets(pods, path="") if t.name in up and not t.terminating),
                          key=lambda t: t.name)
         if not targets:
             return AdapterReport([])

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
+from . import api
 from .events import Event
 from .resource import InferenceService
 from .status import AdapterStatus, ReplicaAdapters
@@ -64,6 +65,33 @@ class AdapterReport:
 
     pods: list[PodAdapters]
     refused: str | None = None
+
+
+def serving(pod: Mapping[str, Any]) -> bool:
+    """The engine answers: its containers are ready. Not the pod's Ready, which waits for the
+    adapters gate (`api.ADAPTERS_GATE`) that the operator sets after loading them."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") in ("ContainersReady", "Ready") and c.get("status") == "True" for c in conditions)
+
+
+def gate_conditions(pods: list[dict[str, Any]], report: AdapterReport) -> dict[str, dict[str, Any]]:
+    """Pod name → the adapters gate condition to write, for synced pods whose gate says
+    otherwise. The gate opens once every load was tried, also when one failed: a bad adapter
+    entry must not keep new replicas (a rollout, a scale-up) out of service; AdaptersReady
+    reports the failure."""
+    current = {pod["metadata"]["name"]: next((c for c in (pod.get("status") or {}).get("conditions") or []
+                                              if c.get("type") == api.ADAPTERS_GATE), {}) for pod in pods}
+    wanted = {}
+    for pod in report.pods:
+        if pod.unreachable is not None:
+            continue
+        reason = "AdapterLoadFailed" if pod.failures else "AdaptersLoaded"
+        old = current.get(pod.pod, {})
+        if old.get("status") != "True" or old.get("reason") != reason:
+            message = "; ".join(f"{name}: {error}" for name, error in pod.failures.items())[:MAX_MESSAGE]
+            wanted[pod.pod] = {"type": api.ADAPTERS_GATE, "status": "True", "reason": reason,
+                               "message": message or f"{len(pod.held)} adapters loaded"}
+    return wanted
 
 
 def adapter_condition(isvc: InferenceService, report: AdapterReport | None) -> tuple[str, bool, str, str]:

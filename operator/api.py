@@ -32,3 +32,5 @@ SERVICE_PORT = 80
 ENGINE_CONTAINER = "engine"
 MODEL_MOUNT = "/models"
 ADAPTER_MOUNT = "/adapters"
+# Pod readiness gate of LoRA-enabled engines: True once the operator has loaded the adapters.
+ADAPTERS_GATE = "kubeinfer.io/adapters-loaded"

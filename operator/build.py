@@ -141,6 +141,8 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         pod["affinity"] = spec.affinity
     if spec.priority_class_name:
         pod["priorityClassName"] = spec.priority_class_name
+    if spec.lora_enabled:  # no traffic before the operator has loaded the adapters (adapters.py)
+        pod["readinessGates"] = [{"conditionType": api.ADAPTERS_GATE}]
     return {k: v for k, v in pod.items() if v != [] and v != {}}
 
 

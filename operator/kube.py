@@ -91,6 +91,12 @@ class Kube:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.request("DELETE", self.path(kind, namespace, name))
 
+    def patch_pod_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None:
+        """Set one pod condition (a readiness gate); strategic merge keeps the kubelet's."""
+        self.request("PATCH", self.path("Pod", namespace, name) + "/status",
+                     {"status": {"conditions": [condition]}},
+                     content_type="application/strategic-merge-patch+json")
+
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch the status subresource: fields we do not send stay as they are."""
         self.request("PATCH", self.path(api.KIND, namespace, name) + "/status",

@@ -8,6 +8,7 @@ different ones run in parallel in kopf's thread pool.
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -20,7 +21,7 @@ from kubeinfer.server.flags import parse_api_keys
 
 from . import api
 from .adapter_sync import AdapterSync
-from .adapters import AdapterReport, action_events
+from .adapters import AdapterReport, action_events, gate_conditions
 from .children import desired_children, stale_children
 from .events import Event, transition_events
 from .gateway.build import gateway_selector_labels, needs_gateway
@@ -30,6 +31,9 @@ from .build import GPU_PRODUCT_LABEL, GPU_RESOURCE, device
 from .observe import Observed, observe, pod_problems
 from .resource import InferenceService, OperatorConfig, label_selector
 from .status import Condition, InferenceServiceStatus
+
+
+log = logging.getLogger(__name__)
 
 
 def spec_error(error: ValidationError) -> str:
@@ -115,7 +119,13 @@ class Reconciler:
             encoded = (secret.get("data") or {}).get(ref.key)
             keys = parse_api_keys(base64.b64decode(encoded).decode()) if encoded else []
             key = keys[0] if keys else None
-        return self.adapters.sync(isvc, pods, key)
+        report = self.adapters.sync(isvc, pods, key)
+        for pod, condition in gate_conditions(pods, report).items():
+            try:
+                self.kube.patch_pod_condition(isvc.namespace, pod, condition)
+            except KubeError as exc:  # the pod stays out of service; the next reconcile retries
+                log.warning("opening the adapters gate of pod %s/%s failed: %s", isvc.namespace, pod, exc)
+        return report
 
     def _gpu_nodes(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> tuple[list[str] | None, int | None]:
         """Node GPU products and the GPUs all nodes advertise, read only when a service asks for

@@ -67,9 +67,13 @@ class Engines:
 
 
 def engine_pod(name: str, ip: str, ready: bool = True) -> dict[str, Any]:
+    """A LoRA engine pod as the kubelet reports it: its containers answer (ContainersReady) while
+    Ready waits for the adapters gate."""
     return {"metadata": {"name": name},
-            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8000}]}]},
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": str(ready)}]}}
+            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8000}]}],
+                     "readinessGates": [{"conditionType": "kubeinfer.io/adapters-loaded"}]},
+            "status": {"podIP": ip, "conditions": [{"type": "ContainersReady", "status": str(ready)},
+                                                   {"type": "Ready", "status": "False"}]}}
 
 
 def sync(engines: Engines, spec: dict[str, Any], pods: list[dict[str, Any]], key: str | None = None):
@@ -149,8 +153,22 @@ def test_an_unreachable_engine_is_reported_not_counted() -> None:
     assert adapter_condition(make_isvc({"adapters": ADAPTERS}), report)[1:3] == (False, "EngineUnreachable")
 
 
-def kube_with(pods: list[dict[str, Any]], secret: dict[str, Any] | None = None) -> MemoryKube:
-    kube = MemoryKube()
+class GatedKube(MemoryKube):
+    """MemoryKube whose pod condition patches land on the listed pods, as the API server's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_patches: list[tuple[str, dict[str, Any]]] = []
+
+    def patch_pod_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None:
+        self.gate_patches.append((name, condition))
+        pod = next(p for p in self.listed["Pod"] if p["metadata"]["name"] == name)
+        others = [c for c in pod["status"]["conditions"] if c["type"] != condition["type"]]
+        pod["status"]["conditions"] = [*others, condition]
+
+
+def kube_with(pods: list[dict[str, Any]], secret: dict[str, Any] | None = None) -> GatedKube:
+    kube = GatedKube()
     kube.listed["Pod"] = pods
     if secret is not None:
         kube.objects[("Secret", secret["metadata"]["name"])] = secret
@@ -175,6 +193,9 @@ def test_reconcile_writes_adapter_status_condition_and_events() -> None:
     again = reconciler.reconcile(body({"adapters": ADAPTERS}), trigger="drift")
     assert not [e for e in again if e.type == "Warning"]   # the same failure once, not every retry
     engine.refuse.clear()   # e.g. the files were copied onto the claim
+    gate = kube.listed["Pod"][0]["status"]["conditions"][-1]
+    assert (gate["type"], gate["status"], gate["reason"]) == ("kubeinfer.io/adapters-loaded", "True", "AdapterLoadFailed")
+    assert bad in gate["message"]   # a bad entry must not keep the replica out of service
     healed = reconciler.reconcile(body({"adapters": ADAPTERS}), trigger="drift")
     assert conditions(kube.statuses[-1])["AdaptersReady"] == "True/AdaptersLoaded"
     assert ("Normal", "AdaptersLoaded") in [(e.type, e.reason) for e in healed]
@@ -280,3 +301,17 @@ def test_the_lora_example_builds_against_its_own_claim() -> None:
     assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v] == [claim]
     copier = next(d for d in docs if d["kind"] == "Pod")["spec"]["securityContext"]
     assert copier["runAsUser"] == pod["securityContext"]["runAsUser"]   # the engines can read what it writes
+
+
+def test_the_gate_opens_once_the_adapters_are_loaded_and_is_written_once() -> None:
+    engine = FakeEngine()
+    kube = kube_with([engine_pod("chat-a", "10.0.0.1"), engine_pod("chat-b", "10.0.0.2", ready=False)])
+    reconciler = Reconciler(kube, CONFIG, AdapterSync(Engines(**{"10.0.0.1": engine}).client()))  # type: ignore[arg-type]
+    reconciler.reconcile(body({"adapters": ADAPTERS}), trigger="pod")
+    assert [(name, c["status"], c["reason"]) for name, c in kube.gate_patches] == [("chat-a", "True", "AdaptersLoaded")]
+    assert set(engine.adapters) == {"sql", "chat"}   # loaded before the gate opened
+    reconciler.reconcile(body({"adapters": ADAPTERS}), trigger="drift")
+    assert len(kube.gate_patches) == 1
+    template = deployment(make_isvc({"adapters": ADAPTERS}), CONFIG)["spec"]["template"]["spec"]
+    assert template["readinessGates"] == [{"conditionType": "kubeinfer.io/adapters-loaded"}]
+    assert "readinessGates" not in deployment(make_isvc({}), CONFIG)["spec"]["template"]["spec"]
