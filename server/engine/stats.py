@@ -39,6 +39,20 @@ class DecayingSum:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Cumulative counters under vLLM's names (vllm:spec_decode_*)."""
+
+    num_drafts: int = 0          # sequence-steps that scored at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)   # [i]: drafts accepted at position i
+
+    def copy(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_pos))
+
+
+@dataclass
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -60,3 +74,4 @@ class EngineStats:
     max_lora: int = 0  # LoRA device slots; 0 = --enable-lora off
     running_lora_adapters: tuple[str, ...] = ()  # adapters of running requests
     waiting_lora_adapters: tuple[str, ...] = ()  # adapters of waiting requests
+    spec_decode: SpecDecodeStats | None = None  # None: no speculative decoding

@@ -1,0 +1,225 @@
+"""Speculative decoding end to end on the tiny Qwen2 engine: every proposer leaves greedy output
+token for token what it is without speculation (logprobs, stop strings, max_tokens, prefix-cache
+hits, preemption and chunked prefill in the same batch included), gives back every KV block
+(after aborts too), counts vLLM's spec-decode metrics, and the adaptive rules stop drafting where
+it does not pay. The proposers' own logic is tested in test_spec_proposers.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kubeinfer.server.engine.sampling_params import SamplingParams
+from kubeinfer.server.engine.sequence import Sequence
+from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+METHODS = {"ngram": NGRAM}
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4   # K and V, 2 layers, 4 tokens, 2 KV heads of 16, float32
+
+
+def _repetitive_prompts(random_prompts, count: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase (n-gram and suffix proposers then find matches) with a
+    random tail; the tiny model's own loops give matches in the output too."""
+    phrases = random_prompts(count, 4, 10, seed=seed)
+    tails = random_prompts(count, 1, 8, seed=seed + 1)
+    return [phrase * 3 + tail for phrase, tail in zip(phrases, tails)]
+
+
+def _no_leaks(engine) -> None:
+    kv = engine.kv
+    cached = kv.cache.num_cached_blocks if kv.cache else 0
+    assert kv.num_used_blocks == 0 and kv.pool.num_free == kv.pool.num_blocks - cached
+    assert kv.pool.ref_counts.count(0) == kv.pool.num_free
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def _token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _accepted(engine) -> int:
+    return engine.stats().spec_decode.num_accepted_tokens
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_output_and_logprobs_are_unchanged(method, make_llm, random_prompts):
+    prompts = _repetitive_prompts(random_prompts, 6, seed=3)
+    params = [SamplingParams(**GREEDY, max_tokens=n, logprobs=2) for n in (1, 2, 7, 24, 33, 40)]
+    reference = make_llm(block_size=4).generate(prompts, params)
+    llm = make_llm(block_size=4, speculative_config=METHODS[method])
+    outputs = llm.generate(prompts, params)
+    assert _token_ids(outputs) == _token_ids(reference)
+    assert [len(t) for t in _token_ids(outputs)] == [1, 2, 7, 24, 33, 40]   # max_tokens exact
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    for ours, theirs in zip(outputs, reference):
+        for mine, ref in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert mine.keys() == ref.keys()
+            assert all(abs(mine[t].logprob - ref[t].logprob) < 1e-4 and mine[t].rank == ref[t].rank for t in mine)
+    stats = llm.engine.stats()
+    assert _accepted(llm.engine) > 0 and stats.num_steps < llm.engine.counters.generation_tokens
+    _no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stop_strings_and_stop_tokens_end_where_they_would(method, make_llm, random_prompts):
+    prompts = _repetitive_prompts(random_prompts, 4, seed=5)
+    plain = make_llm().generate(prompts, SamplingParams(**GREEDY, max_tokens=32))
+    tokenizer = make_llm().tokenizer
+    # a stop string from the middle of each answer's text, and a stop token from the second one
+    stops = []
+    for output in plain:
+        text = output.outputs[0].text
+        stops.append(text[len(text) // 2:len(text) // 2 + 3] if len(text) > 8 else "@@")
+    stop_token = plain[1].outputs[0].token_ids[9]
+    params = [SamplingParams(temperature=0.0, max_tokens=32, stop=[stop], stop_token_ids=[stop_token])
+              for stop in stops]
+    reference = make_llm().generate(prompts, params)
+    llm = make_llm(speculative_config=METHODS[method])
+    outputs = llm.generate(prompts, params)
+    assert [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in outputs] == [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                                   o.outputs[0].stop_reason) for o in reference]
+    assert any(o.outputs[0].finish_reason == "stop" for o in reference) and tokenizer is not None
+    _no_leaks(llm.engine)
+
+
+def _run_staggered(llm, prompts, params, arrivals: dict[int, int], abort_at: dict[int, int] | None = None) -> dict:
+    """Add prompt i before step `arrivals[i]` (so new prefills join running decodes), abort
+    prompt i at step `abort_at[i]`; returns the final output of every request by id."""
+    engine, done, step = llm.engine, {}, 0
+    pending = dict(enumerate(prompts))
+    abort_at = abort_at or {}
+    while pending or engine.has_unfinished_requests():
+        for i in [i for i in pending if arrivals[i] <= step]:
+            engine.add_request(str(i), pending.pop(i), params)
+        for i, when in abort_at.items():
+            if when == step and str(i) in engine.requests:
+                done[str(i)] = engine.abort_request(str(i))
+        for output in engine.step():
+            done[output.request_id] = output
+        step += 1
+    return done
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_prefix_hits_preemption_and_chunked_prefill_in_the_same_batch(method, make_llm, random_prompts):
+    """Requests sharing a prefix arrive while others decode; prompts come in 16-token chunks and
+    the cache is small enough that decodes preempt each other."""
+    shared = random_prompts(1, 24, 24, seed=11)[0]
+    prompts = [shared + p for p in _repetitive_prompts(random_prompts, 8, seed=12)]
+    params = SamplingParams(**GREEDY, max_tokens=40)
+    arrivals = {i: 3 * i for i in range(len(prompts))}
+    engine_kwargs = dict(block_size=4, max_num_batched_tokens=16, kv_cache_memory=56 * BLOCK_BYTES)
+    reference = _run_staggered(make_llm(**engine_kwargs), prompts, params, arrivals)
+    llm = make_llm(**engine_kwargs, speculative_config=METHODS[method])
+    outputs = _run_staggered(llm, prompts, params, arrivals)
+    assert {k: v.outputs[0].token_ids for k, v in outputs.items()} == {
+        k: v.outputs[0].token_ids for k, v in reference.items()}
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and _accepted(llm.engine) > 0
+    _no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_many_aborted_speculative_streams_leave_no_block_behind(method, make_llm, random_prompts):
+    prompts = _repetitive_prompts(random_prompts, 24, seed=21)
+    rng = random.Random(0)
+    arrivals = {i: rng.randrange(0, 20) for i in range(len(prompts))}
+    aborts = {i: arrivals[i] + rng.randrange(1, 12) for i in range(len(prompts)) if i % 4 != 3}
+    llm = make_llm(block_size=4, max_num_seqs=8, speculative_config=METHODS[method])
+    done = _run_staggered(llm, prompts, SamplingParams(**GREEDY, max_tokens=48), arrivals, aborts)
+    reasons = [done[str(i)].outputs[0].finish_reason for i in range(len(prompts))]
+    assert reasons.count("abort") >= 12 and reasons.count("length") >= 6
+    assert _accepted(llm.engine) > 0
+    _no_leaks(llm.engine)
+
+
+def test_n_greater_than_one_and_sampled_requests_draft_and_finish(make_llm, random_prompts):
+    """Sampled rows keep drafts only where the sample equals the draft (exact for a
+    deterministic proposer); seeded requests replay the same output with and without drafts."""
+    prompts = _repetitive_prompts(random_prompts, 3, seed=8)
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, n=2, seed=7, ignore_eos=True)
+    llm = make_llm(block_size=4, speculative_config=NGRAM)
+    outputs = llm.generate(prompts, params)
+    assert all(len(c.token_ids) == 30 for o in outputs for c in o.outputs)
+    again = llm.generate(prompts, params)
+    assert _token_ids(again) == _token_ids(outputs)
+    _no_leaks(llm.engine)
+
+
+def test_spec_decode_counters_add_up(make_llm, random_prompts):
+    llm = make_llm(speculative_config=NGRAM)
+    llm.generate(_repetitive_prompts(random_prompts, 4, seed=2), SamplingParams(**GREEDY, max_tokens=32))
+    spec = llm.engine.stats().spec_decode
+    assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens <= 4 * spec.num_drafts
+    assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens and len(spec.accepted_per_pos) == 4
+    assert spec.accepted_per_pos == sorted(spec.accepted_per_pos, reverse=True)
+    assert make_llm().engine.stats().spec_decode is None   # off: no counters (vLLM shows none either)
+
+
+class Recording:
+    """Proposes `wrong` tokens (never accepted) or nothing; records each call's batch size."""
+
+    def __init__(self, engine, wrong: bool = True) -> None:
+        self.engine, self.wrong, self.calls = engine, wrong, []
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        self.calls.append((self.engine.counters.num_steps, len(self.engine.scheduler.running)))
+        return [(seq.token_ids[-1] + 1 + i) % 384 for i in range(min(2, max_tokens))] if self.wrong else []
+
+
+def test_no_drafts_in_a_step_with_more_running_sequences_than_disable_by_batch_size(make_llm, random_prompts):
+    from kubeinfer.server.engine.spec_decode.speculator import Speculator
+
+    prompts = random_prompts(6, 4, 12, seed=4)
+    params = [SamplingParams(**GREEDY, max_tokens=4 + 6 * i) for i in range(6)]   # the batch shrinks
+    llm = make_llm()
+    proposer = Recording(llm.engine)
+    llm.engine.speculator = Speculator(proposer, 2, disable_by_batch_size=3)
+    outputs = llm.generate(prompts, params)
+    assert _token_ids(outputs) == _token_ids(make_llm().generate(prompts, params))
+    assert proposer.calls and all(running <= 3 for _, running in proposer.calls)
+    assert llm.engine.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_a_sequence_whose_drafts_are_rejected_pauses_drafting_and_retries(make_llm, random_prompts):
+    from kubeinfer.server.engine.spec_decode.speculator import Speculator
+
+    prompt = random_prompts(1, 6, 6, seed=4)[0]
+    params = SamplingParams(**GREEDY, max_tokens=200)
+    llm = make_llm()
+    proposer = Recording(llm.engine)
+    llm.engine.speculator = Speculator(proposer, 2, min_acceptance_rate=0.3, acceptance_retry_steps=4)
+    [output] = llm.generate([prompt], params)
+    assert output.outputs[0].token_ids == make_llm().generate([prompt], params)[0].outputs[0].token_ids
+    steps = [step for step, _ in proposer.calls]
+    # always rejected: the average falls below 0.3 within 4 drafted steps, then the pauses
+    # double (4, 8, 16, 32 steps...), so over ~200 steps only a handful of steps draft
+    assert 6 <= len(steps) <= 30 and llm.engine.counters.num_steps >= 190
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert max(gaps) >= 32
+
+
+def test_the_speculative_config_takes_vllm_shapes():
+    ngram = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", 4, 4)
+    legacy = parse_speculative_config({"model": "[ngram]", "num_speculative_tokens": 2})
+    assert (legacy.method, legacy.model, legacy.prompt_lookup_min) == ("ngram", None, 5)
+    draft = parse_speculative_config({"model": "/models/small", "num_speculative_tokens": 4})
+    assert draft.method == "draft_model" and draft.model == "/models/small"
+    assert parse_speculative_config("") is None and parse_speculative_config(None) is None
+    assert parse_speculative_config(ngram.to_json()) == ngram
+    for bad, message in (({"method": "eagle", "num_speculative_tokens": 2}, "must be one of ngram, suffix"),
+                         ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+                         ({"method": "ngram", "num_speculative_tokens": 0}, "in [1, 64]"),
+                         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                           "prompt_lookup_max": 2}, "1 <= min <= max"),
+                         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key(s) lookahead"),
+                         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+                         ("{not json", "not JSON")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            parse_speculative_config(bad)
+    assert isinstance(ngram, SpeculativeConfig)
