@@ -42,19 +42,20 @@ def engine_args(isvc: InferenceService, model_path: str, served_name: str | None
               "max_num_batched_tokens": engine.max_num_batched_tokens,
               "max_model_len": model.max_model_len,
               "enable_prefix_caching": engine.prefix_cache.enabled,
-              "tensor_parallel_size": engine.tensor_parallel_size}
-    return ["serve", *to_args(values, ENGINE_FLAGS), *lora_args(isvc), *engine.extra_args]
+              "tensor_parallel_size": engine.tensor_parallel_size, **lora_values(isvc)}
+    return ["serve", *to_args(values, ENGINE_FLAGS), *engine.extra_args]
 
 
-def lora_args(isvc: InferenceService) -> list[str]:
+def lora_values(isvc: InferenceService) -> dict[str, Any]:
     """LoRA support and its limits, but no `--lora-modules`: the adapter list must not be part
     of the pod template (editing it would restart every pod), so the operator loads adapters
-    through the engines' runtime API instead, into new pods as soon as they are Ready."""
+    through the engines' runtime API (served with KUBEINFER_ALLOW_RUNTIME_LORA_UPDATING, see
+    `engine_env`), into a new pod before its readiness gate opens."""
     lora = isvc.spec.engine.lora
     if not isvc.spec.lora_enabled:
-        return []
-    return ["--enable-lora", "--allow-runtime-lora-updating", "--max-loras", str(lora.max_loras),
-            "--max-lora-rank", str(lora.max_lora_rank)]
+        return {}
+    return {"enable_lora": True, "max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank,
+            "max_cpu_loras": lora.max_cpu_loras}
 
 
 def auth_env(isvc: InferenceService) -> list[tuple[str, dict[str, Any]]]:
@@ -80,6 +81,8 @@ def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
         (flag("port").env, {"value": str(api.HTTP_PORT)}),
         (flag("shutdown_timeout").env, {"value": str(isvc.spec.rollout.drain_seconds)}),
         *auth_env(isvc)]
+    if isvc.spec.lora_enabled:
+        ours.append((flag("allow_runtime_lora_updating").env, {"value": "true"}))
     merged = {name: {"name": name, **source} for name, source in ours}
     merged.update({env["name"]: env for env in isvc.spec.engine.env})
     return list(merged.values())

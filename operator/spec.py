@@ -124,13 +124,10 @@ class LoraSpec(Section):
         None, description="Start the engines with LoRA support. Default: on when spec.adapters "
                           "names any adapter. Set it to true to add the first adapters later "
                           "without a restart (turning LoRA on or off restarts the pods).")
-    max_loras: int = Field(1, ge=1, le=256,
-                           description="Adapters resident in device memory at once (vLLM's "
-                                       "--max-loras); the engine keeps the others on the CPU and "
-                                       "swaps the least recently used idle one out.")
+    max_loras: int = Field(flag("max_loras").default, ge=1, le=256, description=flag("max_loras").help)
     max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 512] = Field(
-        16, description="Largest adapter rank the engine accepts (vLLM's --max-lora-rank); "
-                        "an adapter of higher rank fails to load.")
+        flag("max_lora_rank").default, description=flag("max_lora_rank").help)
+    max_cpu_loras: int | None = Field(None, ge=1, le=4096, description=flag("max_cpu_loras").help)
 
 
 class AdapterSpec(Section):

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from isvc_builders import CONFIG, body, make_isvc
+from test_build import parsed_args
 from test_reconcile import MemoryKube, conditions
 
 from kubeinfer.operator.adapter_sync import AdapterSync
@@ -226,8 +227,11 @@ def test_adapter_edits_leave_the_pod_template_alone() -> None:
     assert one == two
     spec = two["spec"]
     args = spec["containers"][0]["args"]
-    assert "--enable-lora" in args and "--allow-runtime-lora-updating" in args and "--lora-modules" not in args
-    assert args[args.index("--max-lora-rank") + 1] == "16" and args[args.index("--max-loras") + 1] == "1"
+    assert "--enable-lora" in args and "--lora-modules" not in args
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert env["KUBEINFER_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    parsed = parsed_args(spec["containers"][0])
+    assert (parsed.enable_lora, parsed.max_loras, parsed.max_lora_rank, parsed.lora_modules) == (True, 1, 16, None)
     claims = [v["persistentVolumeClaim"] for v in spec["volumes"] if "persistentVolumeClaim" in v]
     assert claims == [{"claimName": "loras", "readOnly": True}]
     assert {"mountPath": "/adapters/loras", "readOnly": True} in [
@@ -235,10 +239,12 @@ def test_adapter_edits_leave_the_pod_template_alone() -> None:
 
 
 def test_lora_is_off_without_adapters_unless_asked() -> None:
-    args = lambda spec: deployment(make_isvc(spec), CONFIG)["spec"]["template"]["spec"]["containers"][0]["args"]  # noqa: E731
-    assert "--enable-lora" not in args({})
-    on = args({"engine": {"lora": {"enabled": True, "maxLoras": 4, "maxLoraRank": 64}}})
-    assert on[on.index("--max-loras") + 1] == "4" and on[on.index("--max-lora-rank") + 1] == "64"
+    container = lambda spec: deployment(make_isvc(spec), CONFIG)["spec"]["template"]["spec"]["containers"][0]  # noqa: E731
+    assert not parsed_args(container({})).enable_lora
+    assert "KUBEINFER_ALLOW_RUNTIME_LORA_UPDATING" not in {e["name"] for e in container({})["env"]}
+    on = parsed_args(container({"engine": {"lora": {"enabled": True, "maxLoras": 4, "maxLoraRank": 64,
+                                                    "maxCpuLoras": 8}}}))
+    assert (on.enable_lora, on.max_loras, on.max_lora_rank, on.max_cpu_loras) == (True, 4, 64, 8)
 
 
 @pytest.mark.parametrize("spec, message", [
