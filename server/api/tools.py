@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from ..engine.sampling_params import StructuredOutputsParams
 from .errors import OpenAIError
+from .json_stream import JsonPieces, Path, Piece, canonical
 from .protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 
 Family = Literal["hermes", "llama3_json"]
@@ -109,10 +110,9 @@ class ToolPlan:
 
 
 def _compact(text: str) -> str:
-    try:
-        return json.dumps(json.loads(text), ensure_ascii=False)
-    except ValueError:
-        return text  # cut short by max_tokens: returned as generated
+    """json.dumps(json.loads(text)) for a whole value, the same form of its start when
+    max_tokens cut it short: what the streamed pieces of a named call add up to."""
+    return canonical(text)
 
 
 def parse_auto(text: str, family: Family, names: set[str]) -> tuple[str | None, list[ParsedCall]]:
@@ -231,11 +231,17 @@ def _as_text(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class ToolCallStream:
-    """One streamed choice: splits its text deltas into content and `delta.tool_calls` entries.
+    """One streamed choice: splits its text deltas into content and `delta.tool_calls` entries,
+    as vLLM streams them: a call's first delta carries its id, type and function name, the
+    following ones pieces of `function.arguments` as the model writes them.
 
-    A named function streams its arguments as they are generated; "required" output is a JSON
-    array, sent as whole calls once complete; "auto" text streams as content until a call may
-    begin (a `<tool_call>` tag, or Llama's leading `{`), and the calls are sent at the end.
+    The arguments are re-serialized piece by piece (`json_stream.JsonPieces`) into the form the
+    non-streamed answer holds, so what a client assembles equals it. A named function's output
+    is its arguments; "required" output is a JSON array of `{"name", "parameters"}`; "auto" text
+    streams as content until a call may begin (a `<tool_call>` tag, or Llama's leading `{`), and
+    each `{"name", "arguments"}` object after it is a call once its name is a known tool.
+    `finish` reconciles with the parse of the whole text: whatever the pieces did not deliver
+    (a call the scanner could not follow, string-encoded arguments) is sent then.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -243,24 +249,107 @@ class ToolCallStream:
         self.text = ""
         self.content_sent = 0  # characters of `text` already sent as content
         self.num_calls = 0
+        self._names = {tool.function.name for tool in plan.tools}
+        self._calls: list[_StreamedCall] = []
+        self._by_object: dict[tuple[int, Path], _StreamedCall] = {}  # (block, object path) -> call
+        self._blocks: list[tuple[JsonPieces, int]] = []  # Hermes: one reader per <tool_call>, chars fed
+        if plan.forced_name is not None:
+            self._open_call(plan.forced_name)
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """(content delta, tool-call deltas) to send now."""
-        first = not self.text
         self.text += delta
-        name = self.plan.forced_name
-        if name is not None:
-            if first:  # one entry per index in a delta: the SDK keeps only one of two
-                self.num_calls = 1
-                return "", [{"index": 0, "id": new_call_id(), "type": "function",
-                             "function": {"name": name, "arguments": delta}}]
-            return "", [{"index": 0, "function": {"arguments": delta}}] if delta else []
-        if self.plan.choice == "required":
-            return "", []
-        safe = self._content_end()
-        content = self.text[self.content_sent:safe]
-        self.content_sent = max(self.content_sent, safe)
-        return content, []
+        out: list[dict[str, Any]] = []
+        content = ""
+        if self.plan.forced_name is not None:
+            self._read_forced(0, out)
+        elif self.plan.choice == "required":
+            self._read_object_stream(0, self.text, out, key="parameters", depth=3)
+        else:
+            safe = self._content_end()
+            content = self.text[self.content_sent:safe]
+            self.content_sent = max(self.content_sent, safe)
+            self._read_auto(out)
+        return content, _one_entry_per_call(out)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _reader(self, block: int) -> tuple[JsonPieces, int]:
+        while len(self._blocks) <= block:
+            self._blocks.append((JsonPieces(), 0))
+        return self._blocks[block]
+
+    def _read(self, block: int, text: str) -> list[Piece]:
+        """The pieces of block `block` whose text is now `text` (it only grows)."""
+        reader, fed = self._reader(block)
+        self._blocks[block] = (reader, max(fed, len(text)))
+        return reader.feed(text[fed:])
+
+    def _read_forced(self, block: int, out: list[dict[str, Any]]) -> None:
+        call = self._calls[0]
+        if not call.announced:
+            out.append(call.header())
+        for piece in self._read(block, self.text):
+            self._arguments(call, piece.text, out)
+
+    def _read_object_stream(self, block: int, text: str, out: list[dict[str, Any]], key: str,
+                            depth: int, keys: tuple[str, ...] = ()) -> None:
+        """Calls are the objects whose fields sit `depth` levels in (the array items of
+        "required", the values of a Llama sequence or of a Hermes block): their "name", then
+        their arguments."""
+        arg_keys = (key, *keys)
+        for piece in self._read(block, text):
+            if len(piece.path) < depth:
+                continue
+            where, field_name = piece.path[:depth - 1], piece.path[depth - 1]
+            # arguments that come before the name are held in a call without an index yet
+            call = self._by_object.setdefault((block, where), _StreamedCall(-1, ""))
+            if field_name == "name" and piece.complete_scalar and call.index < 0 \
+                    and isinstance(piece.value, str) and piece.value in self._names:
+                call.index, call.name = len(self._calls), piece.value
+                self._calls.append(call)
+                out.append(call.header())
+                pending, call.pending = call.pending, ""
+                self._arguments(call, pending, out)
+            elif field_name in arg_keys:
+                if len(piece.path) == depth and not call.arguments_started:
+                    call.arguments_started = True
+                    call.streamable = piece.text.startswith("{")  # string-encoded arguments wait for finish
+                if not call.streamable:
+                    continue
+                if call.index < 0:
+                    call.pending += piece.text
+                else:
+                    self._arguments(call, piece.text, out)
+
+    def _read_auto(self, out: list[dict[str, Any]]) -> None:
+        if self.plan.family == "llama3_json":
+            stripped = self.text.lstrip()
+            if not stripped.startswith(("{", LLAMA_PYTHON_TAG)):
+                return
+            body = stripped.removeprefix(LLAMA_PYTHON_TAG)
+            self._read_object_stream(0, body, out, key="arguments", keys=("parameters",), depth=2)
+            return
+        position, block = self.text.find(HERMES_OPEN), 0
+        while position >= 0:
+            begin = position + len(HERMES_OPEN)
+            end = self.text.find("</tool_call>", begin)
+            self._read_object_stream(block, self.text[begin:len(self.text) if end < 0 else end], out,
+                                     key="arguments", keys=("parameters",), depth=2)
+            if end < 0:
+                break
+            position, block = self.text.find(HERMES_OPEN, end), block + 1
+
+    def _open_call(self, name: str) -> _StreamedCall:
+        call = _StreamedCall(len(self._calls), name)
+        self._calls.append(call)
+        return call
+
+    @staticmethod
+    def _arguments(call: _StreamedCall, text: str, out: list[dict[str, Any]]) -> None:
+        if text:
+            call.sent += text
+            out.append({"index": call.index, "function": {"arguments": text}})
 
     def _content_end(self) -> int:
         """How much of the auto text is surely content (not the start of a call)."""
@@ -279,15 +368,54 @@ class ToolCallStream:
         return len(self.text)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The rest once the choice is done: (content delta, tool-call deltas)."""
-        if self.plan.forced_name is not None:
-            return "", []
+        """The rest once the choice is done: (content delta, tool-call deltas). What was streamed
+        is checked against the parse of the whole text, and what it lacks is sent now."""
+        out: list[dict[str, Any]] = []
+        if self.plan.forced_name is not None:  # a number still open at the end is complete now
+            for piece in self._reader(0)[0].flush():
+                self._arguments(self._calls[0], piece.text, out)
         _, calls = self.plan.parse(self.text)
         # Without calls all the text is content; with them, the text before the first call.
         end = len(self.text) if not calls else max(self.text.find(HERMES_OPEN), self.content_sent)
-        rest = self.text[self.content_sent:end]
+        rest = "" if self.plan.forced_name is not None else self.text[self.content_sent:end]
         self.content_sent = len(self.text)
+        for i, call in enumerate(calls):
+            streamed = self._calls[i] if i < len(self._calls) else self._open_call(call.name)
+            if not streamed.announced:
+                out.append(streamed.header())
+            if streamed.name == call.name and call.arguments.startswith(streamed.sent):
+                self._arguments(streamed, call.arguments[len(streamed.sent):], out)
         self.num_calls = len(calls)
-        return rest, [{"index": i, "id": call.id, "type": "function",
-                       "function": {"name": call.name, "arguments": call.arguments}}
-                      for i, call in enumerate(calls)]
+        return rest, _one_entry_per_call(out)
+
+
+@dataclass
+class _StreamedCall:
+    index: int  # -1: its arguments began before its name (held in `pending`)
+    name: str
+    id: str = field(default_factory=new_call_id)
+    sent: str = ""  # arguments text sent so far
+    pending: str = ""
+    arguments_started: bool = False
+    streamable: bool = True
+
+    announced: bool = False  # its header (id, type, name) went out
+
+    def header(self) -> dict[str, Any]:
+        self.announced = True
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": ""}}
+
+
+def _one_entry_per_call(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per index in a delta (the SDK keeps only one of two): header and argument
+    pieces of one call merged, in order."""
+    merged: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        entry = merged.get(delta["index"])
+        if entry is None:
+            merged[delta["index"]] = {**delta, "function": dict(delta["function"])}
+        else:
+            entry["function"]["arguments"] = entry["function"].get("arguments", "") + \
+                delta["function"].get("arguments", "")
+    return list(merged.values())

@@ -148,6 +148,15 @@ def test_forced_tool_calls_validate_streamed_and_not(client, model, tool_choice)
         [c.function.arguments for c in whole.choices[0].message.tool_calls]
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # incremental, as vLLM streams them: id, type and name first, then arguments as generated
+    entries = [(chunk.choices[0].finish_reason, call) for chunk in chunks if chunk.choices
+               for call in chunk.choices[0].delta.tool_calls or []]
+    first = entries[0][1]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function" and first.function.name
+    pieces = [(finish, call.function.arguments) for finish, call in entries
+              if call.index == 0 and call.function.arguments]
+    assert len([piece for finish, piece in pieces if finish is None]) >= 3, pieces  # before the last chunk
+    assert "".join(piece for _, piece in pieces) == whole.choices[0].message.tool_calls[0].function.arguments
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 

@@ -149,3 +149,95 @@ def test_bad_tool_requests_are_400s(fields, words) -> None:
     with pytest.raises(OpenAIError, match=words) as raised:
         plan_tools(_request(**fields), CHATML)
     assert raised.value.status == 400
+
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string"}}}}}
+
+
+def _replay_deltas(stream: ToolCallStream, text: str, step: int) -> tuple[str, list[tuple[str, list[dict]]], dict]:
+    """Feed `text` `step` characters at a time; (content, every (fed so far, deltas), calls as the SDK assembles)."""
+    content, history = "", []
+    for i in range(0, len(text), step):
+        piece, deltas = stream.feed(text[i:i + step])
+        content += piece
+        history.append((text[:i + step], deltas))
+    piece, deltas = stream.finish()
+    content += piece
+    history.append((text, deltas))
+    calls: dict[int, dict] = {}
+    for _, deltas in history:
+        assert len({d["index"] for d in deltas}) == len(deltas)   # one entry per call in a chunk
+        for delta in deltas:
+            if delta["index"] not in calls:   # the first delta of a call names it
+                assert delta["id"].startswith("call_") and delta["type"] == "function", delta
+                assert delta["function"]["name"]
+                calls[delta["index"]] = {"name": "", "arguments": ""}
+            calls[delta["index"]]["name"] += delta["function"].get("name") or ""
+            calls[delta["index"]]["arguments"] += delta["function"].get("arguments") or ""
+    return content, history, calls
+
+
+def _incremental(history: list[tuple[str, list[dict]]], index: int) -> int:
+    """How many deltas carried arguments of call `index` before the whole text was in."""
+    return sum(1 for _, deltas in history[:-1] for d in deltas
+               if d["index"] == index and d["function"].get("arguments"))
+
+
+def _assert_streams_like_whole(plan, text: str, min_fragments: int = 3, held: tuple[int, ...] = ()) -> dict:
+    """Streamed in 1, 4 and 7 character steps, the calls assemble to the non-streamed ones, and
+    each call's arguments arrive in pieces (except the `held` calls, whose arguments came first)."""
+    whole_content, whole_calls = plan.parse(text)
+    for step in (1, 4, 7):
+        content, history, calls = _replay_deltas(ToolCallStream(plan), text, step)
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(c.name, c.arguments) for c in whole_calls], (step, calls)
+        for index, call in calls.items():  # pieces as generated, not one at the end
+            if index in held:
+                continue
+            wanted = min(min_fragments, max(1, len(call["arguments"]) // step - 1))
+            assert _incremental(history, index) >= wanted, (step, index)
+    return calls
+
+
+def test_required_calls_stream_name_first_then_argument_pieces() -> None:
+    plan = plan_tools(_request(tools=[WEATHER, TIME], tool_choice="required"), CHATML)
+    text = ('[{"name": "get_weather", "parameters": {"city": "Oslo, \\"Norway\\" \\u00e6", "days": [1, 2.50, 1e2]}}, '
+            '{"name": "get_time", "parameters": {}}]')
+    calls = _assert_streams_like_whole(plan, text)
+    assert json.loads(calls[0]["arguments"]) == {"city": 'Oslo, "Norway" æ', "days": [1, 2.5, 100.0]}
+    assert calls[1] == {"name": "get_time", "arguments": "{}"}
+    # the name goes out before any argument, as soon as it is complete
+    _, history, _ = _replay_deltas(ToolCallStream(plan), text, 1)
+    first = next(i for i, (_, deltas) in enumerate(history) if deltas)
+    assert history[first][0] == '[{"name": "get_weather"' and history[first][1][0]["function"]["arguments"] == ""
+
+
+def test_named_call_streams_its_arguments_as_the_non_streamed_answer_has_them() -> None:
+    named = plan_tools(_request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                       CHATML)
+    for text in ('{"city": "Oslo"}', '{ "city" :"Os\\/lo\\ud83d\\ude00",\n "n": 1.0 }', '{"city": "Os', '{"n": 12'):
+        _, history, calls = _replay_deltas(ToolCallStream(named), text, 2)
+        assert calls[0]["arguments"] == named.parse(text)[1][0].arguments, text
+    assert named.parse('{ "city" :"Os\\/lo\\ud83d\\ude00",\n "n": 1.0 }')[1][0].arguments == \
+        json.dumps({"city": "Os/lo\U0001F600", "n": 1.0}, ensure_ascii=False)
+
+
+def test_hermes_auto_calls_stream_incrementally() -> None:
+    plan = plan_tools(_request(tools=[WEATHER, TIME]), CHATML)
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "when": "today"}}\n'
+            '</tool_call>\n<tool_call>\n{"arguments": {"timezone": "Europe/Oslo"}, "name": "get_time"}\n</tool_call>')
+    calls = _assert_streams_like_whole(plan, text, held=(1,))  # its arguments came before its name
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
+    # string-encoded arguments are whole at the end, still equal to the non-streamed answer
+    encoded = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>'
+    _, _, calls = _replay_deltas(ToolCallStream(plan), encoded, 3)
+    assert calls[0] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_llama_json_auto_calls_stream_incrementally() -> None:
+    plan = plan_tools(_request(tools=[WEATHER, TIME]), LLAMA_STYLE)
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {"timezone": "UTC"}}'
+    content, _, calls = _replay_deltas(ToolCallStream(plan), text, 3)
+    assert content == "" and [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
+    _assert_streams_like_whole(plan, text)
