@@ -29,7 +29,9 @@ CONTROLLERS = tuple(f"{name}-controller" for name in (
     "serviceaccount", "serviceaccount-token", "namespace", "deployment", "replicaset", "statefulset", "daemonset",
     "job", "cronjob", "garbage-collector", "disruption", "pod-garbage-collector",
     "ttl-after-finished", "horizontal-pod-autoscaler", "resourcequota", "clusterrole-aggregation",
-    "root-ca-certificate-publisher", "service-cidr", "taint-eviction"))
+    "root-ca-certificate-publisher", "service-cidr", "taint-eviction",
+    # claims (e2e/test_lora.py binds a hostPath PV): binding, and the finalizers that let them go
+    "persistentvolume-binder", "persistentvolume-protection", "persistentvolumeclaim-protection"))
 
 
 def etcd(cfg: ClusterConfig) -> list[str]:
