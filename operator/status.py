@@ -31,16 +31,17 @@ class Condition(Section):
 
 
 class AdapterStatus(Section):
-    """One entry of spec.adapters, as the Ready replicas hold it."""
+    """One entry of spec.adapters, as the serving replicas hold it."""
 
     name: str = Field(max_length=63, description="The adapter's model id.")
     source: str = Field(max_length=512, description="Where it is loaded from.")
-    loaded_replicas: int = Field(0, ge=0, description="Ready replicas holding it.")
-    ready_replicas: int = Field(0, ge=0, description="Ready replicas that should hold it.")
+    loaded_replicas: int = Field(0, ge=0, description="Replicas holding it.")
+    ready_replicas: int = Field(0, ge=0, description="Replicas whose engine answers (their containers "
+                                                     "are ready), which should all hold it.")
 
 
 class ReplicaAdapters(Section):
-    """The adapters one Ready engine pod reports (its /v1/models)."""
+    """The adapters one serving engine pod reports (its /v1/models)."""
 
     pod: str = Field(max_length=253, description="Engine pod name.")
     adapters: list[str] = Field(default_factory=list, max_length=256,
@@ -99,9 +100,9 @@ class InferenceServiceStatus(Section):
                                            "unset when the engine names it from the weights (pvc://).")
     adapters: list[AdapterStatus] = Field(
         default_factory=list, max_length=64,
-        description="Per entry of spec.adapters: how many Ready replicas hold it.")
+        description="Per entry of spec.adapters: how many serving replicas hold it.")
     replica_adapters: list[ReplicaAdapters] = Field(
         default_factory=list, max_length=1000,
-        description="Per Ready engine pod: the adapters it holds.")
+        description="Per serving engine pod: the adapters it holds.")
     last_scale_time: datetime | None = Field(None, description="Last autoscaler change.")
     autoscaler: AutoscalerStatus | None = Field(None, description=AutoscalerStatus.__doc__)
