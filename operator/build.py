@@ -40,7 +40,7 @@ def engine_args(isvc: InferenceService, model_path: str, served_name: str | None
               "gpu_memory_utilization": engine.kv_cache_memory_fraction,
               "max_num_seqs": engine.max_num_seqs,
               "max_num_batched_tokens": engine.max_num_batched_tokens,
-              "max_model_len": model.max_model_len,
+              "max_model_len": model.max_model_len, "task": model.task,
               "enable_prefix_caching": engine.prefix_cache.enabled,
               "tensor_parallel_size": engine.tensor_parallel_size, **lora_values(isvc)}
     return ["serve", *to_args(values, ENGINE_FLAGS), *engine.extra_args]

@@ -108,6 +108,11 @@ class ModelSpec(Section):
         flag("dtype").default, description=flag("dtype").help)
     max_model_len: int | None = Field(None, ge=16, le=1 << 20,
                                       description=flag("max_model_len").help)
+    task: Literal["generate", "embed"] | None = Field(
+        None, description="generate: /v1/completions and /v1/chat/completions; embed: /v1/embeddings only "
+                          "(an embedding model, pooled as its sentence-transformers config says). "
+                          "Unset: embed for a checkpoint of the bare decoder (architectures like "
+                          "MistralModel), else generate.")
 
 
 class PrefixCacheSpec(Section):

@@ -20,6 +20,7 @@ ENV_PREFIX = "KUBEINFER_"
 # --quantization values besides auto/none: the formats of HF checkpoints' quantization_config
 # (must match the checkpoint's), then the ones applied at load to an unquantized checkpoint.
 QUANTIZATION_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "int8")
+TASKS = ("auto", "generate", "embed")
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -196,6 +197,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "with more running sequences), min_acceptance_rate and acceptance_retry_steps (a sequence "
          "whose drafts are mostly rejected pauses drafting). Greedy output is unchanged; sampled "
          "output keeps its distribution."),
+    Flag("task", str, "auto",
+         "generate: completions and chat; embed: /v1/embeddings only, each prompt pooled as the "
+         "checkpoint's sentence-transformers config says (last token, mean or CLS; normalised or "
+         "not; default last token, normalised); auto: embed for a checkpoint of the bare decoder "
+         "(architectures like MistralModel), else generate.", TASKS),
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (

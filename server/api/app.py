@@ -12,6 +12,7 @@ from .auth import ApiKeyCheck
 from .cache_routes import cache_routes
 from .chat import create_chat_completion, render_chat
 from .completions import create_completion
+from .embeddings import EmbeddingRequest, create_embedding
 from .errors import OpenAIError, install_error_handlers
 from .lora import lora_routes
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -32,6 +33,10 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, state)
+
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embedding(body, request, state)
 
     def cards() -> list[ModelCard]:
         """The base model, then each LoRA adapter with `parent` = the base (vLLM's listing)."""

@@ -59,6 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState) -> Response:
     adapter = state.resolve_model(body.model)
     model_name = adapter or state.model_name
+    state.check_task("generate", "Chat Completions")
     template = state.engine.tokenizer.chat_template
     plan = plan_tools(body, template)
     messages, tools = template_messages(body, plan, template)

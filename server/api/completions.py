@@ -42,6 +42,7 @@ def _choice(body: CompletionRequest, prompt_index: int, choice: CompletionOutput
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
     adapter = state.resolve_model(body.model)
     model_name = adapter or state.model_name
+    state.check_task("generate", "Completions")
     prompts = _prompts(body)
     params = sampling_params(body, body.max_tokens, body.logprobs)
     await constrain(state.engine, body, params)

@@ -145,6 +145,8 @@ class ServerMetrics:
             if m.first_scheduled_time is not None:
                 self.queue.observe(m.first_scheduled_time - m.arrival_time)
             self.e2e.observe((m.finished_time or time.monotonic()) - m.arrival_time)
+        if not output.outputs:   # an embedding request: pooled ("stop") or aborted
+            self.success.labels(self.model_name, "stop" if output.embedding is not None else "abort").inc()
         for choice in output.outputs:
             self.success.labels(self.model_name, choice.finish_reason or "abort").inc()
             if len(choice.token_ids) > 1 and m.first_token_time and m.last_token_time:

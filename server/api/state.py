@@ -57,6 +57,14 @@ class ServerState:
             return requested
         raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
+    def check_task(self, task: str, api: str) -> None:
+        """A route of the other task: vLLM's 400 ("The model does not support ... API"), saying why."""
+        if self.engine.task != task:
+            serves = "embeddings: use /v1/embeddings" if self.engine.task == "embed" else \
+                "text generation: start it with --task embed to serve an embedding model"
+            raise OpenAIError(400, f"The model does not support {api} API (it serves {serves}).",
+                              code="unsupported_task")
+
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -126,9 +126,11 @@ async def chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[I
 
 async def submit(state: ServerState, request: Request, request_id: str, prompts: list[str | list[int]],
                  params: SamplingParams, prompt_param: str = "prompt", add_special_tokens: bool = True,
-                 adapter: str | None = None) -> tuple[Indexed, AsyncIterator[Indexed]]:
+                 adapter: str | None = None, make: Callable[[str, str | list[int]], EngineRequest] | None = None
+                 ) -> tuple[Indexed, AsyncIterator[Indexed]]:
     """Admit, validate and tokenize every prompt (off the event loop), start one engine
-    request per prompt and wait for the first output.
+    request per prompt and wait for the first output. `make(request_id, prompt)` builds another
+    kind of engine request (embeddings) in place of `engine.make_request` with `params`.
 
     All prompts are checked before any is queued, and waiting for the first output before
     any byte is sent lets engine errors still become a status code instead of an error
@@ -148,6 +150,8 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
         engine = state.engine
 
         def make_requests() -> list[EngineRequest]:
+            if make is not None:
+                return [make(engine_id, prompt) for engine_id, prompt in zip(ids, prompts)]
             return [engine.make_request(engine_id, prompt, params, prompt_param, add_special_tokens, adapter)
                     for engine_id, prompt in zip(ids, prompts)]
 

@@ -74,6 +74,8 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.served_model_name = engine.served_model_name
         self.generation_defaults = engine.generation_defaults
+        self.task = engine.task   # generate | embed
+        self.pooler_config = engine.pooler.config if engine.pooler is not None else None
         self.kv_events = engine.kv.events   # thread-safe: read by GET /kv/blocks
         self.adapters = engine.adapters     # LoRA registry (its queries are thread-safe); None without LoRA
 
@@ -132,6 +134,13 @@ class AsyncEngine:
         self._inbox.put(("call", (work, done), None))
         self._wake.set()
         return await asyncio.wrap_future(done)
+
+    def make_pooling_request(self, request_id: str, prompt: str | list[int], dimensions: int | None = None,
+                             prompt_param: str = "input", add_special_tokens: bool = True,
+                             priority: int = 0) -> Request:
+        """An embedding request (see LLMEngine.make_pooling_request); safe to call from any thread."""
+        return self.engine.make_pooling_request(request_id, prompt, dimensions, prompt_param,
+                                                add_special_tokens, priority)
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile a structured-output grammar into the engine's cache (blocking: the server

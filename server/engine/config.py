@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from ..flags import ENGINE_FLAGS, QUANTIZATION_METHODS, LoRAModuleSpec
+from ..flags import ENGINE_FLAGS, QUANTIZATION_METHODS, TASKS, LoRAModuleSpec
 from .spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
@@ -33,6 +33,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     speculative_config: SpeculativeConfig | None = None  # a dict or JSON text is parsed
+    task: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
@@ -53,6 +54,8 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of auto, none, {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.lora_modules and not self.enable_lora:

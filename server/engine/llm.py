@@ -9,6 +9,7 @@ from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .sequence import Request
 
 if TYPE_CHECKING:
     from ..model.loader import LoadedModel
@@ -41,6 +42,19 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
         requests = [self.engine.make_request(str(next(self._ids)), prompt, p, adapter=name)
                     for prompt, p, name in zip(prompts, params, adapters)]
+        return self._run(requests, use_tqdm)
+
+    def embed(self, prompts: Sequence[str] | Sequence[list[int]] | str, dimensions: int | None = None,
+              use_tqdm: bool = False) -> list[RequestOutput]:
+        """Embed every prompt (an embedding model, `--task embed`); each output's `embedding`
+        is a float32 tensor. Outputs come back in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        requests = [self.engine.make_pooling_request(str(next(self._ids)), prompt, dimensions)
+                    for prompt in prompts]
+        return self._run(requests, use_tqdm)
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         order = {request.request_id: i for i, request in enumerate(requests)}
         for request in requests:
             self.engine.add_request(request.request_id, request)

@@ -9,6 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from ..model.pooling import read_pooler_config, resolve_task
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
@@ -16,7 +17,8 @@ from .outputs import CompletionOutput, RequestOutput
 from .proposer import Proposer
 from .sampler import Sampler, SamplerOutput, to_logprob_dict
 from .sampling_params import InvalidRequestError, SamplingParams
-from .scheduler import Scheduler
+from .pooler import Pooler, PoolingTask
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import DraftPosition, Request, SamplingRow, Sequence, SequenceStatus
 from .spec_decode.speculator import Speculator, build_speculator
 from .stats import EngineStats
@@ -38,6 +40,9 @@ class LLMEngine:
         `config.speculative_config` names, if any, else one token a step."""
         from .model_runner import ModelRunner
 
+        self.task = resolve_task(config.task, config.model)
+        if self.task == "embed" and config.tensor_parallel_size > 1:
+            raise ValueError("--task embed: embedding models run on one device (--tensor-parallel-size 1)")
         if loaded is None and config.tensor_parallel_size > 1:  # TP hook: shards + worker processes
             from ..parallel.launch import load_tensor_parallel
 
@@ -45,7 +50,8 @@ class LLMEngine:
         if loaded is None:
             from ..model.loader import load_model
 
-            loaded = load_model(config.model, config.dtype, config.device, config.quantization)
+            loaded = load_model(config.model, config.dtype, config.device, config.quantization,
+                                embed=self.task == "embed")
         self.config = config
         self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
@@ -57,8 +63,14 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(config, self.runner.num_blocks)
         longest_token = max(map(len, self.tokenizer.backend.get_vocab()), default=1)
         self.max_prompt_chars = max_prompt_chars(self.max_model_len, longest_token)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+        # embeddings (`pooler.py`): pooled hidden states instead of sampled tokens
+        self.pooler = Pooler(read_pooler_config(config.model)) if self.task == "embed" else None
+        prefix_caching = config.enable_prefix_caching and (self.pooler is None or self.pooler.config.reuses_prefix_cache)
+        if self.pooler is not None:
+            log.info("embedding model: %s pooling%s (%s)%s", self.pooler.config.pooling_type,
+                     ", normalized" if self.pooler.config.normalize else "", self.pooler.config.source,
+                     "" if prefix_caching == config.enable_prefix_caching else "; prefix caching off (needs last-token pooling)")
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.adapters = self._adapters(config) if config.enable_lora else None
         self.sampler = Sampler(config.seed, self.loaded.device)
@@ -112,6 +124,8 @@ class LLMEngine:
         adapter to run it with (None: the base model)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use.")
+        if self.pooler is not None:
+            raise InvalidRequestError("This model serves embeddings (--task embed): it does not generate text.")
         if adapter is not None and (self.adapters is None or not self.adapters.known(adapter)):
             raise InvalidRequestError(f"The model `{adapter}` does not exist.", param="model", code="model_not_found")
         explicit = params.explicit_fields
@@ -136,6 +150,29 @@ class LLMEngine:
                 self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                 params.include_stop_str_in_output)
         return request
+
+    def make_pooling_request(self, request_id: str, prompt: str | list[int], dimensions: int | None = None,
+                             prompt_param: str = "input", add_special_tokens: bool = True,
+                             priority: int = 0) -> Request:
+        """An embedding request: validated and tokenized like `make_request` (thread-safe); the
+        whole prompt must fit the context (nothing is generated after it)."""
+        if self.pooler is None:
+            raise InvalidRequestError("This model does not support embeddings: it serves text generation "
+                                      "(start it with --task embed to serve an embedding model).")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use.")
+        error = self.pooler.config.check_dimensions(dimensions, self.model_config.hidden_size, self.served_model_name)
+        if error is not None:
+            raise InvalidRequestError(error, param="dimensions")
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                      self.max_prompt_chars, prompt_param, add_special_tokens)
+        if len(prompt_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt_ids)} tokens in the input for embedding generation. Please reduce the length "
+                "of the input.", param=prompt_param, code="context_length_exceeded")
+        return Request(request_id, prompt_ids, SamplingParams(max_tokens=None, priority=priority),
+                       self.eos_token_ids, self.max_model_len, pooling=PoolingTask(dimensions))
 
     def add_request(self, request_id: str, prompt: str | list[int] | Request,
                     params: SamplingParams | None = None) -> Request:
@@ -174,6 +211,8 @@ class LLMEngine:
             self.adapters.failures = []
         if out.is_empty:
             return [self._failed_output(request) for request in touched.values()]
+        if self.pooler is not None:
+            return self._pooling_step(out, start)
         try:
             logits, seqs = self.runner.run(out)
         except BaseException:
@@ -203,11 +242,39 @@ class LLMEngine:
                 self.requests.pop(request.request_id, None)
             output = self._guarded(request, self._output, request) if request.error is None else None
             outputs.append(output if output is not None else self._failed_output(request))
+        self._count_step(out, start)
+        return outputs
+
+    def _count_step(self, out: SchedulerOutput, start: float) -> None:
         end = time.monotonic()
         c = self.counters
         c.num_steps += 1
         c.last_step_seconds, c.last_step_time = end - start, end
         c.last_step_tokens, c.last_step_seqs = out.num_tokens, len(out.scheduled)
+
+    def _pooling_step(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
+        """An embedding engine's step: the forward pass returns the hidden states the pooler
+        needs; every request whose prompt is complete finishes with its embedding."""
+        assert self.pooler is not None
+        try:
+            hidden = self.runner.run_hidden(out, self.pooler.rows(out))
+        except BaseException:
+            self.kv.drop_cache()   # it holds this step's blocks, never computed
+            raise
+        done = self.pooler.accept(out, hidden)
+        self.scheduler.update(out)
+        now = time.monotonic()
+        outputs = []
+        for seq in done:
+            request = seq.request
+            seq.finish_reason = "stop"
+            self._retire(seq)
+            self.counters.prompt_tokens += seq.num_prompt_tokens
+            metrics = request.metrics
+            metrics.first_token_time = metrics.last_token_time = metrics.finished_time = now
+            self.requests.pop(request.request_id, None)
+            outputs.append(self._output(request))
+        self._count_step(out, start)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: tuple | None, now: float
@@ -341,6 +408,9 @@ class LLMEngine:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _output(self, request: Request) -> RequestOutput:
+        if request.pooling is not None:
+            return RequestOutput(request.request_id, request.prompt_token_ids, request.num_cached_tokens, [],
+                                 request.finished, request.metrics, embedding=request.pooling.embedding)
         completions = []
         for seq in request.seqs:
             finished = seq.status is SequenceStatus.FINISHED

@@ -129,6 +129,14 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
+    def run_hidden(self, out: SchedulerOutput, rows: np.ndarray) -> torch.Tensor:
+        """One forward pass returning the final hidden states of flat-batch rows `rows` instead
+        of logits (an embedding model's step, `pooler.py`)."""
+        batch, _, _ = self.prepare(out)
+        batch.logits_indices = self._tensor(rows)
+        return self.model.hidden_states(batch, self.kv_caches)
+
+    @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[SamplingRow]]:
         """One forward pass; float32 logits, one row per sampling row (a sampling sequence, and
         each of its draft positions in a speculative step; None if none sample)."""

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -44,3 +48,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None  # set (with finished) when handling this request failed
+    # a pooling request's result (float32, CPU; `outputs` is then empty); None while running or if aborted
+    embedding: "torch.Tensor | None" = None

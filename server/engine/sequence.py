@@ -19,6 +19,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
+    from .pooler import PoolingTask
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +48,7 @@ class Request:
     # each sequence builds its own processors from these (e.g. a grammar matcher)
     processor_factories: list[ProcessorFactory] = field(default_factory=list)
     adapter: str | None = None  # LoRA adapter name; None = the base weights (no adapters yet)
+    pooling: "PoolingTask | None" = None  # an embedding request (`pooler.py`): no tokens are generated
     extra_key: ExtraKey = field(init=False)  # the prefix-cache namespace of its blocks
 
     def __post_init__(self) -> None:

@@ -56,6 +56,12 @@ class CausalLM(nn.Module):
                                   role=ParallelRole.VOCAB)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
+        return self.logits(self.hidden_states(batch, kv_caches))
+
+    def hidden_states(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The final (normed) hidden states of the rows `batch.logits_indices` names, [rows, hidden]:
+        what the LM head reads, and what an embedding model pools. Writes the step's K/V."""
         raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -108,14 +108,17 @@ class Gemma2ForCausalLM(CausalLM):
         self.model = GemmaModel(config, backend, self.qk_norm)
         self.build_lm_head()
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
+    def hidden_states(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
         x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         local = self.model.rotary_emb_local or self.model.rotary_emb
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, local if layer.local else self.model.rotary_emb, kv_cache, batch)
-        logits = self.logits(self.model.norm(x[batch.logits_indices]))
+        return self.model.norm(x[batch.logits_indices])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits, soft-capped by `final_logit_softcapping` (Gemma 2)."""
+        logits = super().logits(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -97,11 +97,10 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, backend, self.parts)
         self.build_lm_head()
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """float32 logits [len(batch.logits_indices), vocab_size]; writes this step's K/V into `kv_caches`."""
+    def hidden_states(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, self.model.rotary_emb, kv_cache, batch)
         # Only the rows that need logits go through the final norm and the (large) lm_head.
-        return self.logits(self.model.norm(x[batch.logits_indices] + residual[batch.logits_indices]))
+        return self.model.norm(x[batch.logits_indices] + residual[batch.logits_indices])

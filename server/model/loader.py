@@ -27,6 +27,7 @@ from .checkpoint import Checkpoint, one_intra_op_thread
 from .config import ModelConfig
 from .gguf_checkpoint import read_gguf_file
 from .hf_checkpoint import read_hf_directory
+from .pooling import with_causal_lm_names
 from .quantization import QuantizedLoad, resolve_for_checkpoint
 from .registry import model_family
 from .tokenizer import Tokenizer
@@ -141,14 +142,19 @@ def read_checkpoint(source: str) -> Checkpoint:
 
 
 def load_model(source: str = "embedded", dtype: str = "auto", device: str = "auto",
-               quantization: str = "auto") -> LoadedModel:
+               quantization: str = "auto", embed: bool = False) -> LoadedModel:
     """Build the model of `source` on `device` in `dtype`; with quantization 'auto', GGUF matrices
     in a type `quant_linear_cpu` reads keep that form too (CPU, bf16, kernel available), and the
-    linear layers of a quantized HF checkpoint stay quantized (see `quantization/`)."""
+    linear layers of a quantized HF checkpoint stay quantized (see `quantization/`). `embed`: an
+    embedding model, which needs no LM head and may be saved as the bare decoder (`pooling.py`)."""
     start = time.perf_counter()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     checkpoint = read_checkpoint(source)
+    if embed:   # the decoder only: no lm_head parameter, checkpoint names as the causal LM's
+        checkpoint.config.tie_word_embeddings = True
+        stream = checkpoint.weights
+        checkpoint.weights = lambda dtype: with_causal_lm_names(stream(dtype))
     config = checkpoint.config
     method = resolve_for_checkpoint(checkpoint, quantization)
     logger.info("model %s: %s, %d layers, hidden %d; config and tokenizer read in %.2fs", checkpoint.name,

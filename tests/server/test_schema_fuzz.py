@@ -40,7 +40,7 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_engine_alive(server) -> None:
     url, state = server
     schema = schemathesis.openapi.from_url(url + "/openapi.json").include(method="POST")
     assert {operation.ok().path for operation in schema.get_all_operations()} == {
-        "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+        "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"}
     cases = st.one_of(schema.as_strategy(generation_mode=mode)
                       for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE))
     statuses: dict[int, int] = {}
