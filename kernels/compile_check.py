@@ -29,7 +29,7 @@ class CompileCase:
 
 def cases(dtype: str) -> Iterator[CompileCase]:
     """Every kernel at Llama-3-8B-like shapes (32 query / 8 KV heads, head_dim 128), every config."""
-    from . import (activation, kv_cache, moe, rms_norm, rotary, split_kv_attention, unified_attention,
+    from . import (activation, kv_cache, lora, moe, rms_norm, rotary, split_kv_attention, unified_attention,
                    w4a16)
     from .tuning import ATTENTION_CONFIGS, MOE_CONFIGS, RMS_NORM_CONFIGS, W4A16_CONFIGS
 
@@ -77,6 +77,13 @@ def cases(dtype: str) -> Iterator[CompileCase]:
                               dict(c_ptr=p, a_ptr=p, qweight_ptr="*i32", scales_ptr="*fp32", zeros_ptr="*fp32"),
                               dict(BITS=bits, GROUP_SIZE=group_size, IEEE_FP32=False, **cfg.kwargs),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    for block_m in (16, 64):   # decode (one row per segment) and prefill segments
+        for expand in (False, True):   # shrink into float32 [T, R]; expand adds into the layer's output
+            yield CompileCase(f"lora sgmv {'expand' if expand else 'shrink'} block_m={block_m}", lora._sgmv_kernel,
+                              dict(x_ptr="*fp32" if expand else p, w_ptr=p, out_ptr=p if expand else "*fp32",
+                                   starts_ptr="*i32", slots_ptr="*i32"),
+                              dict(ACCUMULATE=expand, BLOCK_M=block_m, BLOCK_N=64 if expand else 16,
+                                   BLOCK_K=16 if expand else 64))
 
 
 def compile_case(case: CompileCase, arch: int) -> int:

@@ -18,7 +18,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402  (after TRITON_INTERPRET on purpose)
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-KERNEL_MODULES = ["unified_attention", "split_kv_attention", "kv_cache", "rms_norm", "rotary", "activation", "moe", "w4a16"]
+KERNEL_MODULES = ["unified_attention", "split_kv_attention", "kv_cache", "rms_norm", "rotary", "activation", "moe", "w4a16",
+                  "lora"]
 for _name in KERNEL_MODULES:
     _module = importlib.import_module(f"kubeinfer.kernels.{_name}")
     if any(isinstance(getattr(obj, "fn", obj), JITFunction) for obj in vars(_module).values()):
