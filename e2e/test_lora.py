@@ -187,3 +187,18 @@ def test_adapters_load_and_unload_live(local_cluster: Cluster, operator: None, n
     assert [s.restart_count for s in now.status.container_statuses] == [0]
     after = cluster.kubectl_json("get", "deployment", NAME, "-n", namespace)
     assert after["metadata"]["generation"] == template["metadata"]["generation"]
+
+    # a pod created later gets the current adapters, and only then opens its readiness gate
+    cluster.kubectl("patch", "kis", NAME, "-n", namespace, "--type=json", "-p",
+                    json.dumps([{"op": "remove", "path": "/spec/adapters/2"}]))
+    adapters_ready(cluster, namespace, 5)
+    cluster.kubectl("delete", "pod", pod.metadata.name, "-n", namespace, "--wait=false")
+
+    def replaced() -> Any:
+        found = [p for p in cluster.pods(namespace, ENGINES)
+                 if p.metadata.uid != pod.metadata.uid and not p.metadata.deletion_timestamp]
+        gate = [c for p in found for c in p.status.conditions or [] if c.type == "kubeinfer.io/adapters-loaded"]
+        return (found[0], gate[0]) if found and gate else None
+    new, gate = wait_for(replaced, "a new engine pod with its adapters gate open", timeout=900, interval=2)
+    assert (gate.status, gate.reason) == ("True", "AdaptersLoaded")
+    assert listed(f"http://{new.status.pod_ip}:8000") == {BASE: None, "sql": BASE, "code": BASE}
