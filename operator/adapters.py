@@ -33,13 +33,21 @@ class Action:
 def plan(desired: Mapping[str, str], held: Mapping[str, str | None]) -> list[Action]:
     """Unloads first (they free slots), then loads. `held` maps each adapter the engine reports
     to the path it came from (None when the engine does not say); an adapter whose source
-    moved is unloaded and loaded again from the new path."""
+    moved is unloaded and loaded again from the new path. Adapters the operator cannot have
+    loaded (a path outside the volumes it mounts, e.g. `--lora-modules` in engine.extraArgs
+    pointing into the image) are the user's: left alone."""
     moved = {name for name, root in held.items()
              if name in desired and root is not None and root != desired[name]}
-    unloads = [Action("unload", name) for name in sorted(held) if name not in desired or name in moved]
+    unloads = [Action("unload", name) for name in sorted(held)
+               if name in moved or (name not in desired and ours(held[name]))]
     loads = [Action("load", name, desired[name]) for name in sorted(desired)
              if name not in held or name in moved]
     return unloads + loads
+
+
+def ours(root: str | None) -> bool:
+    """Whether an adapter loaded from `root` may come from spec.adapters (see model_source)."""
+    return root is None or any(root.startswith(mount + "/") for mount in (api.ADAPTER_MOUNT, api.MODEL_MOUNT))
 
 
 def engine_adapters(models: Mapping[str, Any]) -> dict[str, str | None]:

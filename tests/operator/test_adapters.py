@@ -85,7 +85,10 @@ def test_plan_loads_what_is_missing_and_unloads_what_was_removed() -> None:
     desired = {"sql": "/adapters/l/sql", "chat": "/adapters/l/chat"}
     assert plan(desired, {}) == [Action("load", "chat", "/adapters/l/chat"), Action("load", "sql", "/adapters/l/sql")]
     assert plan(desired, {"sql": "/adapters/l/sql", "chat": "/adapters/l/chat"}) == []
-    assert plan({"sql": "/adapters/l/sql"}, {"sql": "/adapters/l/sql", "old": "/x"}) == [Action("unload", "old")]
+    assert plan({"sql": "/adapters/l/sql"}, {"sql": "/adapters/l/sql", "old": "/adapters/l/old"}) == [
+        Action("unload", "old")]
+    assert plan({}, {"baked": "/opt/loras/baked", "was-on-model-claim": "/models/loras/x"}) == [
+        Action("unload", "was-on-model-claim")]   # an engine.extraArgs --lora-modules adapter stays
     # a moved source is unloaded, then loaded from its new path; an unknown root is trusted
     assert plan({"sql": "/adapters/l/sql-v2"}, {"sql": "/adapters/l/sql"}) == [
         Action("unload", "sql"), Action("load", "sql", "/adapters/l/sql-v2")]
