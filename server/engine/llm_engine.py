@@ -88,8 +88,6 @@ class LLMEngine:
         """LoRA slots in the model, hooked into the scheduler (admission) and the runner (token slots)."""
         from .lora import EngineAdapters
 
-        if config.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
         adapters = EngineAdapters(self.runner.model, config, self.loaded.dtype, self.loaded.device)
         adapters.scheduler = self.scheduler
         self.scheduler.admit = adapters.admit

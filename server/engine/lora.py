@@ -32,8 +32,24 @@ log = logging.getLogger(__name__)
 class EngineAdapters:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.lora_model = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device)
-        self.manager = LoRAManager(self.lora_model.write, self.lora_model.check, config.max_loras,
+        """`model`: the loaded model, or rank 0's `TensorParallelModel` (whose workers fill
+        their slots from the same adapter directory when rank 0 fills one)."""
+        from ..parallel.model import TensorParallelModel, weight_slices
+
+        write = None
+        if isinstance(model, TensorParallelModel):
+            from ..parallel.step_broadcast import send_lora_slot
+
+            shard = model.shard
+            self.lora_model = LoRAModel(shard, config.max_loras, config.max_lora_rank, dtype, device,
+                                        slices=weight_slices(shard, model.plan))
+
+            def write(slot: int, weights: LoRAWeights | None) -> None:
+                send_lora_slot(slot, weights.path if weights is not None else None, device)
+                self.lora_model.write(slot, weights)
+        else:
+            self.lora_model = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device)
+        self.manager = LoRAManager(write or self.lora_model.write, self.lora_model.check, config.max_loras,
                                    config.max_cpu_loras or config.max_loras, config.max_lora_rank, dtype)
         self.max_loras = config.max_loras
         self.failures: list[tuple["Request", Exception]] = []   # found while scheduling; failed by the engine

@@ -188,6 +188,9 @@ class LoRAModel:
                 raise LoRAError(f"LoRA adapter {adapter!r}: {module} lora_B has {b.shape[0]} output rows, the "
                                 f"model's layer {sum(rows)} (an adapter of another base model?)")
             parts = [(layer, i, (a, part)) for i, part in enumerate(b.split(rows))]
+        elif module in self.fused:
+            raise LoRAError(f"LoRA adapter {adapter!r}: {module} targets a fused checkpoint matrix, not supported with "
+                            "tensor parallelism yet")
         else:
             leaf = module.rpartition(".")[2]
             if leaf in ("lm_head", "embed_tokens"):

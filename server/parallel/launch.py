@@ -104,7 +104,7 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     context = torch.multiprocessing.get_context("spawn")
     processes = [context.Process(target=run_worker, name=f"tp-rank{rank}", daemon=True, args=(WorkerSpec(
         str(source), architecture, family, dtype, device.type, rank, size, port, config.block_size,
-        logging.getLogger().level),))
+        logging.getLogger().level, config.max_loras if config.enable_lora else 0, config.max_lora_rank),))
         for rank in range(1, size)]
     for process in processes:
         process.start()

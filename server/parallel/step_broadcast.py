@@ -1,7 +1,9 @@
 """The scheduler's decision for one step, sent from rank 0 to the workers as two tensor broadcasts.
 
 A fixed 9-integer header (command and sizes), then one int64 tensor holding every ForwardBatch
-tensor back to back: no pickling, and O(tokens + block-table entries) bytes per step.
+tensor back to back: no pickling, and O(tokens + block-table entries) bytes per step. Between
+steps, a LORA command tells the workers to fill a LoRA device slot from an adapter directory
+(header: command, slot, path length; then the UTF-8 path; an empty path clears the slot).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch.distributed as dist
 
 from ..model.forward_batch import ForwardBatch
 
-STOP, STEP = 0, 1
+STOP, STEP, LORA = 0, 1, 2
 # command, tokens, seqs, block-table width, logit rows, max query len, max seq len, num blocks, adapters
 _HEADER = 9
 
@@ -33,17 +35,35 @@ def send_step(batch: ForwardBatch, num_blocks: int) -> None:
     dist.broadcast(payload, src=0)
 
 
+def send_lora_slot(slot: int, path: str | None, device: torch.device) -> None:
+    """Rank 0: every worker fills LoRA slot `slot` from the adapter at `path` (None: clears it)."""
+    data = (path or "").encode()
+    header = _header(device)
+    header[:3] = torch.tensor([LORA, slot, len(data)])
+    dist.broadcast(header, src=0)
+    if data:
+        dist.broadcast(torch.tensor(list(data), dtype=torch.int64, device=device), src=0)
+
+
 def send_stop(device: torch.device) -> None:
     dist.broadcast(_header(device), src=0)
 
 
-def receive_step(device: torch.device) -> tuple[ForwardBatch, int] | None:
-    """Workers: the next step's batch and the KV-cache size in blocks, or None when rank 0 stops."""
+def receive_step(device: torch.device) -> tuple[ForwardBatch, int] | tuple[int, str | None] | None:
+    """Workers: the next step's batch and the KV-cache size in blocks, a LoRA slot to fill
+    (slot, adapter path or None), or None when rank 0 stops."""
     header = _header(device)
     dist.broadcast(header, src=0)
     command, tokens, seqs, width, rows, max_query_len, max_seq_len, num_blocks, adapters = header.tolist()
     if command == STOP:
         return None
+    if command == LORA:
+        slot, length = tokens, seqs
+        if not length:
+            return slot, None
+        data = torch.empty(length, dtype=torch.int64, device=device)
+        dist.broadcast(data, src=0)
+        return slot, bytes(data.tolist()).decode()
     adapter_tokens = tokens if adapters else 0
     payload = torch.empty(3 * tokens + seqs * width + 2 * seqs + 1 + rows + adapter_tokens, dtype=torch.int64,
                           device=device)

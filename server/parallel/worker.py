@@ -13,10 +13,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..model.forward_batch import ForwardBatch
 from ..model.loader import read_checkpoint
+from ..model.lora import read_peft_adapter
+from ..model.lora_layers import LoRAModel
 from ..model.registry import ModelFamily, register_model
 from .group import init_group
-from .model import KVCaches, TensorParallelModel, load_shard
+from .model import KVCaches, TensorParallelModel, load_shard, weight_slices
 from .plan import ShardPlan
 from .step_broadcast import receive_step
 
@@ -37,6 +40,8 @@ class WorkerSpec:
     port: int
     block_size: int
     log_level: int
+    max_loras: int = 0        # LoRA device slots (--enable-lora); 0 = none
+    max_lora_rank: int = 0
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -53,15 +58,30 @@ def run_worker(spec: WorkerSpec) -> None:
     model = load_shard(Path(spec.source), spec.family, plan, spec.dtype, device)
     log.info("rank %d/%d: shard of %d heads, %d KV heads loaded in %.2fs", spec.rank, spec.size, plan.num_heads,
              plan.num_kv_heads, time.perf_counter() - start)
+    lora = _lora_slots(model, plan, spec, device) if spec.max_loras else None
     with torch.inference_mode():
-        serve_steps(model, spec, device)
+        serve_steps(model, spec, device, lora)
     dist.destroy_process_group()
 
 
-def serve_steps(model: TensorParallelModel, spec: WorkerSpec, device: torch.device) -> None:
-    """Follow rank 0 step by step; the KV cache is sized by rank 0 and allocated on the first step."""
+def _lora_slots(model: TensorParallelModel, plan: ShardPlan, spec: WorkerSpec, device: torch.device) -> LoRAModel:
+    """This rank's LoRA slots, its A/B slices following its weights'."""
+    return LoRAModel(model.shard, spec.max_loras, spec.max_lora_rank, spec.dtype, device,
+                     slices=weight_slices(model.shard, plan))
+
+
+def serve_steps(model: TensorParallelModel, spec: WorkerSpec, device: torch.device,
+                lora: LoRAModel | None = None) -> None:
+    """Follow rank 0 step by step; the KV cache is sized by rank 0 and allocated on the first step.
+    LoRA slot commands come between steps: the adapter is read here from the same path."""
     kv_caches: KVCaches | None = None
     while (step := receive_step(device)) is not None:
+        if not isinstance(step[0], ForwardBatch):
+            slot, path = step
+            assert lora is not None and isinstance(slot, int)
+            lora.write(slot, None if path is None else read_peft_adapter(f"slot {slot}", path, spec.max_lora_rank,
+                                                                         spec.dtype))
+            continue
         batch, num_blocks = step
         if kv_caches is None:
             kv_caches = _allocate_kv_caches(model, num_blocks, spec.block_size, spec.dtype, device)
