@@ -16,6 +16,7 @@ import httpx
 
 from .adapters import MAX_MESSAGE, Action, AdapterReport, PodAdapters, engine_adapters, plan, serving
 from .autoscaler.scrape import pod_targets
+from .metrics import ADAPTER_OPERATIONS
 from .model_source import adapter_path
 from .resource import InferenceService
 
@@ -48,6 +49,8 @@ class AdapterSync:
     def __init__(self, client: httpx.Client | None = None, max_workers: int = 8) -> None:
         self.client = client or httpx.Client()
         self.max_workers = max_workers
+        # per InferenceService uid: (pod, adapter) -> its failure at the last sync, logged then
+        self._reported: dict[str, dict[tuple[str, str], str]] = {}
 
     def sync(self, isvc: InferenceService, pods: Iterable[Mapping[str, Any]],
              api_key: str | None = None) -> AdapterReport:
@@ -57,14 +60,18 @@ class AdapterSync:
         up = {pod["metadata"]["name"] for pod in pods if serving(pod)}
         targets = sorted((t for t in pod_targets(pods, path="") if t.name in up and not t.terminating),
                          key=lambda t: t.name)
+        reported, failed = self._reported.get(isvc.uid, {}), {}
         if not targets:
             return AdapterReport([])
         with ThreadPoolExecutor(max_workers=min(self.max_workers, len(targets))) as pool:
-            done = pool.map(lambda t: self._one(t.name, t.url, desired, headers), targets)
-            return AdapterReport(list(done))
+            done = list(pool.map(lambda t: self._one(t.name, t.url, desired, headers, reported, failed), targets))
+        self._reported[isvc.uid] = failed
+        return AdapterReport(done)
 
-    def _one(self, pod: str, url: str | None, desired: Mapping[str, str],
-             headers: Mapping[str, str]) -> PodAdapters:
+    def _one(self, pod: str, url: str | None, desired: Mapping[str, str], headers: Mapping[str, str],
+             reported: Mapping[tuple[str, str], str], failed: dict[tuple[str, str], str]) -> PodAdapters:
+        """One pod: read, plan, apply. `reported`: failures logged at the last sync (a retry that
+        fails the same way logs at debug); this sync's go into `failed`."""
         result = PodAdapters(pod)
         if url is None:
             result.unreachable = "Ready pod has no IP"
@@ -86,9 +93,13 @@ class AdapterSync:
                 failure = self._apply(url, action, headers)
             except httpx.HTTPError as error:
                 failure = f"{type(error).__name__}: {error}"
+            ADAPTER_OPERATIONS.labels(action.kind, "ok" if failure is None else "error").inc()
             if failure is not None:
                 result.failures[action.name] = failure
-                log.warning("%s of adapter %s in pod %s failed: %s", action.kind, action.name, pod, failure)
+                # every reconcile retries: say it once per distinct failure, then quietly
+                level = logging.DEBUG if reported.get((pod, action.name)) == failure else logging.WARNING
+                failed[(pod, action.name)] = failure
+                log.log(level, "%s of adapter %s in pod %s failed: %s", action.kind, action.name, pod, failure)
                 continue
             result.done.append(action)
             if action.kind == "load":

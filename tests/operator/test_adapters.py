@@ -324,3 +324,17 @@ def test_the_gate_opens_once_the_adapters_are_loaded_and_is_written_once() -> No
     template = deployment(make_isvc({"adapters": ADAPTERS}), CONFIG)["spec"]["template"]["spec"]
     assert template["readinessGates"] == [{"conditionType": "kubeinfer.io/adapters-loaded"}]
     assert "readinessGates" not in deployment(make_isvc({}), CONFIG)["spec"]["template"]["spec"]
+
+
+def test_a_failure_is_logged_once_while_it_repeats_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    from prometheus_client import REGISTRY
+    engine = FakeEngine(refuse={"/adapters/loras/sql": "not a directory"})
+    syncer = AdapterSync(Engines(**{"10.0.0.1": engine}).client())
+    errors = lambda: REGISTRY.get_sample_value(  # noqa: E731
+        "kubeinfer_operator_adapter_operations_total", {"operation": "load", "result": "error"}) or 0.0
+    before = errors()
+    with caplog.at_level("WARNING", logger="kubeinfer.operator.adapter_sync"):
+        for _ in range(3):
+            syncer.sync(make_isvc({"adapters": ADAPTERS}), [engine_pod("chat-a", "10.0.0.1")])
+    assert len([r for r in caplog.records if "not a directory" in r.getMessage()]) == 1
+    assert errors() - before == 3
