@@ -53,7 +53,10 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         state.check_model(model_id)
-        return next(card for card in cards() if card.id == model_id)
+        card = next((card for card in cards() if card.id == model_id), None)
+        if card is None:   # an adapter unloaded in between
+            raise OpenAIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return card
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

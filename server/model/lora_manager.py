@@ -65,6 +65,7 @@ class LoRAManager:
     def register(self, module: LoRAModuleSpec, weights: LoRAWeights, in_use: set[str]) -> None:
         if module.name in self.registry:
             raise LoRAError(f"The lora adapter '{module.name}' has already been loaded.")
+        self.release_unused(in_use)
         if module.name in self._retired:
             raise LoRAError(f"The lora adapter '{module.name}' was unloaded and still serves requests; "
                             "load it again once they finish.")
