@@ -130,8 +130,8 @@ class LoraSpec(Section):
                           "names any adapter. Set it to true to add the first adapters later "
                           "without a restart (turning LoRA on or off restarts the pods).")
     max_loras: int = Field(flag("max_loras").default, ge=1, le=256, description=flag("max_loras").help)
-    max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 512] = Field(
-        flag("max_lora_rank").default, description=flag("max_lora_rank").help)
+    max_lora_rank: int = Field(flag("max_lora_rank").default, ge=1, le=1024,
+                               description=flag("max_lora_rank").help)
     max_cpu_loras: int | None = Field(None, ge=1, le=4096, description=flag("max_cpu_loras").help)
 
 
