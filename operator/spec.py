@@ -288,6 +288,10 @@ class RoutingSpec(Section):
                                   description=routing_flag("kv_usage_limit").help)
     prefix_key_tokens: int = Field(routing_flag("prefix_key_tokens").default, ge=1, le=1 << 20,
                                    description=routing_flag("prefix_key_tokens").help)
+    warmup_prefixes: int = Field(routing_flag("warmup_prefixes").default, ge=0, le=1024,
+                                 description=routing_flag("warmup_prefixes").help)
+    warmup_tokens: int = Field(routing_flag("warmup_tokens").default, ge=0, le=1 << 24,
+                               description=routing_flag("warmup_tokens").help)
 
 
 def _unique_names(adapters: list[AdapterSpec]) -> list[AdapterSpec]:

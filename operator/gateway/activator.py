@@ -73,6 +73,11 @@ class GatewayMetrics:
                                           "(parse, tokenize, hash, score), holds excluded.",
                                           buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01,
                                                    0.025, 0.05, 0.1), registry=self.registry)
+        self.warmups = Counter("kubeinfer:router_warmup_requests", "Prefill-only requests warming an engine "
+                               "that became Ready with the hottest shared prefixes, by outcome (sent; cached: "
+                               "the engine held it already; failed).", ["outcome"], registry=self.registry)
+        self.warmup_tokens = Counter("kubeinfer:router_warmup_tokens", "Prompt tokens sent to warm engines "
+                                     "that became Ready.", registry=self.registry)
 
 
 class Activator:

@@ -73,14 +73,14 @@ def run(args: argparse.Namespace) -> int:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                                    keepalive_expiry=KEEPALIVE_SECONDS))
-    picker, routing = build_routing(args, client)
-    activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),
-                          GatewayMetrics(), picker)
+    metrics, api_keys = GatewayMetrics(), api_keys_from_args(args)
+    picker, routing = build_routing(args, client, metrics, api_keys)
+    activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout), metrics, picker)
     routing.views.in_flight = activator.in_flight
-    routing.views.api_key = next(iter(api_keys_from_args(args)), None)   # to read the engines' adapters
+    routing.views.api_key = next(iter(api_keys), None)   # to read the engines' adapters
     costs = DeletionCosts(backends.pods, routing.views.cache_values, backends.patch_pod)
     routing.background.append(costs.run)
     app = build_app(activator, args.inferenceservice, retry_after=args.retry_after, http=client,
-                    api_keys=api_keys_from_args(args), routing=routing)
+                    api_keys=api_keys, routing=routing)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

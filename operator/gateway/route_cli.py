@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 from kubeinfer.server.flags import Flag, _optional, add_flags
 
@@ -41,6 +41,10 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
     Flag("balance-slack", float, 2.0, "Requests a replica may exceed the bounded load by."),
     Flag("kv-usage-limit", float, 0.95, "A replica whose KV cache is this full gets no new request."),
     Flag("poll-interval", float, 0.5, "Seconds between reads of each engine's /kv/blocks (its /metrics: 4x that)."),
+    Flag("warmup-prefixes", int, 8,
+         "With prefix-aware: an engine that becomes Ready (scale-up, replaced pod) gets this many of the "
+         "hottest shared prefixes as prefill-only requests, in the background; 0 turns warm-up off."),
+    Flag("warmup-tokens", int, 16384, "Prompt tokens one warm-up sends to an engine at most."),
 )
 
 
@@ -71,11 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, STANDALONE_FLAGS + ROUTING_FLAGS)
 
 
-def build_routing(args: argparse.Namespace, client: Any) -> tuple[Any, Any]:
-    """(picker, routing) for `args.strategy`: the engines' views and the tokenizer."""
+def build_routing(args: argparse.Namespace, client: Any, metrics: Any,
+                  api_keys: Sequence[str] = ()) -> tuple[Any, Any]:
+    """(picker, routing) for `args.strategy`: the engines' views, the tokenizer and, with
+    prefix-aware, the warm-up of new engines (authenticated with the engines' first API key)."""
     from .engine_views import EngineViews
     from .pickers import PrefixAwareConfig, make_picker
     from .routing import Routing
+    from .warmup import HotPrefixes, Warmer, WarmupConfig
 
     views = EngineViews(client, interval=args.poll_interval, metrics_interval=4 * args.poll_interval)
     config = PrefixAwareConfig(load_penalty_tokens=args.load_penalty_tokens, balance_factor=args.balance_factor,
@@ -86,8 +93,17 @@ def build_routing(args: argparse.Namespace, client: Any) -> tuple[Any, Any]:
         from kubeinfer.server.model.tokenizer_files import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
+    warmer = None
+    if args.strategy == "prefix-aware" and args.warmup_prefixes > 0:
+        def count(outcome: str, tokens: int) -> None:
+            metrics.warmups.labels(outcome).inc()
+            metrics.warmup_tokens.inc(tokens)
+
+        headers = {"Authorization": f"Bearer {api_keys[0]}"} if api_keys else None
+        warmer = Warmer(HotPrefixes(), views, client,
+                        WarmupConfig(prefixes=args.warmup_prefixes, max_tokens=args.warmup_tokens), count, headers)
     routing = Routing(views, tokenizer, args.block_size, args.prefix_key_tokens,
-                      keyed=args.strategy == "prefix-aware")
+                      keyed=args.strategy == "prefix-aware", warmer=warmer)
     return picker, routing
 
 
@@ -107,9 +123,9 @@ def run(args: argparse.Namespace) -> int:
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                                    keepalive_expiry=KEEPALIVE_SECONDS))
     backends = StaticBackends(args.backend, client)
-    picker, routing = build_routing(args, client)
-    activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout),
-                          GatewayMetrics(), picker)
+    metrics = GatewayMetrics()
+    picker, routing = build_routing(args, client, metrics)
+    activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout), metrics, picker)
     routing.views.in_flight = activator.in_flight
     app = build_app(activator, "kubeinfer route", http=client, routing=routing)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

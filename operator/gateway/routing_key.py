@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
-from typing import Any, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Collection, Mapping, Sequence
 
 import pydantic
 
@@ -35,6 +35,10 @@ class RoutingKey:
     affinity: int
     session: str | None = None
     adapter: str | None = None   # the LoRA adapter the request names as its model
+    # the cache namespace and the prompt, for warming new replicas (warmup.py)
+    model: str | None = None
+    salt: str | None = None
+    tokens: Sequence[int] = field(default=(), repr=False, compare=False)
 
 
 def session_of(body: Mapping[str, Any] | None, headers: Mapping[str, str]) -> str | None:
@@ -92,4 +96,5 @@ class KeyMaker:
         adapter = model if model in adapters else None
         hashes = tuple(block_hashes(ids[:-1], self.block_size, salt, adapter))
         affinity = block_hash(root_hash(salt, adapter), ids[:self.prefix_key_tokens])
-        return RoutingKey(len(ids), self.block_size, hashes, affinity, session, adapter)
+        return RoutingKey(len(ids), self.block_size, hashes, affinity, session, adapter,
+                          model if isinstance(model, str) else None, salt, ids)
