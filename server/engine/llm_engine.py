@@ -381,7 +381,7 @@ class LLMEngine:
                 error = next((sampled.errors[row] for row in range(start, end) if row in sampled.errors), None)
                 self._guarded(request, self._append_tokens, seq, tokens[:accepted + 1],
                               sampled.logprobs[start:start + accepted + 1], now, error=error)
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_probs = [], None
             start = end
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> None:

@@ -176,6 +176,21 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[SamplingRow], greedy: list[bool],
                 uniform: torch.Tensor) -> torch.Tensor:
+        probs = self._probs(logits, seqs)
+        sampled = _inverse_transform(probs, uniform)
+        verified = [row for row, seq in enumerate(seqs) if not greedy[row] and _draft_with_probs(seq) is not None]
+        if verified:
+            sampled = self._verify_drafts(probs, sampled, uniform, seqs, verified)
+        greedy_mask = torch.tensor(greedy, device=self.device)
+        return torch.where(greedy_mask, argmax_rows(logits), sampled)
+
+    def distribution(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row samples from (penalties, min_tokens, temperature, top-k,
+        top-p, min-p; rows need not sum to 1): what a draft model proposes from."""
+        logits = self._apply_penalties(logits, seqs)
+        return self._probs(self._mask_stops_before_min_tokens(logits, seqs), seqs)
+
+    def _probs(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         params = [s.params for s in seqs]
         temperature = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
         scaled = logits / temperature
@@ -197,9 +212,30 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             floor = self._column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        sampled = _inverse_transform(probs, uniform)
-        greedy_mask = torch.tensor(greedy, device=self.device)
-        return torch.where(greedy_mask, argmax_rows(logits), sampled)
+        return probs
+
+    def _verify_drafts(self, probs: torch.Tensor, sampled: torch.Tensor, uniform: torch.Tensor,
+                       seqs: list[SamplingRow], rows: list[int]) -> torch.Tensor:
+        """Rejection sampling for rows that verify a draft x drawn from a distribution q (a
+        draft model's): keep x with probability min(1, p(x) / q(x)), else sample from
+        normalize(max(0, p - q)); the token is then distributed as p exactly (Leviathan et al.,
+        2023). One uniform number u serves both: x is kept when u < p(x) / q(x), and after a
+        rejection (u - r) / (1 - r) is again uniform on [0, 1). A rejected row never yields x
+        (p(x) < q(x) there), so the engine's keep-equal-drafts rule stays the acceptance test."""
+        drafts = [_draft_with_probs(seqs[row]) for row in rows]
+        index = torch.tensor(rows, device=self.device)
+        token = torch.tensor([x for x, _ in drafts], device=self.device)
+        q = torch.stack([q for _, q in drafts]).to(device=self.device, dtype=probs.dtype)
+        p = probs.index_select(0, index)
+        p = p / p.sum(dim=-1, keepdim=True)
+        q = q / q.sum(dim=-1, keepdim=True)
+        picked = torch.arange(len(rows), device=self.device)
+        ratio = p[picked, token] / q[picked, token].clamp_min(torch.finfo(q.dtype).tiny)
+        u = uniform.index_select(0, index).squeeze(1)
+        accept = u < ratio
+        rest = ((u - ratio) / (1 - ratio).clamp_min(torch.finfo(p.dtype).eps)).clamp(0.0, 1.0)
+        residual = _inverse_transform((p - q).clamp_min(0.0), rest.unsqueeze(1))
+        return sampled.index_copy(0, index, torch.where(accept, token, residual))
 
     def _seeded_generator(self, row: SamplingRow) -> torch.Generator:
         seq = row.seq if isinstance(row, DraftPosition) else row   # the draft rows share their sequence's
@@ -230,6 +266,15 @@ class Sampler:
             values = top.values[j, :want].tolist() if top is not None else []
             result[row] = (ids, values, float(chosen_lp[j]), int(ranks[j]))
         return result
+
+
+def _draft_with_probs(row: SamplingRow) -> tuple[int, torch.Tensor] | None:
+    """The draft token this row verifies and the distribution q it was drawn from, when its
+    proposer gave one (`Sequence.draft_probs`); None for deterministic drafts and other rows."""
+    seq, position = (row.seq, row.num_drafts) if isinstance(row, DraftPosition) else (row, 0)
+    if seq.draft_probs is None or position >= len(seq.draft_token_ids):
+        return None
+    return seq.draft_token_ids[position], seq.draft_probs[position]
 
 
 def _inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ from .outputs import Logprob, RequestMetrics
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from .detokenizer import IncrementalDetokenizer
     from .pooler import PoolingTask
 
@@ -86,6 +88,9 @@ class Sequence:
     detokenizer: "IncrementalDetokenizer | None" = None
     num_sent_tokens: int = 0  # output tokens already reported to the caller
     draft_token_ids: list[int] = field(default_factory=list)  # a proposer's guesses after token_ids
+    # [drafts, vocab]: the distribution each draft was sampled from (a draft model's), for
+    # rejection sampling; None = deterministic drafts (n-gram, suffix), kept when equal to the sample
+    draft_probs: torch.Tensor | None = None
     logits_processors: list[LogitsProcessor] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -9,15 +9,40 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from helpers.tiny_models import build_tiny_qwen2
 
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Sequence
 from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-METHODS = {"ngram": NGRAM}
+METHODS = ("ngram", "draft_model")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4   # K and V, 2 layers, 4 tokens, 2 KV heads of 16, float32
+
+
+@pytest.fixture(scope="module")
+def draft_model_path(tmp_path_factory) -> str:
+    """The tiny Qwen2's weights plus noise, with its tokenizer: a draft model that agrees with
+    the target on most greedy tokens but not all (so drafts are rejected too)."""
+    path, model = build_tiny_qwen2(tmp_path_factory.mktemp("draft"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.3 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture
+def spec_config(draft_model_path):
+    """spec_config(method) -> the --speculative-config of that proposer, 4 tokens."""
+    def make(method: str) -> dict:
+        if method == "ngram":
+            return NGRAM
+        return {"model": draft_model_path, "num_speculative_tokens": 4}
+    return make
 
 
 def _repetitive_prompts(random_prompts, count: int, seed: int) -> list[list[int]]:
@@ -34,6 +59,9 @@ def _no_leaks(engine) -> None:
     assert kv.num_used_blocks == 0 and kv.pool.num_free == kv.pool.num_blocks - cached
     assert kv.pool.ref_counts.count(0) == kv.pool.num_free
     assert engine.stats().kv_cache_usage == 0.0
+    draft_kv = getattr(engine.proposer, "kv", None)   # a draft model's own cache
+    if draft_kv is not None:
+        assert draft_kv.num_used_blocks == 0 and draft_kv.pool.num_free == draft_kv.pool.num_blocks
 
 
 def _token_ids(outputs) -> list[list[int]]:
@@ -45,11 +73,11 @@ def _accepted(engine) -> int:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_output_and_logprobs_are_unchanged(method, make_llm, random_prompts):
+def test_greedy_output_and_logprobs_are_unchanged(method, spec_config, make_llm, random_prompts):
     prompts = _repetitive_prompts(random_prompts, 6, seed=3)
     params = [SamplingParams(**GREEDY, max_tokens=n, logprobs=2) for n in (1, 2, 7, 24, 33, 40)]
     reference = make_llm(block_size=4).generate(prompts, params)
-    llm = make_llm(block_size=4, speculative_config=METHODS[method])
+    llm = make_llm(block_size=4, speculative_config=spec_config(method))
     outputs = llm.generate(prompts, params)
     assert _token_ids(outputs) == _token_ids(reference)
     assert [len(t) for t in _token_ids(outputs)] == [1, 2, 7, 24, 33, 40]   # max_tokens exact
@@ -59,12 +87,13 @@ def test_greedy_output_and_logprobs_are_unchanged(method, make_llm, random_promp
             assert mine.keys() == ref.keys()
             assert all(abs(mine[t].logprob - ref[t].logprob) < 1e-4 and mine[t].rank == ref[t].rank for t in mine)
     stats = llm.engine.stats()
-    assert _accepted(llm.engine) > 0 and stats.num_steps < llm.engine.counters.generation_tokens
+    assert 0 < stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens   # kept and rejected
+    assert stats.num_steps < llm.engine.counters.generation_tokens
     _no_leaks(llm.engine)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_stop_strings_and_stop_tokens_end_where_they_would(method, make_llm, random_prompts):
+def test_stop_strings_and_stop_tokens_end_where_they_would(method, spec_config, make_llm, random_prompts):
     prompts = _repetitive_prompts(random_prompts, 4, seed=5)
     plain = make_llm().generate(prompts, SamplingParams(**GREEDY, max_tokens=32))
     tokenizer = make_llm().tokenizer
@@ -77,7 +106,7 @@ def test_stop_strings_and_stop_tokens_end_where_they_would(method, make_llm, ran
     params = [SamplingParams(temperature=0.0, max_tokens=32, stop=[stop], stop_token_ids=[stop_token])
               for stop in stops]
     reference = make_llm().generate(prompts, params)
-    llm = make_llm(speculative_config=METHODS[method])
+    llm = make_llm(speculative_config=spec_config(method))
     outputs = llm.generate(prompts, params)
     assert [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
             for o in outputs] == [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason,
@@ -105,7 +134,7 @@ def _run_staggered(llm, prompts, params, arrivals: dict[int, int], abort_at: dic
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_prefix_hits_preemption_and_chunked_prefill_in_the_same_batch(method, make_llm, random_prompts):
+def test_prefix_hits_preemption_and_chunked_prefill_in_the_same_batch(method, spec_config, make_llm, random_prompts):
     """Requests sharing a prefix arrive while others decode; prompts come in 16-token chunks and
     the cache is small enough that decodes preempt each other."""
     shared = random_prompts(1, 24, 24, seed=11)[0]
@@ -114,7 +143,7 @@ def test_prefix_hits_preemption_and_chunked_prefill_in_the_same_batch(method, ma
     arrivals = {i: 3 * i for i in range(len(prompts))}
     engine_kwargs = dict(block_size=4, max_num_batched_tokens=16, kv_cache_memory=56 * BLOCK_BYTES)
     reference = _run_staggered(make_llm(**engine_kwargs), prompts, params, arrivals)
-    llm = make_llm(**engine_kwargs, speculative_config=METHODS[method])
+    llm = make_llm(**engine_kwargs, speculative_config=spec_config(method))
     outputs = _run_staggered(llm, prompts, params, arrivals)
     assert {k: v.outputs[0].token_ids for k, v in outputs.items()} == {
         k: v.outputs[0].token_ids for k, v in reference.items()}
@@ -124,12 +153,12 @@ def test_prefix_hits_preemption_and_chunked_prefill_in_the_same_batch(method, ma
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_many_aborted_speculative_streams_leave_no_block_behind(method, make_llm, random_prompts):
+def test_many_aborted_speculative_streams_leave_no_block_behind(method, spec_config, make_llm, random_prompts):
     prompts = _repetitive_prompts(random_prompts, 24, seed=21)
     rng = random.Random(0)
     arrivals = {i: rng.randrange(0, 20) for i in range(len(prompts))}
     aborts = {i: arrivals[i] + rng.randrange(1, 12) for i in range(len(prompts)) if i % 4 != 3}
-    llm = make_llm(block_size=4, max_num_seqs=8, speculative_config=METHODS[method])
+    llm = make_llm(block_size=4, max_num_seqs=8, speculative_config=spec_config(method))
     done = _run_staggered(llm, prompts, SamplingParams(**GREEDY, max_tokens=48), arrivals, aborts)
     reasons = [done[str(i)].outputs[0].finish_reason for i in range(len(prompts))]
     assert reasons.count("abort") >= 12 and reasons.count("length") >= 6
@@ -137,12 +166,14 @@ def test_many_aborted_speculative_streams_leave_no_block_behind(method, make_llm
     _no_leaks(llm.engine)
 
 
-def test_n_greater_than_one_and_sampled_requests_draft_and_finish(make_llm, random_prompts):
-    """Sampled rows keep drafts only where the sample equals the draft (exact for a
-    deterministic proposer); seeded requests replay the same output with and without drafts."""
+@pytest.mark.parametrize("method", METHODS)
+def test_n_greater_than_one_and_seeded_sampled_requests_replay(method, spec_config, make_llm, random_prompts):
+    """Sampled rows keep a deterministic draft where the sample equals it, a draft model's by
+    rejection sampling (its distribution: test_spec_rejection_sampling.py); a seeded request
+    gives the same output twice."""
     prompts = _repetitive_prompts(random_prompts, 3, seed=8)
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, n=2, seed=7, ignore_eos=True)
-    llm = make_llm(block_size=4, speculative_config=NGRAM)
+    llm = make_llm(block_size=4, speculative_config=spec_config(method))
     outputs = llm.generate(prompts, params)
     assert all(len(c.token_ids) == 30 for o in outputs for c in o.outputs)
     again = llm.generate(prompts, params)
@@ -223,3 +254,18 @@ def test_the_speculative_config_takes_vllm_shapes():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             parse_speculative_config(bad)
     assert isinstance(ngram, SpeculativeConfig)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(make_llm, draft_model_path, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(draft_model_path, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]   # two ids swapped: other text
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="does not share the target .* tokenizer .* 2 of them with another id"):
+        make_llm(speculative_config={"model": str(other), "num_speculative_tokens": 2})
