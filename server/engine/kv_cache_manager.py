@@ -11,9 +11,19 @@ from .sequence import Sequence
 from .stats import DecayingSum
 
 
+# What a released block's table entry reads (`_release_out_of_window`): a valid block id, so
+# kernels may gather it, holding finite K/V of whoever owns it; every key there is masked out.
+NULL_BLOCK = 0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: every layer attends to the last `sliding_window` positions only
+        (Mistral, Phi-3, an all-local Gemma): blocks no future query can see go back to the pool
+        while their sequence runs. None when any layer attends to the whole context."""
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         # what routers read to send requests where their prefix is cached (GET /kv/blocks)
         self.events = KVEventLog(block_size) if enable_prefix_caching else None
@@ -58,6 +68,8 @@ class KVCacheManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False if out of blocks."""
+        if self.sliding_window is not None:
+            self._release_out_of_window(seq)
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         missing = needed - len(seq.block_table)
         if missing <= 0:
@@ -68,6 +80,25 @@ class KVCacheManager:
             return False
         seq.block_table += self.pool.allocate(missing)
         return True
+
+    def _release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the leading blocks no query from the sequence's next token on can see (a
+        query at position p reads keys > p - window), keeping one block more: a fork that
+        recomputes a partial last prompt block starts up to a block earlier. Their table
+        entries become NULL_BLOCK (positions stay where they are). A released block the prefix
+        cache holds stays cached, its K/V intact; the sequence inserts nothing more into the
+        cache (its table no longer names every block of its prefix), so no cached prefix
+        points at a released block."""
+        count = self._window_start(seq.num_computed_tokens) // self.block_size - 1
+        for i in range(seq.num_released_blocks, count):
+            self.pool.decref(seq.block_table[i])
+            seq.block_table[i] = NULL_BLOCK
+        seq.num_released_blocks = max(seq.num_released_blocks, count)
+
+    def _window_start(self, position: int) -> int:
+        """The first key position a query at `position` reads."""
+        assert self.sliding_window is not None
+        return position - self.sliding_window + 1
 
     def cache_scheduled_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
         """Offer the full blocks a scheduled chunk will have computed to the prefix cache now, so
@@ -98,7 +129,7 @@ class KVCacheManager:
     def _insert(self, seq: Sequence, num_full: int) -> list[int] | None:
         """The one insert into the prefix cache: `seq`'s first `num_full` blocks; returns the
         tree's blocks for them (None: no cache, or nothing new to offer)."""
-        if self.cache is None or num_full <= seq.num_inserted_blocks:
+        if self.cache is None or num_full <= seq.num_inserted_blocks or seq.num_released_blocks:
             return None
         return self.cache.insert(seq.token_ids[:num_full * self.block_size], seq.block_table[:num_full],
                                  seq.request.extra_key)
@@ -120,24 +151,33 @@ class KVCacheManager:
         if (num_tokens % self.block_size and keep <= len(seq.block_table)
                 and self.pool.ref_counts[seq.block_table[keep - 1]] > 1):
             keep -= 1
+        computed = min(seq.num_computed_tokens, num_tokens, keep * self.block_size)
+        if seq.num_released_blocks and self._window_start(computed) < seq.num_released_blocks * self.block_size:
+            self.free(seq)   # the next query's window reaches given-back blocks: recompute from the start
+            return
         for block in seq.block_table[keep:]:
             self.pool.decref(block)
         del seq.block_table[keep:]
-        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens, keep * self.block_size)
+        seq.num_computed_tokens = computed
         seq.num_inserted_blocks = min(seq.num_inserted_blocks, keep)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share the parent's full prompt blocks; the child recomputes the partial tail."""
         num_full = parent.num_prompt_tokens // self.block_size
+        released = min(parent.num_released_blocks, num_full)
+        if released and self._window_start(num_full * self.block_size) < released * self.block_size:
+            return   # its window would reach given-back blocks: it computes its prompt from the start
         child.block_table = parent.block_table[:num_full]
-        for block in child.block_table:
+        child.num_released_blocks = released
+        for block in child.block_table[child.num_released_blocks:]:
             self.pool.incref(block)
         child.num_computed_tokens = num_full * self.block_size
         child.num_inserted_blocks = min(parent.num_inserted_blocks, num_full)
 
     def free(self, seq: Sequence) -> None:
-        for block in seq.block_table:
+        for block in seq.block_table[seq.num_released_blocks:]:
             self.pool.decref(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_inserted_blocks = 0
+        seq.num_released_blocks = 0

@@ -60,7 +60,10 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or self.loaded.name
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.model_config.eos_token_ids
         self.runner = ModelRunner(self.loaded, config)
-        self.max_model_len = self._max_model_len(config, self.runner.num_blocks)
+        # every layer windowed (Mistral, Phi-3): blocks that left the window go back while a sequence
+        # runs; Gemma's interleaved global layers read the whole context, so theirs stay
+        window = self.model_config.sliding_window if not self.model_config.layer_types else None
+        self.max_model_len = self._max_model_len(config, self.runner.num_blocks, window)
         longest_token = max(map(len, self.tokenizer.backend.get_vocab()), default=1)
         self.max_prompt_chars = max_prompt_chars(self.max_model_len, longest_token)
         # embeddings (`pooler.py`): pooled hidden states instead of sampled tokens
@@ -70,7 +73,7 @@ class LLMEngine:
             log.info("embedding model: %s pooling%s (%s)%s", self.pooler.config.pooling_type,
                      ", normalized" if self.pooler.config.normalize else "", self.pooler.config.source,
                      "" if prefix_caching == config.enable_prefix_caching else "; prefix caching off (needs last-token pooling)")
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching, window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.adapters = self._adapters(config) if config.enable_lora else None
         self.sampler = Sampler(config.seed, self.loaded.device)
@@ -94,13 +97,17 @@ class LLMEngine:
         self.runner.adapters = adapters
         return adapters
 
-    def _max_model_len(self, config: EngineConfig, num_blocks: int) -> int:
+    def _max_model_len(self, config: EngineConfig, num_blocks: int, window: int | None) -> int:
         model_max = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({model_max})")
         wanted = config.max_model_len or model_max
         capacity = num_blocks * config.block_size
+        # with blocks given back behind the window, a sequence alone holds at most its window,
+        # one step's chunk and a block either side (KVCacheManager._release_out_of_window)
+        if window is not None and capacity >= window + config.max_num_batched_tokens + 3 * config.block_size:
+            return wanted
         if wanted > capacity:  # a longer request could never fit, even alone
             log.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more",
                         wanted, capacity)

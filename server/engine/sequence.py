@@ -81,6 +81,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     num_inserted_blocks: int = 0  # leading blocks already handed to the prefix cache
+    # leading blocks out of every layer's sliding window, given back (`KVCacheManager._release_out_of_window`)
+    num_released_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
