@@ -97,6 +97,10 @@ def test_monitoring_objects_are_optional(helm: str) -> None:
     assert not by_kind(render(helm), "PodMonitor")
     docs = render(helm, "metrics.podMonitor.enabled=true", "metrics.serviceMonitor.enabled=true")
     assert by_kind(docs, "PodMonitor")[0]["spec"]["namespaceSelector"] == {"any": True}
+    components = {m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: m
+                  for m in by_kind(docs, "PodMonitor")}
+    assert set(components) == {"engine", "gateway"}   # the engines and the routers in front of them
+    assert components["gateway"]["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["targetLabel"] == "inferenceservice"
     assert by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "metrics"
 
 
@@ -106,6 +110,34 @@ def test_dashboard_uses_the_engine_metric_names(helm: str) -> None:
     for metric in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                    "vllm:time_to_first_token_seconds", "kubeinfer_operator_reconciles_total"):
         assert metric in dashboard
+
+
+def _exported_names() -> set[str]:
+    """Every sample name a router (GatewayMetrics) or an engine (ServerMetrics) exposes."""
+    from kubeinfer.operator.gateway.activator import GatewayMetrics
+    from kubeinfer.server.api.metrics import ServerMetrics
+    from kubeinfer.server.engine.stats import EngineStats
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    registries = [GatewayMetrics().registry, ServerMetrics(EngineStats, "m", lambda: 0).registry]
+    return {family.name + suffix for registry in registries for family in registry.collect()
+            for suffix in suffixes.get(family.type, ("",))}
+
+
+def test_routing_dashboard_reads_what_the_routers_and_engines_export(helm: str) -> None:
+    import json
+    import re
+
+    config_map = next(d for d in by_kind(render(helm), "ConfigMap") if "dashboard" in d["metadata"]["name"])
+    dashboard = json.loads(config_map["data"]["kubeinfer-routing.json"])
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\b(?:vllm|kubeinfer):[a-z_]+", expr)}
+    assert used - _exported_names() == set()
+    for metric in ("vllm:prefix_cache_hits_total", "vllm:request_success_total",
+                   "kubeinfer:router_overhead_seconds_bucket", "kubeinfer:router_warmup_requests_total",
+                   "kubeinfer:prefix_cache_hits_recent"):
+        assert metric in used   # hit rate and requests per engine, router overhead, warm-up, deletion cost
+    assert dashboard["uid"] != json.loads(config_map["data"]["kubeinfer-engines.json"])["uid"]
 
 
 def test_helm_test_hook_is_rendered(helm: str) -> None:
