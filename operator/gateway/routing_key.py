@@ -58,7 +58,7 @@ class KeyMaker:
         self.tokenizer, self.block_size = tokenizer, block_size
         self.prefix_key_tokens = prefix_key_tokens
 
-    def prompt_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int], str | None, str] | None:
+    def prompt_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int], str | None, str | None] | None:
         """(prompt token ids, cache_salt, model) of the request's first prompt."""
         if path.endswith("chat/completions"):
             chat = ChatCompletionRequest.model_validate(body)
