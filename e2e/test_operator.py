@@ -196,6 +196,30 @@ def test_unschedulable_gpu_request_is_degraded(cluster: Cluster, operator: str,
     assert condition(obj, "Ready")["status"] == "False"
 
 
+def test_cuda_where_the_container_has_none_is_device_unavailable(cluster: Cluster, operator: str,
+                                                                namespace: str) -> None:
+    """The fake GPU nodes schedule it, the real engine finds no CUDA: exit 78, not a bare crash loop."""
+    apply(cluster, namespace, manifest("nocuda", {"engine": {"device": "cuda"}}, image=None))
+    seen: list[dict[str, Any]] = [{}]
+
+    def device_unavailable() -> dict[str, Any] | None:
+        seen[0] = get_isvc(cluster, namespace, "nocuda")
+        degraded = condition(seen[0], "Degraded")
+        return seen[0] if degraded.get("reason") == "DeviceUnavailable" else None
+
+    try:
+        obj = wait_for(device_unavailable, "Degraded DeviceUnavailable", timeout=420, interval=2)
+    except TimeoutError as timeout:
+        raise AssertionError(f"{timeout}; status: {seen[0].get('status')}") from None
+    degraded = condition(obj, "Degraded")
+    assert "device 'cuda' requested but CUDA is not available" in degraded["message"], degraded
+    assert "exit code 78" in degraded["message"] and "set spec.engine.device to cpu or auto" in degraded["message"]
+    assert condition(obj, "Ready")["status"] == "False"
+    events = cluster.kubectl_json("get", "events", "-n", namespace,
+                                  "--field-selector", "involvedObject.name=nocuda")["items"]
+    assert any(e["reason"] == "DeviceUnavailable" and e["type"] == "Warning" for e in events), events
+
+
 def test_more_gpus_than_the_cluster_has_is_degraded(cluster: Cluster, operator: str,
                                                  namespace: str) -> None:
     nodes = cluster.kubectl_json("get", "nodes")["items"]
