@@ -161,8 +161,12 @@ class ModelConfig:
     def from_gguf(cls, meta: Mapping[str, Any], tensor_names: set[str]) -> "ModelConfig":
         """From GGUF metadata (`<arch>.*` keys, as llama.cpp's converter writes them)."""
         arch = meta["general.architecture"]
-        if arch not in supported_architectures():
+        ours = _GGUF_ARCHITECTURES.get(arch, arch)
+        if ours not in supported_architectures():
             raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(supported_architectures())}")
+        if "rope_factors_long.weight" in tensor_names:
+            raise ValueError("GGUF LongRoPE factors (rope_factors_long / rope_factors_short, Phi-3 128k / Phi-3.5) "
+                             "are not supported yet; load this model from its Hugging Face directory")
 
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)
@@ -188,15 +192,17 @@ class ModelConfig:
                             renormalize=bool(key("expert_weights_norm", True)),   # what llama.cpp does for both
                             dense_layers=frozenset(i for i in range(blocks)
                                                    if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names))
+        head_dim = int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads)
+        gemma = _gemma_from_gguf(ours, key, blocks, int(hidden), int(heads), head_dim) if ours.startswith("gemma") else {}
         return cls(
-            architecture=arch,
+            architecture=ours,
             vocab_size=int(vocab),
             hidden_size=int(hidden),
             intermediate_size=int(key("feed_forward_length")),
             num_hidden_layers=blocks,
             num_attention_heads=int(heads),
             num_key_value_heads=int(key("attention.head_count_kv", heads)),
-            head_dim=int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
@@ -207,7 +213,33 @@ class ModelConfig:
             moe=moe,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=frozenset([] if eos is None else [int(eos)]),
+            **gemma,
         )
+
+
+# llama.cpp's architecture names that differ from transformers' model_type
+_GGUF_ARCHITECTURES = {"gemma3": "gemma3_text"}
+# llama.cpp's Gemma rules for what its GGUF does not carry: the layer count of the 27B models (whose
+# attention scale is 1/sqrt(hidden / heads), the others' 1/sqrt(head_dim)), every n-th layer global
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
+
+
+def _gemma_from_gguf(arch: str, key: Any, blocks: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 2/3's fields from GGUF metadata, completed as llama.cpp completes them."""
+    scale = key("attention.scale")
+    scalar = 1.0 / scale ** 2 if scale else hidden / heads if blocks == _GEMMA_27B_LAYERS[arch] else head_dim
+    pattern = key("attention.sliding_window_pattern", _GEMMA_GLOBAL_EVERY[arch])
+    if isinstance(pattern, list):   # per layer: True = sliding
+        local = [bool(flag) for flag in pattern]
+    else:   # llama.cpp's set_swa_pattern(n): the last layer of every n is global
+        local = [i % int(pattern) < int(pattern) - 1 for i in range(blocks)]
+    return {"query_pre_attn_scalar": float(scalar), "hidden_act": "gelu_pytorch_tanh",
+            "attn_logit_softcapping": key("attn_logit_softcapping"),
+            "final_logit_softcapping": key("final_logit_softcapping"),
+            "layer_types": tuple("sliding_attention" if flag else "full_attention" for flag in local)
+            if key("attention.sliding_window") and len(set(local)) > 1 else (),
+            "rope_local_theta": float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3_text" else None}
 
 
 def _gemma_layer_types(model_type: str, config: Mapping[str, Any]) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 
 from kubeinfer.kernels.quant_linear_cpu import BLOCK_BYTES
 
-from .checkpoint import Checkpoint, QuantizedBlocks, Slice, one_intra_op_thread
+from .checkpoint import Checkpoint, FusedParts, QuantizedBlocks, Slice, is_fused, one_intra_op_thread, split_fused
 from .config import ModelConfig
 from .gguf_dequant import dequantize
 from .gguf_reader import GGUFFile, GGUFTensor
@@ -62,18 +62,27 @@ def convert_tensor(names: GGUFNames, gguf_name: str, tensor: GGUFTensor, dtype: 
         value = part.pad(dequantize(rows, target))
     else:
         value = part.pad(dequantize(tensor, target).narrow(part.dim, part.start, part.stop - part.start).clone())
+    if names.norm_shift and name.endswith("norm.weight"):
+        value = value - names.norm_shift
     heads = names.rope_heads(name, num_heads, num_kv_heads)
     return name, value if heads is None else unpermute_rope_rows(value, heads)
 
 
 def convert_tensors(names: GGUFNames, gguf_name: str, tensor: GGUFTensor, dtype: torch.dtype, num_heads: int,
-                    num_kv_heads: int, slices: Mapping[str, Slice]) -> list[tuple[str, torch.Tensor]]:
+                    num_kv_heads: int, slices: Mapping[str, Slice], fused: FusedParts | None = None
+                    ) -> list[tuple[str, torch.Tensor]]:
     """`convert_tensor`, except that a stacked expert tensor (`ffn_gate_exps` [E, I, H], ...) becomes
-    its E per-expert matrices under their transformers names, each cut to its part in `slices`
-    (tensor parallelism) -- the names and slices the model and `weight_slices` use for any checkpoint."""
+    its E per-expert matrices under their transformers names, and a fused one (Phi-3's `attn_qkv`,
+    `fused` from the family) its projections, each cut to its part in `slices` (tensor parallelism)
+    -- the names and slices the model and `weight_slices` use for any checkpoint."""
     experts = names.expert_names(gguf_name, tensor.shape[0]) if len(tensor.shape) == 3 else None
     if experts is None:
         name = names.hf_name(gguf_name)
+        if fused and is_fused(name, fused):   # whole, split, then each part sliced
+            pieces = split_fused(*convert_tensor(names, gguf_name, tensor, dtype, num_heads, num_kv_heads), fused)
+            return [(piece_name, piece if (part := slices.get(piece_name)) is None else
+                     part.pad(piece.narrow(part.dim, part.start, part.stop - part.start)))
+                    for piece_name, piece in pieces]
         return [convert_tensor(names, gguf_name, tensor, dtype, num_heads, num_kv_heads, slices.get(name))]
     stacked = dequantize(tensor, dtype)
     converted = []
@@ -92,7 +101,8 @@ def read_gguf_file(path: Path) -> Checkpoint:
     tokenizer = gguf_tokenizer(meta)
     defaults = {ours: meta[f"general.sampling.{key}"] for key, ours in _SAMPLING_KEYS.items()
                 if f"general.sampling.{key}" in meta}
-    names = model_family(config.architecture).gguf
+    family = model_family(config.architecture)
+    names, fused = family.gguf, family.resolve().fused_checkpoint_parts(config)
     heads = (config.num_attention_heads, config.num_key_value_heads)
     quantized: QuantizedBlocks = {}
 
@@ -105,8 +115,10 @@ def read_gguf_file(path: Path) -> Checkpoint:
             blocks = torch.from_numpy(np.ascontiguousarray(tensor.data))
             blocks = blocks.reshape(tensor.shape[0], -1, BLOCK_BYTES[tensor.qtype.name])
             permuted = names.rope_heads(name, *heads)
-            quantized[name] = (tensor.qtype.name, blocks if permuted is None else unpermute_rope_rows(blocks, permuted))
-        return [(name, value)]
+            blocks = blocks if permuted is None else unpermute_rope_rows(blocks, permuted)
+            for piece_name, piece in split_fused(name, blocks, fused):   # quantized along rows: split alike
+                quantized[piece_name] = (tensor.qtype.name, piece)
+        return split_fused(name, value, fused)
 
     def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors in file order, dequantized a few ahead by one worker per core, each on one

@@ -30,6 +30,8 @@ class GGUFNames:
     block_names: Mapping[str, str]
     # transformers module (inside a layer) -> "q" or "k": rows permuted by llama.cpp's converter
     permuted_rope_rows: Mapping[str, str] = field(default_factory=dict)
+    # added by llama.cpp's converter to every `*norm.weight` (Gemma: its norms scale by 1 + w, llama.cpp's by w)
+    norm_shift: float = 0.0
 
     def expert_names(self, gguf_name: str, num_experts: int) -> list[str] | None:
         """The transformers names of the per-expert matrices a stacked GGUF expert tensor holds
@@ -72,6 +74,15 @@ LLAMA_GGUF_UNPERMUTED = GGUFNames(_LLAMA_GLOBAL, _LLAMA_BLOCK)
 QWEN3_GGUF = GGUFNames(_LLAMA_GLOBAL, {**_LLAMA_BLOCK, "attn_q_norm": "self_attn.q_norm",
                                        "attn_k_norm": "self_attn.k_norm"})
 
+# Gemma 2/3: sandwich norms (llama.cpp's post_attention_norm / ffn_norm / post_ffw_norm), q/k norms (Gemma 3)
+GEMMA_GGUF = GGUFNames(_LLAMA_GLOBAL, {**_LLAMA_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                                       "ffn_norm": "pre_feedforward_layernorm",
+                                       "post_ffw_norm": "post_feedforward_layernorm",
+                                       "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+                       norm_shift=1.0)
+# Phi-3: q|k|v and gate|up stay stacked (`attn_qkv`, `ffn_up`), split at load as from the HF checkpoint
+PHI3_GGUF = GGUFNames(_LLAMA_GLOBAL, {**_LLAMA_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"})
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -101,9 +112,9 @@ _FAMILIES: dict[str, ModelFamily] = {
     "qwen3_moe": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
     "qwen3moe": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),   # its GGUF name
     "mixtral": ModelFamily("kubeinfer.server.model.mixtral:MixtralForCausalLM"),
-    "phi3": ModelFamily("kubeinfer.server.model.phi3:Phi3ForCausalLM"),
-    "gemma2": ModelFamily("kubeinfer.server.model.gemma:Gemma2ForCausalLM"),
-    "gemma3_text": ModelFamily("kubeinfer.server.model.gemma:Gemma3ForCausalLM"),
+    "phi3": ModelFamily("kubeinfer.server.model.phi3:Phi3ForCausalLM", PHI3_GGUF),
+    "gemma2": ModelFamily("kubeinfer.server.model.gemma:Gemma2ForCausalLM", GEMMA_GGUF),
+    "gemma3_text": ModelFamily("kubeinfer.server.model.gemma:Gemma3ForCausalLM", GEMMA_GGUF),
 }
 
 

@@ -43,11 +43,11 @@ def safetensors_shards(path: Path, slices: Mapping[str, Slice], dtype: torch.dty
                 yield name, part.pad(tensor.to(dtype))
 
 
-def gguf_shards(path: Path, plan: ShardPlan, slices: Mapping[str, Slice], names: GGUFNames, dtype: torch.dtype
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_shards(path: Path, plan: ShardPlan, slices: Mapping[str, Slice], names: GGUFNames, dtype: torch.dtype,
+                fused: FusedParts) -> Iterator[tuple[str, torch.Tensor]]:
     for gguf_name, tensor in GGUFFile(path).tensors.items():
         # llama.cpp permutes rows within each head, so a rank's whole heads un-permute on their own.
-        yield from convert_tensors(names, gguf_name, tensor, dtype, plan.num_heads, plan.num_kv_heads, slices)
+        yield from convert_tensors(names, gguf_name, tensor, dtype, plan.num_heads, plan.num_kv_heads, slices, fused)
 
 
 def sharded_weights(source: Path, plan: ShardPlan, slices: Mapping[str, Slice], names: GGUFNames,
@@ -56,4 +56,4 @@ def sharded_weights(source: Path, plan: ShardPlan, slices: Mapping[str, Slice], 
     from the family's `fused_checkpoint_parts` of the whole model's config."""
     if source.is_dir():
         return safetensors_shards(source, slices, dtype, fused or {})
-    return gguf_shards(source, plan, slices, names, dtype)
+    return gguf_shards(source, plan, slices, names, dtype, fused or {})

@@ -1,5 +1,8 @@
-"""Write a tiny HF Llama, Qwen2, Qwen3, Qwen3-MoE or Mixtral as a GGUF the way llama.cpp's converter does (for `llama`: q/k rows
-permuted for its rotary layout, Llama-3 rope scaling baked into `rope_freqs`), Q8_0-quantized.
+"""Write a tiny HF Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3 or Phi-3 as a GGUF the way llama.cpp's
+converter does (for `llama`: q/k rows permuted for its rotary layout, Llama-3 rope scaling baked into `rope_freqs`;
+Gemma: 1 added to every norm weight, sandwich norms as post_attention_norm / ffn_norm / post_ffw_norm, soft-caps,
+window and global-layer pattern in the metadata; Phi-3: q|k|v and gate|up kept stacked as attn_qkv / ffn_up),
+Q8_0-quantized.
 
 Q8_0 blocks run along rows and the permutation only reorders rows, so quantization commutes with
 it: the exporter also returns the transformers model with the same quantization round-trip applied,
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import gguf
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 _NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -23,15 +27,20 @@ _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
           "mlp.experts.down_proj": "ffn_down_exps", "mlp.experts.gate_up_proj": "ffn_gate_up_exps"}
 # llama.cpp's architecture names: Mixtral is written as `llama` with experts
-_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "gemma3_text": "gemma3"}
+_GEMMA_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+_BLOCK_BY_ARCH = {"gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK,
+                  "phi3": {**_BLOCK, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, arch: str = "llama") -> str:
     if name in _NAMES:
         return _NAMES[name]
+    block = _BLOCK_BY_ARCH.get(arch, _BLOCK)
     _, _, layer, *module, kind = name.split(".")
     module = ".".join(module)
-    return f"blk.{layer}.{_BLOCK[module]}.{kind}" if module in _BLOCK else f"blk.{layer}.{_BLOCK[f'{module}.{kind}']}.weight"
+    return f"blk.{layer}.{block[module]}.{kind}" if module in block else f"blk.{layer}.{block[f'{module}.{kind}']}.weight"
 
 
 def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -62,8 +71,19 @@ def export_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)   # Gemma 3: the global layers' rope (llama.cpp knows the local base)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(head_dim)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma3":   # every n-th layer global
+        writer.add_sliding_window_pattern(config.layer_types.index("full_attention") + 1)
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, cap, None) is not None:
+            getattr(writer, f"add_{cap}")(getattr(config, cap))
     _add_tokenizer(writer, hf_dir)
     with torch.no_grad():
         if rope.get("rope_type") == "llama3":   # llama.cpp stores default_inv_freq / scaled_inv_freq
@@ -74,8 +94,12 @@ def export_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} \
             if arch == "llama" else {}
         for name, param in hf_model.state_dict().items():
-            gguf_name = _gguf_name(name)
+            if name == "lm_head.weight" and arch.startswith("gemma"):   # tied: llama.cpp writes no output.weight
+                continue
+            gguf_name = _gguf_name(name, arch)
             value = param.float().numpy()
+            if arch.startswith("gemma") and name.endswith("norm.weight"):   # llama.cpp's norms scale by w
+                value = value + 1.0
             raw_dtype = None
             if value.ndim >= 2 and value.shape[-1] % 32 == 0 and qtype != GGMLQuantizationType.F32:
                 value, raw_dtype = quants.quantize(value, qtype), qtype   # along rows: slicing rows commutes
