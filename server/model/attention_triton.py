@@ -30,7 +30,7 @@ class TritonAttention:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """In place, from the position-indexed cos|sin table (no per-step tensors)."""
         q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
-        return ops.apply_rotary(q, k, rotary.table_positions(batch), rotary.table(), inplace=True)
+        return ops.apply_rotary(q, k, *rotary.indexed_table(batch), inplace=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from .registry import supported_architectures
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "freq_factors")
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,10 @@ class ModelConfig:
                             or config.get("max_position_embeddings", 4096))
         if rope.get("rope_type") == "longrope" and rope.get("factor") is None:   # as transformers derives it
             rope["factor"] = config.get("max_position_embeddings", 4096) / rope["original_max_position_embeddings"]
+        max_positions = config.get("max_position_embeddings", 4096)
+        if rope.get("rope_type") == "dynamic":   # trained on max_position_embeddings, served up to factor times it (vLLM)
+            rope["original_max_position_embeddings"] = max_positions
+            max_positions = int(max_positions * rope["factor"])
         eos = config.get("eos_token_id")
         layer_types = tuple(config.get("layer_types") or _gemma_layer_types(model_type, config))
         use_sliding = config.get("use_sliding_window",
@@ -142,7 +146,7 @@ class ModelConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             sliding_window=config.get("sliding_window") if use_sliding else None,

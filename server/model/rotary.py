@@ -29,6 +29,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if rope_type == "longrope":   # the short factors; `RotaryEmbedding` keeps the long ones too
         return longrope_inv_freq(head_dim, theta, scaling["short_factor"])
+    if rope_type == "dynamic":   # within the original context; `RotaryEmbedding` rescales past it
+        return inv_freq
     if rope_type != "llama3":
         return inv_freq   # "default"; "freq_factors" divisors are loaded with the weights
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -91,7 +93,13 @@ class RotaryEmbedding(nn.Module):
     LongRoPE (Phi-3 128k, Phi-3.5) has two sets: a sequence rotates with the short factors while
     it is within `original_max_position_embeddings`, with the long ones in a step that takes it
     past (transformers decides per forward call the same way, so its generate agrees). Its table
-    holds the short rows, then the long ones; `table_positions` points each token at its half."""
+    holds the short rows, then the long ones; `table_positions` points each token at its half.
+
+    Dynamic NTK ("dynamic"): a step that takes a sequence to L > original positions rotates its
+    tokens with the base theta * (factor * L / original - (factor - 1)) ^ (d / (d - 2)), per
+    sequence, as transformers' generate recomputes it per forward call (the keys already cached
+    keep their rotation there too). No position table can hold that: the Triton path gets the
+    step's own rows (`indexed_table`)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int) -> None:
         super().__init__()
@@ -107,8 +115,12 @@ class RotaryEmbedding(nn.Module):
         if (self.scaling or {}).get("rope_type") == "longrope":
             self.long_inv_freq = longrope_inv_freq(self.head_dim, self.theta, self.scaling["long_factor"]).to(device)
             self.original_max_positions = int(self.scaling["original_max_position_embeddings"])
+        self.dynamic: tuple[float, int] | None = None   # (factor, original context)
+        if (self.scaling or {}).get("rope_type") == "dynamic":
+            self.dynamic = float(self.scaling["factor"]), int(self.scaling["original_max_position_embeddings"])
         self._table: torch.Tensor | None = None
         self._step: tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._step_table: tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def table(self) -> torch.Tensor:
         """float32 cos|sin [max_positions, head_dim] for the Triton rotary kernel, built on first use
@@ -126,8 +138,34 @@ class RotaryEmbedding(nn.Module):
         """`cos_sin` of the step's positions, computed on its first layer and reused by the others
         (the engine builds a new ForwardBatch per step, never mutates one)."""
         if self._step is None or self._step[0] is not batch:
-            self._step = batch, self.cos_sin(batch.positions, dtype, self._long_tokens(batch))
+            self._step = batch, self.cos_sin(batch.positions, dtype, self._long_tokens(batch),
+                                             self._dynamic_inv_freq(batch))
         return self._step[1]
+
+    def indexed_table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row of each token, cos|sin table) for the Triton rotary kernel: the model's table, or
+        with dynamic NTK the step's own rows (computed on the first layer, reused by the others)."""
+        if self.dynamic is None:
+            return self.table_positions(batch), self.table()
+        if self._step_table is None or self._step_table[0] is not batch:
+            freqs = batch.positions.float()[:, None] * self._dynamic_inv_freq(batch)
+            rows = torch.arange(batch.num_tokens, device=batch.positions.device)
+            self._step_table = batch, (rows, torch.cat([freqs.cos(), freqs.sin()], dim=-1))
+        return self._step_table[1]
+
+    def _dynamic_inv_freq(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Dynamic NTK: [T, head_dim / 2] frequencies of each token, from its sequence's length
+        after this step (transformers' float32 arithmetic)."""
+        if self.dynamic is None:
+            return None
+        factor, original = self.dynamic
+        lengths = batch.seq_lens.to(torch.int64)
+        base = self.theta * ((factor * lengths / original) - (factor - 1)) ** (self.head_dim / (self.head_dim - 2))
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=lengths.device).float() / self.head_dim
+        inv_freq = torch.where((lengths > original)[:, None], 1.0 / (base[:, None] ** exponents[None, :]),
+                               self.inv_freq.float()[None, :])
+        query_lens = torch.tensor(batch.query_lens_cpu, device=lengths.device)
+        return torch.repeat_interleave(inv_freq, query_lens, dim=0)
 
     def table_positions(self, batch: ForwardBatch) -> torch.Tensor:
         """The rows of `table` for the step's tokens: their positions (LongRoPE: in the long half
@@ -142,13 +180,14 @@ class RotaryEmbedding(nn.Module):
         query_lens = torch.tensor(batch.query_lens_cpu, device=batch.seq_lens.device)
         return torch.repeat_interleave(batch.seq_lens > self.original_max_positions, query_lens)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, long: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, long: torch.Tensor | None = None,
+                token_inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, head_dim] for `positions` [T], once per step for all layers
-        (`long` [T]: LongRoPE tokens on the long factors).
+        (`long` [T]: LongRoPE tokens on the long factors; `token_inv_freq` [T, head_dim / 2]:
+        each token's own frequencies, dynamic NTK).
 
         The sin's first half is negated, folding `rotate_half`'s negation into the table."""
-        inv_freq = self.inv_freq.float()[None, :]
+        inv_freq = self.inv_freq.float()[None, :] if token_inv_freq is None else token_inv_freq
         if long is not None:
             inv_freq = torch.where(long[:, None], self.long_inv_freq.float()[None, :], inv_freq)
         freqs = positions.float()[:, None] * inv_freq

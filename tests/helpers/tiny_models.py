@@ -112,6 +112,7 @@ def _build(tmp_path: Path, config: Any, seed: int, add_bos_token: bool,
 def build_tiny_llama(tmp_path: Path, *, tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
                      num_kv_heads: int = 2, seed: int = 0, add_bos_token: bool = False,
                      generation_config: dict | None = None, hidden_act: str = "silu",
+                     max_position_embeddings: int = 4096,
                      name: str = "tiny-llama") -> tuple[Path, torch.nn.Module]:
     """A 2-layer Llama (GQA 4 heads / `num_kv_heads`, head_dim 16) and its transformers model."""
     from transformers import LlamaConfig
@@ -119,7 +120,7 @@ def build_tiny_llama(tmp_path: Path, *, tie_word_embeddings: bool = False, rope_
     rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
     config = LlamaConfig(vocab_size=VOCAB_SIZE, num_key_value_heads=num_kv_heads, rope_parameters=rope,
                          tie_word_embeddings=tie_word_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                         hidden_act=hidden_act, **_DIMS)
+                         hidden_act=hidden_act, **{**_DIMS, "max_position_embeddings": max_position_embeddings})
     return _build(tmp_path, config, seed, add_bos_token, generation_config, name)
 
 

@@ -67,6 +67,9 @@ def test_tiny_llama_decodes_the_same_tokens_through_triton_attention(tmp_path):
     pytest.param(functools.partial(make_tiny_phi3, sliding_window=None, rope_scaling={
         "rope_type": "longrope", "original_max_position_embeddings": 16, "short_factor": [1.0 + 0.1 * i for i in range(8)],
         "long_factor": [2.0 + 0.5 * i for i in range(8)]}), id="phi3-longrope-table-halves"),
+    # dynamic NTK over 16 trained positions: the step's own cos|sin rows once "b" passes them
+    pytest.param(functools.partial(make_tiny_llama, rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+                                   max_position_embeddings=16), id="llama-dynamic-ntk-step-rows"),
 ])
 def test_new_families_decode_the_same_tokens_on_every_triton_kernel(build, tmp_path):
     """Every op on its Triton kernel (attention with each layer's window and soft-cap, the MoE
