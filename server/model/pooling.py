@@ -1,8 +1,9 @@
 """What an embedding checkpoint says about itself: its task and its sentence-level pooling.
 
 Read from the files sentence-transformers writes next to the weights (`modules.json`,
-`1_Pooling/config.json`, a `Normalize` module) as vLLM does; without them a decoder embedder
-pools its last token and L2-normalises (vLLM's default for `--task embed` on a causal model).
+`1_Pooling/config.json`, a `Normalize` module) as vLLM does, or from a GGUF's `<arch>.pooling_type`
+(L2-normalised, as llama-server answers); without them a decoder embedder pools its last token
+and L2-normalises (vLLM's default for `--task embed` on a causal model).
 `config.json`'s `matryoshka_dimensions` / `is_matryoshka` say which output sizes
 (`dimensions`) the model was trained to be truncated to.
 """
@@ -67,6 +68,22 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+# llama.cpp's `<arch>.pooling_type` (an embedding GGUF says how it pools; llama-server L2-normalises)
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def _gguf_pooling_type(source: str) -> int | None:
+    """A GGUF file's `<arch>.pooling_type`, None for any other source or when it has none."""
+    path = Path(source).expanduser()
+    if source == "embedded" or not (path.is_file() and path.suffix == ".gguf"):
+        return None
+    from .gguf_reader import GGUFFile
+
+    meta = GGUFFile(path).metadata
+    value = meta.get(f"{meta.get('general.architecture')}.pooling_type")
+    return None if value is None else int(value)
+
+
 def model_directory(source: str) -> Path | None:
     """The HF directory of a model source, None for the embedded model or a GGUF file."""
     if source == "embedded":
@@ -82,6 +99,8 @@ def resolve_task(task: str, source: str) -> str:
         raise ValueError(f"unknown task {task!r}; choose {', '.join(TASKS)}")
     if task != "auto":
         return task
+    if _gguf_pooling_type(source):   # an embedding GGUF (llama.cpp's pooling_type set)
+        return "embed"
     directory = model_directory(source)
     if directory is None:
         return "generate"
@@ -91,7 +110,14 @@ def resolve_task(task: str, source: str) -> str:
 
 
 def read_pooler_config(source: str) -> PoolerConfig:
-    """The pooling of an embedding checkpoint (sentence-transformers files, else the default)."""
+    """The pooling of an embedding checkpoint (sentence-transformers files, a GGUF's pooling_type,
+    else the default)."""
+    gguf_pooling = _gguf_pooling_type(source)
+    if gguf_pooling:
+        if gguf_pooling not in _GGUF_POOLING:
+            raise ValueError(f"GGUF pooling_type {gguf_pooling} (rank) is not supported; supported: "
+                             f"{', '.join(f'{k} ({v})' for k, v in _GGUF_POOLING.items())}")
+        return PoolerConfig(pooling_type=_GGUF_POOLING[gguf_pooling], normalize=True, source="GGUF pooling_type")
     directory = model_directory(source)
     if directory is None:
         return PoolerConfig()

@@ -72,6 +72,23 @@ def test_bare_decoder_checkpoint_is_an_embedding_model_by_default(tmp_path):
     _check(llm.embed(PROMPTS), decoder, "last", True)
 
 
+@pytest.mark.parametrize("pooling_type,pooling", [(3, "last"), (1, "mean")])
+def test_gguf_embedding_model_pools_as_its_pooling_type(tmp_path, pooling_type, pooling):
+    """A GGUF with llama.cpp's `<arch>.pooling_type` is an embedding model by itself (task auto),
+    pooled that way and L2-normalised as llama-server does; reference: transformers' decoder with
+    the same Q8_0-rounded weights."""
+    from helpers.gguf_export import export_gguf
+    from transformers import AutoModelForCausalLM
+
+    path, _ = build_embedding_model(tmp_path, kind="qwen3", pooling=None)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gguf = tmp_path / "embed.Q8_0.gguf"
+    rounded = export_gguf(path, lm, gguf, pooling_type=pooling_type)
+    llm = _engine(gguf, task="auto")
+    assert llm.engine.task == "embed" and llm.engine.pooler.config.pooling_type == pooling
+    _check(llm.embed(PROMPTS), rounded.model, pooling, True)
+
+
 def test_last_token_pooling_reuses_cached_prefixes(tmp_path):
     path, decoder = build_embedding_model(tmp_path, kind="qwen3", pooling="last")
     llm = _engine(path)

@@ -49,8 +49,10 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def export_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
-                qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0) -> torch.nn.Module:
-    """Write `out` and return `hf_model` with matrices replaced by their quantize/dequantize round-trip."""
+                qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0, pooling_type: int | None = None
+                ) -> torch.nn.Module:
+    """Write `out` and return `hf_model` with matrices replaced by their quantize/dequantize round-trip.
+    `pooling_type`: llama.cpp's `<arch>.pooling_type` of an embedding model (1 mean, 2 cls, 3 last)."""
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     arch = _ARCHITECTURES.get(config.model_type, config.model_type)
@@ -62,6 +64,8 @@ def export_gguf(hf_dir: Path, hf_model: torch.nn.Module, out: Path,
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if pooling_type is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts:   # stacked ffn_{gate,up,down}_exps [E, rows, cols] and the router ffn_gate_inp
         writer.add_expert_count(experts)
