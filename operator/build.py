@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig
 from kubeinfer.server.flags import ENGINE_FLAGS, to_args
 from . import api
-from .model_source import adapter_volumes, model_mounts
+from .model_source import adapter_volumes, draft_model_path, model_mounts
 from .resource import InferenceService, OperatorConfig
 from .security import restricted_container, restricted_pod
 from .spec import flag
@@ -42,8 +43,22 @@ def engine_args(isvc: InferenceService, model_path: str, served_name: str | None
               "max_num_batched_tokens": engine.max_num_batched_tokens,
               "max_model_len": model.max_model_len, "task": model.task,
               "enable_prefix_caching": engine.prefix_cache.enabled,
-              "tensor_parallel_size": engine.tensor_parallel_size, **lora_values(isvc)}
+              "tensor_parallel_size": engine.tensor_parallel_size, **lora_values(isvc),
+              "speculative_config": speculative_config(isvc)}
     return ["serve", *to_args(values, ENGINE_FLAGS), *engine.extra_args]
+
+
+def speculative_config(isvc: InferenceService) -> SpeculativeConfig | None:
+    """`spec.engine.speculative` as the engine's --speculative-config (validated the same way)."""
+    spec = isvc.spec.engine.speculative
+    if spec is None:
+        return None
+    values: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                              "prompt_lookup_min": spec.prompt_lookup_min,
+                              "prompt_lookup_max": spec.prompt_lookup_max, "model": draft_model_path(isvc)}
+    if spec.disable_by_batch_size is not None:
+        values["disable_by_batch_size"] = spec.disable_by_batch_size
+    return SpeculativeConfig(**values)
 
 
 def lora_values(isvc: InferenceService) -> dict[str, Any]:

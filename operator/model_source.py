@@ -86,14 +86,31 @@ def adapter_mount(claim: str) -> str:
 
 def adapter_path(isvc: InferenceService, adapter: AdapterSpec) -> str:
     """Where the engine finds `adapter`'s files inside the pod (the `lora_path` it is loaded from)."""
-    claim, path = _pvc(adapter.source)
+    return _pvc_path(isvc, adapter.source)
+
+
+def draft_model_path(isvc: InferenceService) -> str | None:
+    """Where the engine finds the speculative draft model (`engine.speculative.draftModel`), if any."""
+    speculative = isvc.spec.engine.speculative
+    if speculative is None or speculative.draft_model is None:
+        return None
+    return _pvc_path(isvc, speculative.draft_model)
+
+
+def _pvc_path(isvc: InferenceService, source: str) -> str:
+    claim, path = _pvc(source)
     root = api.MODEL_MOUNT if claim == model_claim(isvc) else adapter_mount(claim)
     return f"{root}/{path}".rstrip("/")
 
 
 def adapter_volumes(isvc: InferenceService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, volumeMounts) for the adapters' claims other than the model's, in claim order."""
-    claims = sorted({_pvc(a.source)[0] for a in isvc.spec.adapters} - {model_claim(isvc)})
+    """(volumes, volumeMounts) for the adapters' claims (and the draft model's) other than the
+    model's, in claim order."""
+    claims = {_pvc(a.source)[0] for a in isvc.spec.adapters}
+    speculative = isvc.spec.engine.speculative
+    if speculative is not None and speculative.draft_model is not None:   # mounted like adapters' claims
+        claims.add(_pvc(speculative.draft_model)[0])
+    claims = sorted(claims - {model_claim(isvc)})
     volumes, mounts = [], []
     for claim in claims:  # volume names are DNS labels; claim names may be longer
         name = "adapters-" + hashlib.sha256(claim.encode()).hexdigest()[:12]

@@ -157,6 +157,53 @@ class AdapterSpec(Section):
                                  "mount (hf:// cannot be fetched into a running pod)")))
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+PVC_SOURCE_PATTERN = r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]+$"
+
+
+class SpeculativeSpec(Section):
+    """Speculative decoding (`--speculative-config`, vLLM's): a proposer drafts tokens that the
+    model verifies in one pass. Greedy output is unchanged; sampled output keeps its distribution."""
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("self.method == 'draft_model' ? has(self.draftModel) : !has(self.draftModel)",
+         "engine.speculative.draftModel is required by method draft_model and applies to no other method"),
+        ("self.method == 'ngram' || (!has(self.promptLookupMin) && !has(self.promptLookupMax))",
+         "engine.speculative.promptLookupMin/Max apply to method ngram only"),
+        ("!has(self.promptLookupMin) || !has(self.promptLookupMax) || self.promptLookupMin <= self.promptLookupMax",
+         "engine.speculative.promptLookupMin must not exceed promptLookupMax")))
+    method: Literal[SPECULATIVE_METHODS] = Field(  # type: ignore[valid-type]
+        description="ngram: prompt lookup (the tokens that followed the last n tokens earlier in the "
+                    "prompt or output); suffix: the most frequent continuation in this request and in "
+                    "earlier responses of the same engine; draft_model: a smaller model with the same "
+                    "tokenizer (draftModel).")
+    num_speculative_tokens: int = Field(4, ge=1, le=64, description="Most draft tokens per sequence and step.")
+    prompt_lookup_min: int | None = Field(None, ge=1, le=64,
+                                          description="ngram: shortest n-gram looked up (default 5, vLLM's).")
+    prompt_lookup_max: int | None = Field(None, ge=1, le=64,
+                                          description="ngram: longest n-gram looked up, tried first (default: min).")
+    draft_model: Annotated[str, _match(PVC_SOURCE_PATTERN, "a pvc://<claim>/<path> source")] | None = Field(
+        None, max_length=512,
+        description="draft_model: 'pvc://<claim>/<path>', a Hugging Face directory or .gguf with the model's "
+                    "tokenizer, mounted read-only (the model's claim is reused).",
+        json_schema_extra=rules((f"self.matches(r'{PVC_SOURCE_PATTERN}')",
+                                 "engine.speculative.draftModel must be 'pvc://<claim>/<path>'")))
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, le=4096, description="No drafts in a step with more running sequences than this "
+                                         "(default 16: measured on CPU, see BENCHMARKS.md).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpeculativeSpec":
+        if (self.method == "draft_model") != (self.draft_model is not None):
+            raise ValueError("engine.speculative.draftModel is required by method draft_model and "
+                             "applies to no other method")
+        if self.method != "ngram" and (self.prompt_lookup_min or self.prompt_lookup_max):
+            raise ValueError("engine.speculative.promptLookupMin/Max apply to method ngram only")
+        if self.prompt_lookup_min and self.prompt_lookup_max and self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("engine.speculative.promptLookupMin must not exceed promptLookupMax")
+        return self
+
+
 class EngineSpec(Section):
     """The serving engine each pod runs (`kubeinfer serve`)."""
 
@@ -182,6 +229,7 @@ class EngineSpec(Section):
                                         le=1 << 20, description=flag("max_num_batched_tokens").help)
     prefix_cache: PrefixCacheSpec = section(PrefixCacheSpec, PrefixCacheSpec.__doc__ or "")
     lora: LoraSpec = section(LoraSpec, LoraSpec.__doc__ or "")
+    speculative: SpeculativeSpec | None = Field(None, description=SpeculativeSpec.__doc__ or "")
     extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64,
         description="Extra `kubeinfer serve` arguments, appended after the generated ones.")

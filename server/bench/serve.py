@@ -28,10 +28,13 @@ from .serve_report import LevelReport, format_table, plot, summarize
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--base-url", default="http://127.0.0.1:8000", help="Server root, without /v1.")
-    add("--endpoint", default=None, help="Default: /v1/chat/completions for --dataset chat, else /v1/completions.")
+    add("--endpoint", default=None, help="Default: /v1/chat/completions for --dataset chat and grounded, else /v1/completions.")
     add("--model", default=None, help="Model name to send (default: the first one /v1/models lists).")
     add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key [env OPENAI_API_KEY].")
-    add("--dataset", default="random", choices=("random", "shared-prefix", "chat"))
+    add("--dataset", default="random", choices=("random", "shared-prefix", "chat", "grounded"))
+    add("--corpus", default="benchmarks/corpus",
+        help="grounded: a folder of .txt passages; each request asks to repeat, rewrite, extract from or "
+             "summarise one (answers copy from the prompt). Use with --no-ignore-eos.")
     add("--num-prompts", type=int, default=64, help="Requests per level.")
     add("--input-len", type=int, default=128, help="Prompt tokens (shared-prefix: the distinct question).")
     add("--output-len", type=int, default=128, help="Tokens to generate per request.")
@@ -110,11 +113,11 @@ async def _bench(args: argparse.Namespace) -> list[LevelReport]:
         return build_dataset(DatasetConfig(
             name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
             output_len=args.output_len, prompt_format=args.prompt_format, token_low=low, token_high=high,
-            num_groups=args.num_groups, prefix_len=args.prefix_len, seed=seed))
+            num_groups=args.num_groups, prefix_len=args.prefix_len, seed=seed, corpus=args.corpus))
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base_url = args.base_url.rstrip("/")
-    endpoint = args.endpoint or ("/v1/chat/completions" if args.dataset == "chat" else "/v1/completions")
+    endpoint = args.endpoint or ("/v1/chat/completions" if args.dataset in ("chat", "grounded") else "/v1/completions")
     levels = [int(level) for level in args.concurrency.split(",")]
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10.0), limits=limits) as client:

@@ -8,7 +8,9 @@ vLLM, llama.cpp and kubeinfer accept token-id prompts on /v1/completions) or wor
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Short, common English words: one token each (with the leading space) in GPT-2-style BPEs.
@@ -52,6 +54,7 @@ class DatasetConfig:
     num_groups: int = 4              # shared-prefix: groups x prompts per group
     prefix_len: int = 512
     seed: int | str = 0              # random.Random's seed: a str is hashed the same in every process
+    corpus: str = "benchmarks/corpus"  # grounded: folder of .txt passages
 
 
 def _random_prompt(rng: random.Random, length: int, config: DatasetConfig) -> str | list[int]:
@@ -81,6 +84,34 @@ def _chat_mix(rng: random.Random, config: DatasetConfig) -> list[BenchRequest]:
     return requests
 
 
+_GROUNDED_TASKS = (
+    "Repeat the text above word for word.",
+    "Copy the first paragraph of the text above exactly.",
+    "Rewrite the text above, replacing every '{word}' with '{other}'. Change nothing else.",
+    "List every sentence of the text above that contains the word '{word}', copied exactly, one per line.",
+    "Summarise the text above, quoting its key sentences word for word.",
+)
+
+
+def _grounded(rng: random.Random, config: DatasetConfig) -> list[BenchRequest]:
+    """Input-grounded chat: a passage of the corpus, then a task whose answer copies from it
+    (repeat, rewrite, extract, summarise), as in retrieval, editing and extraction traffic."""
+    paths = sorted(Path(config.corpus).glob("*.txt"))
+    if not paths:
+        raise ValueError(f"no .txt passages in --corpus {config.corpus!r}")
+    passages = [path.read_text().strip() for path in paths]
+    requests = []
+    for _ in range(config.num_prompts):
+        passage = rng.choice(passages)
+        words = sorted({w for w in re.findall(r"[a-z]{5,}", passage.lower())})
+        word, other = rng.choice(words), rng.choice(_WORDS)
+        task = rng.choice(_GROUNDED_TASKS).format(word=word, other=other)
+        content = f"{passage}\n\n{task}"
+        requests.append(BenchRequest(None, [{"role": "user", "content": content}], len(content.split()),
+                                     config.output_len))
+    return requests
+
+
 def build_dataset(config: DatasetConfig) -> list[BenchRequest]:
     rng = random.Random(config.seed)
     if config.name == "random":
@@ -98,4 +129,6 @@ def build_dataset(config: DatasetConfig) -> list[BenchRequest]:
         return requests
     if config.name == "chat":
         return _chat_mix(rng, config)
-    raise ValueError(f"unknown dataset {config.name!r} (random, shared-prefix, chat)")
+    if config.name == "grounded":
+        return _grounded(rng, config)
+    raise ValueError(f"unknown dataset {config.name!r} (random, shared-prefix, chat, grounded)")

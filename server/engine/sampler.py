@@ -54,7 +54,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.seeded: dict[int, torch.Generator] = {}  # id(seq) -> generator
+        self.seeded: dict[int, _SeededStream] = {}  # id(seq) -> its generator's draws
 
     def forget(self, seq: Sequence) -> None:
         self.seeded.pop(id(seq), None)
@@ -94,7 +94,7 @@ class Sampler:
         for row, seq in enumerate(seqs):
             if seq.params.seed is not None and not greedy[row]:
                 try:
-                    uniform[row] = torch.rand(1, generator=self._seeded_generator(seq), device=self.device)
+                    uniform[row] = self._seeded_uniform(seq)
                 except Exception as error:  # noqa: BLE001 - this row's request fails alone
                     errors[row] = error
         return uniform, errors
@@ -237,15 +237,19 @@ class Sampler:
         residual = _inverse_transform((p - q).clamp_min(0.0), rest.unsqueeze(1))
         return sampled.index_copy(0, index, torch.where(accept, token, residual))
 
-    def _seeded_generator(self, row: SamplingRow) -> torch.Generator:
+    def _seeded_uniform(self, row: SamplingRow) -> torch.Tensor:
+        """A seeded sequence's number for the output position `row` samples: the position-th
+        draw of the sequence's own generator, whatever the steps. A speculative step draws ahead
+        for its draft positions and keeps the draws of the positions it did not reach for the
+        next step, so a seeded request gives the same tokens with or without (deterministic)
+        drafts, and replays exactly either way."""
         seq = row.seq if isinstance(row, DraftPosition) else row   # the draft rows share their sequence's
-        generator = self.seeded.get(id(seq))
-        if generator is None:
-            generator = torch.Generator(device=self.device)
+        stream = self.seeded.get(id(seq))
+        if stream is None:
             assert seq.params.seed is not None
-            generator.manual_seed(seq.params.seed + seq.index)
-            self.seeded[id(seq)] = generator
-        return generator
+            stream = self.seeded[id(seq)] = _SeededStream(
+                torch.Generator(device=self.device).manual_seed(seq.params.seed + seq.index), seq.num_output_tokens)
+        return stream.draw(row.num_output_tokens, seq.num_output_tokens, self.device)
 
     def _logprobs(self, raw: torch.Tensor, seqs: list[SamplingRow], tokens: torch.Tensor
                   ) -> list[tuple[list[int], list[float], float, int] | None]:
@@ -266,6 +270,24 @@ class Sampler:
             values = top.values[j, :want].tolist() if top is not None else []
             result[row] = (ids, values, float(chosen_lp[j]), int(ranks[j]))
         return result
+
+
+class _SeededStream:
+    """A seeded sequence's generator and its draws not yet used, by output position."""
+
+    def __init__(self, generator: torch.Generator, position: int) -> None:
+        self.generator = generator
+        self.first = position   # the output position of draws[0]
+        self.draws: list[torch.Tensor] = []
+
+    def draw(self, position: int, done: int, device: torch.device) -> torch.Tensor:
+        """The draw for output `position`; those before `done` (tokens the sequence has) are dropped."""
+        if done > self.first:
+            del self.draws[:done - self.first]
+            self.first = done
+        while self.first + len(self.draws) <= position:
+            self.draws.append(torch.rand(1, generator=self.generator, device=device))
+        return self.draws[position - self.first]
 
 
 def _draft_with_probs(row: SamplingRow) -> tuple[int, torch.Tensor] | None:

@@ -58,6 +58,7 @@ def test_seeded_requests_replay_whatever_the_batch():
             batch = others + [seq]
             out = sampler(logits.expand(len(batch), 100), batch)
             tokens.append(out.token_ids[-1])
+            seq.token_ids.append(out.token_ids[-1])   # as the engine does: the next draw is the next position's
         return tokens
 
     assert draws(0) == draws(7) and len(set(draws(0))) > 1

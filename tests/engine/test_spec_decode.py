@@ -17,7 +17,7 @@ from kubeinfer.server.engine.sequence import Sequence
 from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4   # K and V, 2 layers, 4 tokens, 2 KV heads of 16, float32
 
@@ -41,6 +41,8 @@ def spec_config(draft_model_path):
     def make(method: str) -> dict:
         if method == "ngram":
             return NGRAM
+        if method == "suffix":
+            return {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 2.0}
         return {"model": draft_model_path, "num_speculative_tokens": 4}
     return make
 
@@ -170,14 +172,19 @@ def test_many_aborted_speculative_streams_leave_no_block_behind(method, spec_con
 def test_n_greater_than_one_and_seeded_sampled_requests_replay(method, spec_config, make_llm, random_prompts):
     """Sampled rows keep a deterministic draft where the sample equals it, a draft model's by
     rejection sampling (its distribution: test_spec_rejection_sampling.py); a seeded request
-    gives the same output twice."""
+    gives the same output twice, and with deterministic drafts the output it has without any
+    (its i-th token always uses its generator's i-th draw)."""
     prompts = _repetitive_prompts(random_prompts, 3, seed=8)
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, n=2, seed=7, ignore_eos=True)
     llm = make_llm(block_size=4, speculative_config=spec_config(method))
     outputs = llm.generate(prompts, params)
     assert all(len(c.token_ids) == 30 for o in outputs for c in o.outputs)
     again = llm.generate(prompts, params)
-    assert _token_ids(again) == _token_ids(outputs)
+    assert [[c.token_ids for c in o.outputs] for o in again] == [[c.token_ids for c in o.outputs] for o in outputs]
+    if method != "draft_model":
+        plain = make_llm(block_size=4).generate(prompts, params)
+        assert [[c.token_ids for c in o.outputs] for o in plain] == [[c.token_ids for c in o.outputs] for o in outputs]
+    assert _accepted(llm.engine) > 0
     _no_leaks(llm.engine)
 
 

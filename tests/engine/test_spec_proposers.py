@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import random
 
+from kubeinfer.server.engine.sampling_params import SamplingParams
+from kubeinfer.server.engine.sequence import Request, Sequence
+from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig
 from kubeinfer.server.engine.spec_decode.ngram import NgramIndex
+from kubeinfer.server.engine.spec_decode.suffix import SuffixProposer, SuffixTrie
 
 
 def _brute_force_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -47,3 +51,106 @@ def test_ngram_prefers_the_longest_match_then_the_latest_occurrence():
     # "1 2 9" occurred once (then 7 2 8): longer than the "2 9" / "9" matches, same place
     assert index.lookup(tokens, 3) == [7, 2, 8]
     assert index.lookup([3, 4], 3) == []
+
+
+def _substring_counts(token_lists: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    for tokens in token_lists:
+        for start in range(len(tokens)):
+            for end in range(start + 1, min(start + depth, len(tokens)) + 1):
+                key = tuple(tokens[start:end])
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _trie_counts(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
+    counts, stack = {}, [((), trie.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in node.children.items():
+            counts[path + (token,)] = child.count
+            stack.append((path + (token,), child))
+    return counts
+
+
+def test_suffix_trie_counts_every_substring_and_forgets_removed_lists():
+    rng = random.Random(1)
+    for _ in range(30):
+        depth = rng.randint(2, 6)
+        lists = [[rng.randrange(4) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(1, 6))]
+        trie = SuffixTrie(depth)
+        for tokens in lists:
+            trie.add(tokens)
+        assert _trie_counts(trie) == _substring_counts(lists, depth)
+        removed = rng.sample(range(len(lists)), rng.randint(0, len(lists)))
+        for i in removed:
+            trie.remove(lists[i])
+        kept = [tokens for i, tokens in enumerate(lists) if i not in removed]
+        assert _trie_counts(trie) == _substring_counts(kept, depth)   # nothing left with a zero count
+
+
+def _seq(tokens: list[int], num_prompt_tokens: int | None = None) -> Sequence:
+    seq = Request("r", tokens[:num_prompt_tokens], SamplingParams(), frozenset(), 4096).seqs[0]
+    seq.token_ids = list(tokens)
+    return seq
+
+
+def _suffix(**overrides) -> SuffixProposer:
+    values = dict(method="suffix", num_speculative_tokens=4, suffix_decoding_max_spec_factor=4.0)
+    return SuffixProposer(SpeculativeConfig(**{**values, **overrides}))
+
+
+def test_suffix_proposes_the_most_frequent_continuation_of_earlier_responses():
+    proposer = _suffix()
+    for response in ([7, 8, 9, 10, 11], [7, 8, 9, 10, 11], [7, 8, 9, 20, 21]):   # 9 -> 10 twice, 9 -> 20 once
+        proposer.release(_seq([1, 2] + response, num_prompt_tokens=2))
+    assert proposer.propose(_seq([50, 51, 7, 8, 9]), 4) == [10, 11]
+    # the request's own text counts as well, and its longer match wins: 3 8 9 -> 30 31
+    assert proposer.propose(_seq([3, 8, 9, 30, 31, 40, 3, 8, 9]), 4) == [30, 31, 40, 3]
+    # a continuation whose share falls under min_token_prob is cut: 9 -> 10 is 2/3, then 11 is 2/2
+    strict = _suffix(suffix_decoding_min_token_prob=0.7)
+    for response in ([7, 8, 9, 10, 11], [7, 8, 9, 10, 11], [7, 8, 9, 20, 21]):
+        strict.release(_seq([1, 2] + response, num_prompt_tokens=2))
+    assert strict.propose(_seq([50, 51, 7, 8, 9]), 4) == []
+    assert strict.propose(_seq([50, 51, 7, 8, 9, 10]), 4) == [11]
+
+
+def test_suffix_drafts_are_bounded_by_the_match_length_and_the_request():
+    proposer = _suffix(suffix_decoding_max_spec_factor=1.0)
+    proposer.release(_seq([1, 2, 3, 4, 5, 6, 7, 8], num_prompt_tokens=0))
+    assert proposer.propose(_seq([9, 2]), 4) == [3]            # a 1-token match drafts 1 token
+    assert proposer.propose(_seq([9, 1, 2]), 4) == [3, 4]      # 2 tokens: 2
+    assert proposer.propose(_seq([1, 2, 3, 4, 5]), 2) == [6, 7]   # and never more than asked
+
+
+def test_suffix_cache_keeps_the_latest_responses_within_its_bounds():
+    proposer = _suffix(suffix_decoding_max_cached_requests=2, suffix_decoding_max_cached_tokens=12)
+    for first in (100, 200, 300):
+        proposer.release(_seq([first, first + 1, first + 2, first + 3], num_prompt_tokens=0))
+    assert len(proposer.cached) == 2 and proposer.num_cached_tokens == 8
+    assert proposer.propose(_seq([100, 101]), 2) == []         # the oldest response is gone
+    assert proposer.propose(_seq([200, 201]), 2) == [202, 203]
+    long = list(range(400, 410))
+    proposer.release(_seq(long, num_prompt_tokens=0))   # 10 tokens: only 12 fit, both others go
+    assert list(proposer.cached.values()) == [long] and proposer.num_cached_tokens == 10
+    assert _trie_counts(proposer.shared) == _substring_counts([long], 24)
+    proposer.release(_seq(list(range(500, 513)), num_prompt_tokens=0))   # longer than the bound: not cached
+    assert list(proposer.cached.values()) == [long]
+
+
+def test_suffix_matches_follow_a_sequence_as_it_grows():
+    """The cursor into the shared trie is extended token by token, and rebuilt after the shared
+    trie changed; either way it finds what a fresh proposer finds."""
+    rng = random.Random(3)
+    proposer = _suffix()
+    responses = [[rng.randrange(6) for _ in range(20)] for _ in range(4)]
+    tokens = [rng.randrange(6) for _ in range(5)]
+    seq = _seq(tokens)
+    for step in range(40):
+        if step % 10 == 5:
+            proposer.release(_seq(responses[step // 10], num_prompt_tokens=0))
+        fresh = _suffix()
+        for response in responses[:(step + 5) // 10]:
+            fresh.release(_seq(response, num_prompt_tokens=0))
+        assert proposer.propose(seq, 4) == fresh.propose(_seq(list(seq.token_ids)), 4)
+        seq.token_ids += [rng.randrange(6) for _ in range(rng.randint(1, 3))]

@@ -162,3 +162,21 @@ def test_max_duration_stops_starting_requests(live_server, tmp_path: Path) -> No
     level = result["levels"][0]
     assert 1 <= level["completed"] < 12 and level["errors"] == 0
     assert endpoint.requests == level["completed"]
+
+
+def test_grounded_dataset_asks_about_a_passage_of_the_shipped_corpus() -> None:
+    corpus = Path(__file__).resolve().parents[2] / "benchmarks" / "corpus"
+    passages = [path.read_text().strip() for path in sorted(corpus.glob("*.txt"))]
+    requests = build_dataset(DatasetConfig(name="grounded", num_prompts=20, corpus=str(corpus), seed="s"))
+    assert len(passages) >= 5 and len(requests) == 20
+    for request in requests:
+        [message] = request.messages
+        passage, task = message["content"].rsplit("\n\n", 1)
+        assert passage in passages and "the text above" in task
+    assert requests == build_dataset(DatasetConfig(name="grounded", num_prompts=20, corpus=str(corpus), seed="s"))
+    try:
+        build_dataset(DatasetConfig(name="grounded", corpus=str(corpus / "missing")))
+    except ValueError as error:
+        assert "no .txt passages" in str(error)
+    else:
+        raise AssertionError("an empty corpus was accepted")

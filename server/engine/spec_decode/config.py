@@ -32,6 +32,8 @@ class SpeculativeConfig:
     # suffix: Arctic Inference's knobs (vLLM's names)
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
+    # ours: the shared trie's bound in tokens (at most depth nodes a token, ~240 bytes a node)
+    suffix_decoding_max_cached_tokens: int = 20_000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     # adaptive: no drafts in a step with more running sequences than this (vLLM's
@@ -64,9 +66,10 @@ class SpeculativeConfig:
             raise ValueError("method draft_model needs 'model': the draft model's directory or .gguf")
         if self.method != "draft_model" and self.model is not None:
             raise ValueError(f"'model' names a draft model; method {self.method} takes none")
-        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
-            raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and "
-                             "suffix_decoding_max_cached_requests >= 0")
+        if (self.suffix_decoding_max_tree_depth < 2 or self.suffix_decoding_max_cached_requests < 0
+                or self.suffix_decoding_max_cached_tokens < 0):
+            raise ValueError("suffix_decoding_max_tree_depth must be >= 2 and "
+                             "suffix_decoding_max_cached_requests/tokens >= 0")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0 or self.suffix_decoding_max_spec_factor <= 0:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1] and "
                              "suffix_decoding_max_spec_factor > 0")

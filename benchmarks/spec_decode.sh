@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Speculative decoding A/B: two kubeinfer servers on the embedded model, one without and one with
+# --speculative-config, up at once and measured in alternation (the host's speed drifts, see
+# BENCHMARKS.md). Each round: the input-grounded chat workload (benchmarks/corpus: repeat,
+# rewrite, extract, summarise; answers end at EOS, greedy) at c=1 and c=4, and random 128/128 at
+# c=32, on one server then the other with the round's seed for both; odd rounds start with the
+# plain server. Prints the load average per round and the spec server's acceptance counters.
+#
+#   benchmarks/spec_decode.sh [rounds]     # default 2
+#   SPEC='{"method": "ngram", ...}' NUM_PROMPTS=8 OUTPUT_LEN=160 benchmarks/spec_decode.sh
+# Servers on ports 18931 (plain) and 18932 (speculative).
+set -euo pipefail
+ROUNDS="${1:-2}"
+PY="${KUBEINFER_PYTHON:-python}"
+SPEC="${SPEC:-{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}}"
+NUM_PROMPTS="${NUM_PROMPTS:-2}"   # at c=1; twice that at c=4
+OUTPUT_LEN="${OUTPUT_LEN:-128}"
+HOST=127.0.0.1
+LOGS="${TMPDIR:-/tmp}"
+cd "$(dirname "$0")/.."
+
+serve() {  # port extra-args...
+  local port="$1"; shift
+  # one torch/OpenMP thread each: on this shared 2-vCPU host a second thread's barriers wait on
+  # descheduled threads (server/engine/cpu_threads.py), which made a c=1 step take seconds
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PY" -m kubeinfer.server.cli serve --model embedded --served-model-name smollm2 --host $HOST --port "$port" \
+    --kv-cache-memory 1GiB --max-num-seqs 64 --log-level warning "$@" > "$LOGS/spec-$port.log" 2>&1 &
+}
+serve 18931
+serve 18932 --speculative-config "$SPEC"
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+for port in 18931 18932; do
+  for _ in $(seq 600); do curl -sf "http://$HOST:$port/v1/models" > /dev/null && break; sleep 1; done
+done
+
+bench() {  # port seed flags...
+  local port="$1" seed="$2"; shift 2
+  "$PY" -m kubeinfer.server.cli bench serve --base-url "http://$HOST:$port" --max-duration 240 --warmup 1 \
+    --seed "$seed" --no-progress "$@" | tail -1
+}
+counters() {
+  curl -s "http://$HOST:18932/metrics" | grep '^vllm:spec_decode' | sed 's/{model_name="smollm2"}//; s/model_name="smollm2",//' | tr '\n' ' '
+}
+echo "spec: $SPEC"
+for round in $(seq "$ROUNDS"); do
+  order="18931 18932"; (( round % 2 == 0 )) && order="18932 18931"
+  for port in $order; do
+    name=$([[ $port == 18931 ]] && echo plain || echo spec)
+    echo "round $round $name $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "  grounded c=1:  $(bench $port $((round * 100)) --dataset grounded --num-prompts "$NUM_PROMPTS" --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 1)"
+    echo "  grounded c=4:  $(bench $port $((round * 100)) --dataset grounded --num-prompts $((2 * NUM_PROMPTS)) --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 4)"
+    echo "  random c=32:   $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len "${RANDOM_OUTPUT_LEN:-128}" --num-prompts 32 --concurrency 32)"
+    [[ $port == 18932 ]] && echo "  counters: $(counters)"
+  done
+done
