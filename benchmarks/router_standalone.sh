@@ -3,10 +3,13 @@
 # loopback ports, one `kubeinfer route` per strategy in front of the same three, and
 # `kubeinfer bench serve` through each router in turn (ROUNDS rounds, strategy order rotating).
 # Every run has its own --seed, so each starts with prefixes no engine has cached.
-# Usage: benchmarks/router_standalone.sh [OUT_DIR]   (env: ROUNDS, PREFIX_LEN, NUM_PROMPTS, CONCURRENCY)
+# Usage: benchmarks/router_standalone.sh [OUT_DIR]
+#   env: ROUNDS, PREFIX_LEN, NUM_PROMPTS (shared-prefix), RANDOM_PROMPTS (default NUM_PROMPTS), CONCURRENCY
+# The workload: PREFIX_LEN=1024 NUM_PROMPTS=128 CONCURRENCY=16 (8 tenants x 16 requests).
 set -euo pipefail
 out="${1:-benchmarks/results/router-$(date -u +%Y%m%dT%H%M)}"
 rounds="${ROUNDS:-1}" prefix_len="${PREFIX_LEN:-512}" prompts="${NUM_PROMPTS:-64}" conc="${CONCURRENCY:-16}"
+random_prompts="${RANDOM_PROMPTS:-$prompts}"
 mkdir -p "$out"
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
@@ -36,8 +39,10 @@ for round in $(seq "$rounds"); do
     for dataset in shared-prefix random; do
       seed=$((seed + 1))
       read -r h0 q0 < <(hits)
+      n="$prompts"; [ "$dataset" = random ] && n="$random_prompts"
+      echo "$strategy/$dataset/r$round: load average $(cut -d' ' -f1-3 /proc/loadavg) at $(date -u +%T)" | tee -a "$out/console.txt"
       kubeinfer bench serve --base-url "http://127.0.0.1:${router[$strategy]}" --dataset "$dataset" \
-        --num-groups 8 --prefix-len "$prefix_len" --input-len 64 --output-len 16 --num-prompts "$prompts" \
+        --num-groups 8 --prefix-len "$prefix_len" --input-len 64 --output-len 16 --num-prompts "$n" \
         --concurrency "$conc" --warmup 0 --seed "$seed" --no-progress --label "$strategy/$dataset/r$round" \
         --json "$out/$strategy-$dataset-r$round.json" | tee -a "$out/console.txt"
       read -r h1 q1 < <(hits)
