@@ -36,7 +36,7 @@ def test_qwen2_has_qkv_bias_and_mistral_keeps_its_window():
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "gpt_neox"}, "unsupported architecture 'gpt_neox'"),
     ({"num_key_value_heads": 5}, "not a multiple of num_key_value_heads"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "unsupported rope scaling type 'dynamic'"),
+    ({"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}, "unsupported rope scaling type 'mrope'"),
     ({"hidden_size": 0}, "hidden_size must be positive"),
 ])
 def test_invalid_configs_are_rejected(change, message):

@@ -181,8 +181,8 @@ def test_moe_config_from_transformers_keys():
                  id="gemma-activation"),
     pytest.param({"model_type": "phi3", "partial_rotary_factor": 0.75},
                  r"partial rotary embeddings \(partial_rotary_factor 0.75\) are not supported", id="phi4-mini-rotary"),
-    pytest.param({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}},
-                 "unsupported rope scaling type 'dynamic'; supported: default", id="rope-type"),
+    pytest.param({"rope_parameters": {"rope_type": "mrope", "mrope_section": [16, 24, 24], "rope_theta": 1e6}},
+                 "unsupported rope scaling type 'mrope'; supported: default", id="rope-type"),
 ])
 def test_unsupported_architecture_or_feature_is_refused_at_load(change, message, tmp_path):
     """Never garbage output: what the engine cannot run is refused by name, with what it can."""
