@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers.tiny_models import build_tiny_qwen2
 
+from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Sequence
 from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -276,3 +277,27 @@ def test_a_draft_model_with_another_tokenizer_is_refused(make_llm, draft_model_p
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ValueError, match="does not share the target .* tokenizer .* 2 of them with another id"):
         make_llm(speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow
+def test_embedded_model_fp32_greedy_output_is_unchanged_by_ngram_and_suffix_drafts():
+    """SmolLM2-135M-Instruct in float32, chat prompts that ask to repeat and rewrite a passage of
+    the benchmark corpus (answers copy from the prompt, so drafts are kept often)."""
+    from pathlib import Path
+
+    from kubeinfer.server.model.loader import load_model
+
+    loaded = load_model("embedded", dtype="float32", device="cpu")
+    passage = (Path(__file__).resolve().parents[2] / "benchmarks" / "corpus" / "gettysburg.txt").read_text()
+    passage = passage.split("\n\n")[1]
+    tasks = ("Repeat the text above word for word.", "Rewrite the text above, replacing 'nation' with 'country'.")
+    prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{passage}\n\n{task}"}])
+               for task in tasks]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    want = LLM(loaded_model=loaded, kv_cache_memory=64 << 20).generate(prompts, params)
+    for config in (NGRAM, {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 2.0}):
+        llm = LLM(loaded_model=loaded, kv_cache_memory=64 << 20, speculative_config=config)
+        got = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+        assert llm.engine.stats().spec_decode.num_accepted_tokens > 10
