@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kubeinfer.kernels.kv_cache_ref import FP8_MAX
+
 
 @dataclass(frozen=True)
 class AttentionGeometry:
@@ -47,7 +49,7 @@ def attention_geometry(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if cache_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads of dim {head_dim} cannot share "
                          f"{num_kv_heads} KV heads of dim {cache_head_dim}")
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, *FP8_MAX):
         raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the head_dim axis of q and of the caches must be contiguous")

@@ -35,12 +35,13 @@ def attention_mask(query_positions: torch.Tensor, seq_len: int,
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of `q [T, H, D]` over the paged cache; returns `[T, H, D]` in q's dtype.
 
     Sequence `i` owns query rows `query_start_loc[i]:query_start_loc[i+1]`; its last
     query is at position `seq_lens[i] - 1`, so the queries are the newest tokens and
-    everything before them (the cached prefix) is fully visible.
+    everything before them (the cached prefix) is fully visible. An fp8 cache holds K / k_scale
+    and V / v_scale (per-tensor scales).
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -50,8 +51,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        k = gather_kv(k_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        k = (gather_kv(k_cache, block_tables[i], seq_len).float() * k_scale).repeat_interleave(group, dim=1)
+        v = (gather_kv(v_cache, block_tables[i], seq_len).float() * v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)

@@ -48,7 +48,8 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
 
     Scores are kept in log2 units (exp2 is the fast path). `query_pos` [BLOCK_M] holds each
     row's absolute position: a row sees keys at or before it (causal within the chunk, all of
-    the cached prefix), within the window if any.
+    the cached prefix), within the window if any. An fp8 cache's values are read as q's dtype
+    (exactly): its K scale belongs in `scale`, its V scale on the output.
     """
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -66,6 +67,8 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
                     mask=dim_valid[:, None] & key_valid[None, :], other=0.0)      # [D, TILE]
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :],
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0)      # [TILE, D]
+        k = k.to(q.dtype)   # an fp8 cache: its values exactly (its scales are the caller's)
+        v = v.to(q.dtype)
         s = tl.dot(q, k)
         if USE_SOFTCAP:
             s = softcap * tanh(s * (scale / softcap)) * LOG2E

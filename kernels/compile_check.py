@@ -24,6 +24,7 @@ class CompileCase:
     pointers: dict[str, str]                      # argument -> Triton pointer type, e.g. "*bf16"
     constexprs: dict[str, Any]
     floats: frozenset[str] = frozenset()          # float scalars; other scalars are i32
+    min_arch: int = 0                             # e.g. 89: Triton has fp8 e4m3 from Ada on
     options: dict[str, int] = field(default_factory=lambda: {"num_warps": 4, "num_stages": 3})
 
 
@@ -44,14 +45,29 @@ def cases(dtype: str) -> Iterator[CompileCase]:
             yield CompileCase(f"attention {cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages} "
                               f"splits={splits}", unified_attention._paged_attention_kernel.fn,
                               dict(attention, out_ptr="*fp32" if splits > 1 else p), constexprs,
-                              frozenset({"scale", "softcap"}),
+                              frozenset({"scale", "v_scale", "softcap"}),
                               {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     yield CompileCase("merge splits", split_kv_attention._merge_splits_kernel,
                       dict(out_ptr=p, partial_out_ptr="*fp32", partial_lse_ptr="*fp32"),
                       dict(NUM_SPLITS=5, SPLITS_PADDED=8, HEAD_DIM_PADDED=128))
-    yield CompileCase("kv store", kv_cache._store_kv_kernel,
-                      dict(k_ptr=p, v_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_mapping_ptr="*i64"),
-                      dict(BLOCK_SIZE=16, HEADS_PADDED=8, HEAD_DIM_PADDED=128))
+    store = dict(k_ptr=p, v_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_mapping_ptr="*i64")
+    plain = dict(QUANTIZE=False, MANTISSA_BITS=0, SUBNORMAL_MAGIC=1.0, MIN_NORMAL=1.0, LARGEST=0.0)
+    yield CompileCase("kv store", kv_cache._store_kv_kernel, store,
+                      dict(BLOCK_SIZE=16, HEADS_PADDED=8, HEAD_DIM_PADDED=128, **plain))
+    # --kv-cache-dtype fp8 (e4m3: Triton has it from sm_89 on) and fp8_e5m2
+    for name, kind, bits, exponent, largest, arch in (("e4m3", "fp8e4nv", 3, -6, 448.0, 89),
+                                                      ("e5m2", "fp8e5", 2, -14, 57344.0, 0)):
+        fp8_cache = dict(k_cache_ptr="*" + kind, v_cache_ptr="*" + kind)
+        yield CompileCase(f"attention, fp8 {name} cache", unified_attention._paged_attention_kernel.fn,
+                          dict(attention, out_ptr=p, **fp8_cache),
+                          dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, HEAD_DIM_PADDED=128, BLOCK_SIZE=16,
+                               NUM_SPLITS=1, WRITE_LSE=False, USE_SOFTCAP=False, USE_WINDOW=False, IS_DECODE=False,
+                               **ATTENTION_CONFIGS[0].kwargs),
+                          frozenset({"scale", "v_scale", "softcap"}), min_arch=arch)
+        yield CompileCase(f"kv store into an fp8 {name} cache", kv_cache._store_kv_kernel, dict(store, **fp8_cache),
+                          dict(BLOCK_SIZE=16, HEADS_PADDED=8, HEAD_DIM_PADDED=128, QUANTIZE=True, MANTISSA_BITS=bits,
+                               SUBNORMAL_MAGIC=2.0 ** (23 + exponent - bits), MIN_NORMAL=2.0 ** exponent,
+                               LARGEST=largest), frozenset({"k_inv_scale", "v_inv_scale"}), min_arch=arch)
     for cfg in RMS_NORM_CONFIGS:
         for residual in (False, True):
             yield CompileCase(f"rms_norm warps={cfg.num_warps} residual={residual}", rms_norm._rms_norm_kernel.fn,
@@ -111,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     for arch in args.arch:
         for dtype in args.dtype:
             for case in cases(dtype):
+                if arch < case.min_arch:
+                    print(f"skip  sm_{arch} {dtype:<9} {case.name}: needs sm_{case.min_arch}")
+                    continue
                 try:
                     print(f"ok    sm_{arch} {dtype:<9} {case.name}: {compile_case(case, arch) / 1024:.0f} KiB smem")
                 except Exception as error:   # report every failure, not just the first

@@ -71,4 +71,67 @@ static inline __m512 bf16x16_round(__m512 v) {
 }
 #endif
 
+/* The fp8 KV cache (e4m3fn, e5m2; `e5m2` selects). An fp8 byte put in the high bits of an fp16
+ * (e5m2 as is; e4m3's 4-bit exponent and 3-bit mantissa moved under fp16's 5-bit exponent) is
+ * the fp8 value times 2^-8 (e4m3) or 1 (e5m2), subnormals included: the kernels read fp8 with the
+ * fp16 conversion instructions and fold fp8_factor into their scales. */
+static inline uint16_t fp8_half_bits(uint8_t x, int e5m2) {
+    return e5m2 ? (uint16_t)(x << 8) : (uint16_t)(((x & 0x80) << 8) | ((x & 0x7F) << 7));
+}
+
+static inline float fp8_factor(int e5m2) { return e5m2 ? 1.f : 256.f; }
+
+static inline float half_bits_to_float(uint16_t h) {   /* finite fp16 only (what fp8_half_bits gives) */
+    const int exponent = (h >> 10) & 31, mantissa = h & 1023;
+    const float magnitude = exponent ? ldexpf((float)(1024 + mantissa), exponent - 25) : ldexpf((float)mantissa, -24);
+    return h & 0x8000 ? -magnitude : magnitude;
+}
+
+/* x / scale in fp8 as `inv_scale` * x: saturated to the largest finite value (as vLLM's kernels),
+ * rounded to nearest even (as torch's conversion); NaN stays NaN. */
+static inline uint8_t float_to_fp8(float x, float inv_scale, int e5m2) {
+    const int mantissa_bits = e5m2 ? 2 : 3, min_exponent = e5m2 ? -14 : -6, bias = e5m2 ? 15 : 7;
+    const float largest = e5m2 ? 57344.f : 448.f;
+    float a = x * inv_scale;
+    uint32_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+    if (isnan(a)) return sign | 0x7F;
+    a = fabsf(a);
+    a = a < largest ? a : largest;
+    if (a < ldexpf(1.f, min_exponent))   /* subnormal: multiples of 2^(min_exponent - mantissa_bits) */
+        return sign | (uint8_t)rintf(ldexpf(a, mantissa_bits - min_exponent));   /* 2^mantissa_bits: the smallest normal */
+    memcpy(&bits, &a, sizeof bits);
+    bits += (1u << (22 - mantissa_bits)) - 1 + ((bits >> (23 - mantissa_bits)) & 1);
+    const uint32_t exponent = (bits >> 23) - 127 + bias, mantissa = (bits >> (23 - mantissa_bits)) & ((1u << mantissa_bits) - 1);
+    return sign | (uint8_t)(exponent << mantissa_bits | mantissa);
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+
+/* 16 fp8 bytes as the 16 fp16s of fp8_half_bits. */
+static inline __m256i fp8x16_half_bits(const uint8_t *p, int e5m2) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    if (e5m2) return _mm256_slli_epi16(x, 8);
+    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                           _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
+}
+#endif
+
+/* n fp8 values as float32, each divided by fp8_factor. */
+static inline void fp8_row_to_float(const uint8_t *src, float *dst, int64_t n, int e5m2) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= n; d += 16) _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(fp8x16_half_bits(src + d, e5m2)));
+#elif defined(__AVX2__) && defined(__F16C__)
+    for (; d + 16 <= n; d += 16) {
+        const __m256i h = fp8x16_half_bits(src + d, e5m2);
+        _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+        _mm256_storeu_ps(dst + d + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
+#endif
+    for (; d < n; d++) dst[d] = half_bits_to_float(fp8_half_bits(src[d], e5m2));
+}
+
 #endif

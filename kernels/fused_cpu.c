@@ -132,3 +132,26 @@ int store_kv(const char *k, const char *v, const int64_t *slots, char *k_cache, 
     }
     return 0;
 }
+
+/* The store into an fp8 cache: each row (k, v [rows, row_elements] of T at row_stride elements)
+ * quantized to fp8 with its per-tensor inverse scale (float_to_fp8: as kv_cache_ref's
+ * quantize_fp8_ref) into slot `slots[t]` (-1 skipped). */
+#define DEFINE_STORE_KV_FP8(NAME, T, LOAD)                                                      \
+int NAME(const T *k, const T *v, const int64_t *slots, uint8_t *k_cache, uint8_t *v_cache,     \
+         int64_t rows, int64_t row_stride, int64_t row_elements, int64_t e5m2, float k_inv_scale, \
+         float v_inv_scale) {                                                                  \
+    _Pragma("omp parallel for if(rows * row_elements >= PARALLEL_ELEMENTS)")                  \
+    for (int64_t t = 0; t < rows; t++) {                                                       \
+        if (slots[t] < 0) continue;                                                            \
+        uint8_t *kc = k_cache + slots[t] * row_elements, *vc = v_cache + slots[t] * row_elements; \
+        const T *kr = k + t * row_stride, *vr = v + t * row_stride;                            \
+        for (int64_t i = 0; i < row_elements; i++) {                                           \
+            kc[i] = float_to_fp8(LOAD(kr[i]), k_inv_scale, (int)e5m2);                         \
+            vc[i] = float_to_fp8(LOAD(vr[i]), v_inv_scale, (int)e5m2);                         \
+        }                                                                                      \
+    }                                                                                          \
+    return 0;                                                                                  \
+}
+
+DEFINE_STORE_KV_FP8(store_kv_fp8_bf16, uint16_t, bf16_to_float)
+DEFINE_STORE_KV_FP8(store_kv_fp8_f32, float, ID)

@@ -1,5 +1,5 @@
 """Fused CPU kernels of `fused_cpu.c` (via `cpu_build`): RMSNorm(+residual), SiLU-and-mul,
-rotary in place, and the KV-cache store.
+rotary in place, and the KV-cache store (quantizing into an fp8 cache).
 
 One call replaces the ~10 torch ops of HF's RMSNorm (float copy, pow, mean, rsqrt, casts,
 products, the residual add), the 3 of SiLU-and-mul and the 5 of the rotary embedding, with the
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_build
+from .kv_cache_ref import FP8_MAX, inverse_scale
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -25,7 +26,8 @@ def _functions(dtype: torch.dtype) -> tuple | None:
     return (cpu_build.bind(library, f"rms_norm_{suffix}", pointers=5, ints=2, floats=1),
             cpu_build.bind(library, f"silu_and_mul_{suffix}", pointers=2, ints=2),
             cpu_build.bind(library, f"rotary_{suffix}", pointers=3, ints=4),
-            cpu_build.bind(library, "store_kv", pointers=5, ints=3))
+            cpu_build.bind(library, "store_kv", pointers=5, ints=3),
+            cpu_build.bind(library, f"store_kv_fp8_{suffix}", pointers=5, ints=4, floats=2))
 
 
 def available(x: torch.Tensor) -> bool:
@@ -89,3 +91,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     row_bytes = k.shape[1] * k.shape[2] * k.element_size()
     _functions(k.dtype)[3](k.data_ptr(), v.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                            k.shape[0], k.stride(0) * k.element_size(), row_bytes)
+
+
+def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """As `kv_cache_ref.store_kv_cache_ref` into contiguous fp8 caches (e4m3fn or e5m2) with
+    per-tensor scales: k, v [T, kv_heads, D] rows of heads with the same strides."""
+    if not (rows_of_heads(k) and k.stride() == v.stride() and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k.dtype == v.dtype and k_cache.dtype == v_cache.dtype in FP8_MAX):
+        raise ValueError("store_kv_fp8 needs contiguous fp8 caches and k/v rows of one dtype")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _functions(k.dtype)[4](k.data_ptr(), v.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                           k.shape[0], k.stride(0), k.shape[1] * k.shape[2], k_cache.dtype == torch.float8_e5m2,
+                           inverse_scale(k_scale), inverse_scale(v_scale))

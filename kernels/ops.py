@@ -81,21 +81,23 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, *, max_query_len: int, max_seq_len: int,
                            sliding_window: int | None = None, softcap: float | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of `q [T, H, D]` over the paged caches on the Triton kernels whatever the backend
     setting (reference: `attention_ref.paged_attention_ref`): unified, or split-KV when
     `num_splits` (None: `choose_num_splits`) is above 1. `max_query_len` / `max_seq_len` are host
-    ints (never read from the device)."""
+    ints (never read from the device). An fp8 cache holds K / k_scale and V / v_scale."""
     if num_splits is None:
         num_splits = choose_num_splits(block_tables.shape[0], k_cache.shape[2], max_seq_len, max_query_len,
                                        q.device)
     if num_splits > 1:
         from .split_kv_attention import split_kv_attention
         return split_kv_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                  num_splits=num_splits, sliding_window=sliding_window, softcap=softcap)
+                                  num_splits=num_splits, sliding_window=sliding_window, softcap=softcap,
+                                  k_scale=k_scale, v_scale=v_scale)
     from .unified_attention import unified_attention
     return unified_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                             max_query_len=max_query_len, sliding_window=sliding_window, softcap=softcap)
+                             max_query_len=max_query_len, sliding_window=sliding_window, softcap=softcap,
+                             k_scale=k_scale, v_scale=v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -42,25 +42,37 @@ static inline void prefetch_next_block(const void *cache, const int32_t *table, 
         for (int t = 0; t < run; t++, j++, row += kv_stride) { BODY }                           \
     }
 
+/* How a cache's values turn into the float32 value of the model: bf16 and float32 as they are;
+ * fp8 (read as fp8_row_to_float) times k_factor for K (folded into the queries) and v_factor
+ * for V (folded into the output), its per-tensor scale times fp8_factor. */
+typedef struct {
+    int e5m2;
+    float k_factor, v_factor;
+} KVFormat;
+
+static const KVFormat PLAIN = {0, 1.f, 1.f};
+
 /* One (sequence, KV head): its `group` query heads against keys [first, first + count).
  * Always inlined with a literal head_dim where it is common, so the row loops unroll. Keys are
- * walked block by block: no division per key. */
-#define DEFINE_TASK(NAME, T, LOAD, STORE)                                                       \
+ * walked block by block: no division per key. LOAD_ROW(dst, src, n) reads n cache values as float. */
+#define DEFINE_TASK(NAME, T, C, LOAD, STORE, LOAD_ROW)                                          \
 static inline __attribute__((always_inline)) void NAME(                                        \
-        const T *q, const T *k_cache, const T *v_cache, const int32_t *table, T *out,          \
+        const T *q, const C *k_cache, const C *v_cache, const int32_t *table, T *out,          \
         int64_t kv_stride, int group, int64_t head_dim, int64_t block_size, int first,         \
-        int count, float scale, float *scores) {                                               \
+        int count, float scale, float *scores, const KVFormat *format) {                       \
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];         \
     float best[MAX_GROUP], total[MAX_GROUP];                                                    \
+    const float q_scale = scale * format->k_factor;                                             \
+    (void)format->e5m2;                                                                         \
     for (int g = 0; g < group; g++) {                                                           \
         for (int64_t d = 0; d < head_dim; d++) {                                                \
-            qf[g][d] = LOAD(q[g * head_dim + d]) * scale;                                       \
+            qf[g][d] = LOAD(q[g * head_dim + d]) * q_scale;                                     \
             acc[g][d] = 0.f;                                                                    \
         }                                                                                       \
         best[g] = -INFINITY;                                                                    \
     }                                                                                           \
-    FOR_EACH_ROW(T, k_cache, krow, head_dim * (int64_t)sizeof(T), {  /* scores [group][count], maxima */ \
-        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(krow[d]);                          \
+    FOR_EACH_ROW(C, k_cache, krow, head_dim * (int64_t)sizeof(C), {  /* scores [group][count], maxima */ \
+        LOAD_ROW(row, krow, head_dim);                                                          \
         for (int g = 0; g < group; g++) {                                                       \
             float dot = 0.f;                                                                    \
             for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * row[d];                    \
@@ -73,15 +85,15 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int j = 0; j < count; j++) { w[j] = exp_nonpositive(w[j] - best[g]); sum += w[j]; } \
         total[g] = sum;                                                                         \
     }                                                                                           \
-    FOR_EACH_ROW(T, v_cache, vrow, head_dim * (int64_t)sizeof(T), {  /* weights times V */    \
-        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(vrow[d]);                          \
+    FOR_EACH_ROW(C, v_cache, vrow, head_dim * (int64_t)sizeof(C), {  /* weights times V */    \
+        LOAD_ROW(row, vrow, head_dim);                                                          \
         for (int g = 0; g < group; g++) {                                                       \
             const float w = scores[(int64_t)g * count + j];                                     \
             for (int64_t d = 0; d < head_dim; d++) acc[g][d] += w * row[d];                     \
         }                                                                                       \
     })                                                                                          \
     for (int g = 0; g < group; g++) {                                                           \
-        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;                                \
+        const float inv = (total[g] > 0.f ? 1.f / total[g] : 0.f) * format->v_factor;           \
         for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = STORE(acc[g][d] * inv);  \
     }                                                                                           \
 }
@@ -93,11 +105,11 @@ static inline __attribute__((always_inline)) void NAME(                         
  * tasks, which fewer sequences still use. */
 #define SEQUENCES_PER_THREAD 4
 
-#define DEFINE_DECODE(NAME, TASK, T)                                                            \
-int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,          \
+#define DEFINE_DECODE(NAME, TASK, T, C)                                                         \
+static int NAME(const T *q, const C *k_cache, const C *v_cache, const int32_t *block_tables,   \
          const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,                  \
          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,        \
-         int64_t window, float scale) {                                                         \
+         int64_t window, float scale, const KVFormat *format) {                                 \
     const int group = num_heads / num_kv_heads;                                                 \
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads) return 1;     \
     int64_t keys = 0;  /* threads only for real work: an idle thread's wake-up costs more */   \
@@ -118,14 +130,15 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
         const int64_t stride = num_kv_heads * head_dim;                                         \
         for (int64_t kh = task * heads_per_task % num_kv_heads, end = kh + heads_per_task; kh < end; kh++) { \
             const int64_t head = s * num_heads + kh * group;                                    \
-            const T *qs = q + head * head_dim, *ks = k_cache + kh * head_dim, *vs = v_cache + kh * head_dim; \
+            const T *qs = q + head * head_dim;                                                  \
+            const C *ks = k_cache + kh * head_dim, *vs = v_cache + kh * head_dim;               \
             T *os = out + head * head_dim;                                                      \
             if (head_dim == 64)                                                                 \
-                TASK(qs, ks, vs, table, os, stride, group, 64, block_size, first, count, scale, scores); \
+                TASK(qs, ks, vs, table, os, stride, group, 64, block_size, first, count, scale, scores, format); \
             else if (head_dim == 128)                                                           \
-                TASK(qs, ks, vs, table, os, stride, group, 128, block_size, first, count, scale, scores); \
+                TASK(qs, ks, vs, table, os, stride, group, 128, block_size, first, count, scale, scores, format); \
             else                                                                                \
-                TASK(qs, ks, vs, table, os, stride, group, head_dim, block_size, first, count, scale, scores); \
+                TASK(qs, ks, vs, table, os, stride, group, head_dim, block_size, first, count, scale, scores, format); \
         }                                                                                       \
         free(scores);                                                                           \
     }                                                                                           \
@@ -133,8 +146,13 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
 }
 
 #define IDENTITY(x) (x)
-DEFINE_TASK(attend_bf16_scalar, uint16_t, bf16_to_float, float_to_bf16)
-DEFINE_TASK(attend_f32, float, IDENTITY, IDENTITY)
+#define LOAD_BF16_ROW(dst, src, n) for (int64_t d = 0; d < (n); d++) (dst)[d] = bf16_to_float((src)[d])
+#define LOAD_F32_ROW(dst, src, n) for (int64_t d = 0; d < (n); d++) (dst)[d] = (src)[d]
+#define LOAD_FP8_ROW(dst, src, n) fp8_row_to_float((src), (dst), (n), format->e5m2)
+DEFINE_TASK(attend_bf16_scalar, uint16_t, uint16_t, bf16_to_float, float_to_bf16, LOAD_BF16_ROW)
+DEFINE_TASK(attend_f32, float, float, IDENTITY, IDENTITY, LOAD_F32_ROW)
+DEFINE_TASK(attend_bf16_fp8, uint16_t, uint8_t, bf16_to_float, float_to_bf16, LOAD_FP8_ROW)
+DEFINE_TASK(attend_f32_fp8, float, uint8_t, IDENTITY, IDENTITY, LOAD_FP8_ROW)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
@@ -269,7 +287,7 @@ static inline __attribute__((always_inline)) void attend_bf16_avx512(
 static __attribute__((noinline)) void attend_bf16(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
         uint16_t *out, int64_t kv_stride, int group, int64_t head_dim, int64_t block_size,
-        int first, int count, float scale, float *scores) {
+        int first, int count, float scale, float *scores, const KVFormat *format) {
     if (head_dim == 64)
         attend_bf16_avx512(q, k_cache, v_cache, table, out, kv_stride, group, 64, block_size,
                            first, count, scale, scores);
@@ -278,11 +296,36 @@ static __attribute__((noinline)) void attend_bf16(
                            first, count, scale, scores);
     else
         attend_bf16_scalar(q, k_cache, v_cache, table, out, kv_stride, group, head_dim, block_size,
-                           first, count, scale, scores);
+                           first, count, scale, scores, format);
 }
 #else
 #define attend_bf16 attend_bf16_scalar
 #endif
 
-DEFINE_DECODE(paged_decode_bf16, attend_bf16, uint16_t)
-DEFINE_DECODE(paged_decode_f32, attend_f32, float)
+DEFINE_DECODE(decode_bf16, attend_bf16, uint16_t, uint16_t)
+DEFINE_DECODE(decode_f32, attend_f32, float, float)
+DEFINE_DECODE(decode_bf16_fp8, attend_bf16_fp8, uint16_t, uint8_t)
+DEFINE_DECODE(decode_f32_fp8, attend_f32_fp8, float, uint8_t)
+
+/* The entry points: q and out of the model's dtype, caches of it or fp8 (e4m3fn, or e5m2 when
+ * `e5m2`) with per-tensor K and V scales. */
+#define DEFINE_ENTRY(NAME, DECODE, T)                                                           \
+int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,          \
+         const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, \
+         int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t window, float scale) { \
+    return DECODE(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads, \
+                  head_dim, block_size, max_blocks, window, scale, &PLAIN);                     \
+}
+#define DEFINE_FP8_ENTRY(NAME, DECODE, T)                                                       \
+int NAME(const T *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *block_tables, \
+         const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, \
+         int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t window, int64_t e5m2, \
+         float scale, float k_scale, float v_scale) {                                           \
+    const KVFormat format = {(int)e5m2, k_scale * fp8_factor((int)e5m2), v_scale * fp8_factor((int)e5m2)}; \
+    return DECODE(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads, \
+                  head_dim, block_size, max_blocks, window, scale, &format);                    \
+}
+DEFINE_ENTRY(paged_decode_bf16, decode_bf16, uint16_t)
+DEFINE_ENTRY(paged_decode_f32, decode_f32, float)
+DEFINE_FP8_ENTRY(paged_decode_bf16_fp8, decode_bf16_fp8, uint16_t)
+DEFINE_FP8_ENTRY(paged_decode_f32_fp8, decode_f32_fp8, float)

@@ -16,7 +16,8 @@
  * [NB, BS, KH, D]; block_tables [S, max_blocks] int32; seq_lens, query_lens, query_starts [S]
  * int32 (a sequence's queries are its last query_lens[s] positions, rows from query_starts[s]).
  * Built by kernels/cpu_build.py, called by paged_prefill_cpu.py; the caller must hold the
- * process's AMX permission (quant_linear_cpu.amx_available()).
+ * process's AMX permission (quant_linear_cpu.amx_available()). An fp8 cache (paged_prefill_bf16_fp8)
+ * is packed as bf16 (every fp8 value is exact in bf16), its scales folded into the scores and the output.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -31,25 +32,36 @@ enum { OK = 0, BAD_SHAPE = 1, UNSUPPORTED = 2, NO_MEMORY = 3 };
 
 #include "amx_tiles.h"
 
-/* Key `key`'s row of KV head `kv_head` in a sequence's cache, or NULL past its end (packed as zeros). */
-static inline const uint16_t *head_row(const uint16_t *cache, const int32_t *table, int key, int len,
-                                       int64_t kv_head, int64_t head_dim, int64_t block_size, int64_t row_elements) {
+/* How the cache holds values: bf16, or fp8 (e4m3fn / e5m2) whose values, exact in bf16, are
+ * packed as fp8_row_to_float reads them (the scales are folded into the scores and the output). */
+enum { CACHE_BF16 = -1, CACHE_E4M3 = 0, CACHE_E5M2 = 1 };
+
+/* Key `key`'s row of KV head `kv_head` in a sequence's cache (of `value_bytes` per value), or
+ * NULL past its end (packed as zeros). */
+static inline const uint8_t *head_row(const uint8_t *cache, const int32_t *table, int key, int len, int64_t kv_head,
+                                      int64_t head_dim, int64_t block_size, int64_t row_elements, int64_t value_bytes) {
     if (key >= len) return 0;
-    return cache + ((int64_t)table[key / block_size] * block_size + key % block_size) * row_elements + kv_head * head_dim;
+    return cache + (((int64_t)table[key / block_size] * block_size + key % block_size) * row_elements
+                    + kv_head * head_dim) * value_bytes;
 }
 
-/* 32 bf16 of a key's row (dims [32 c, 32 c + 32)), zeros for a key past the sequence's end. */
-static inline __m512i row_chunk(const uint16_t *row, int64_t c) {
-    return row ? _mm512_loadu_si512(row + c * 32) : _mm512_setzero_si512();
+/* 32 values of a key's row (dims [32 c, 32 c + 32)) as bf16, zeros for a key past the sequence's end. */
+static inline __m512i row_chunk(const uint8_t *row, int64_t c, int format) {
+    if (!row) return _mm512_setzero_si512();
+    if (format == CACHE_BF16) return _mm512_loadu_si512(row + c * 64);
+    const __m512 low = _mm512_cvtph_ps(fp8x16_half_bits(row + c * 32, format));
+    const __m512 high = _mm512_cvtph_ps(fp8x16_half_bits(row + c * 32 + 16, format));
+    return (__m512i)_mm512_cvtne2ps_pbh(high, low);
 }
 
 /* Keys [32 kb, 32 kb + 32) of one sequence and KV head into the packed K and V layouts above, at
  * k_block and v_block (32 x head_dim values each).
  * V's pairs come from one two-source word permute per 16 dims: fifteen 32-token chunks over
  * 544-token contexts and a 200-token one, 4.8 ms a layer against 5.3 with a scalar loop. */
-static void pack_block(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int len,
+static void pack_block(const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table, int len,
                        int kb, int64_t kv_head, int64_t head_dim, int64_t block_size, int64_t row_elements,
-                       uint16_t *k_block, uint16_t *v_block) {
+                       int format, uint16_t *k_block, uint16_t *v_block) {
+    const int64_t value_bytes = format == CACHE_BF16 ? 2 : 1;
     const int64_t chunks = head_dim / 32;
     uint32_t *k_pairs = (uint32_t *)k_block;   /* two 16-key blocks */
     __m512i first_half, second_half;   /* word 2n <- first key's dim n, 2n + 1 <- second key's */
@@ -64,21 +76,21 @@ static void pack_block(const uint16_t *k_cache, const uint16_t *v_cache, const i
     }
     for (int pair = 0; pair < 16; pair++) {
         const int key = kb * 32 + 2 * pair;
-#define ROW(cache, at) head_row(cache, table, at, len, kv_head, head_dim, block_size, row_elements)
-        const uint16_t *k0 = ROW(k_cache, key), *k1 = ROW(k_cache, key + 1);
-        const uint16_t *v0 = ROW(v_cache, key), *v1 = ROW(v_cache, key + 1);
+#define ROW(cache, at) head_row(cache, table, at, len, kv_head, head_dim, block_size, row_elements, value_bytes)
+        const uint8_t *k0 = ROW(k_cache, key), *k1 = ROW(k_cache, key + 1);
+        const uint8_t *v0 = ROW(v_cache, key), *v1 = ROW(v_cache, key + 1);
 #undef ROW
         const int half = 2 * pair / 16, in_half = 2 * pair % 16;   /* K: 16-key block 2 kb + half */
         for (int64_t c = 0; c < chunks; c++) {
             uint32_t first[16], second[16];
-            _mm512_storeu_si512(first, row_chunk(k0, c));
-            _mm512_storeu_si512(second, row_chunk(k1, c));
+            _mm512_storeu_si512(first, row_chunk(k0, c, format));
+            _mm512_storeu_si512(second, row_chunk(k1, c, format));
             uint32_t *to = k_pairs + (half * chunks + c) * 256 + in_half;
             for (int r = 0; r < 16; r++) {
                 to[r * 16] = first[r];
                 to[r * 16 + 1] = second[r];
             }
-            const __m512i a = row_chunk(v0, c), b = row_chunk(v1, c);   /* V: dim blocks 2c, 2c + 1 */
+            const __m512i a = row_chunk(v0, c, format), b = row_chunk(v1, c, format);   /* V: dim blocks 2c, 2c + 1 */
             _mm512_storeu_si512(v_block + ((2 * c) * 16 + pair) * 32, _mm512_permutex2var_epi16(a, first_half, b));
             _mm512_storeu_si512(v_block + ((2 * c + 1) * 16 + pair) * 32, _mm512_permutex2var_epi16(a, second_half, b));
         }
@@ -117,7 +129,7 @@ static inline void store_value_tiles(float *to, int64_t stride_bytes) {
  * packed at k_packed + block_at[kb] (and v_packed + block_at[kb]). */
 static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_packed,
                          const uint16_t *v_packed, const int64_t *block_at, uint16_t *out, int64_t num_heads,
-                         int64_t head, int64_t head_dim, int len, int q_len, int i0, float scale) {
+                         int64_t head, int64_t head_dim, int len, int q_len, int i0, float scale, float out_factor) {
     const int64_t chunks = head_dim / 32, dim_blocks = head_dim / 16;
     const int resident = head_dim == 64;          /* O lives in tiles 4-7 */
     uint16_t queries[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));
@@ -219,7 +231,7 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
     }
     if (resident) store_value_tiles(acc[0], MAX_HEAD_DIM * 4);
     for (int r = 0; r < rows; r++) {
-        const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+        const __m512 inv = _mm512_set1_ps(out_factor / total[r]);
         uint16_t *row = out + ((int64_t)(i0 + r) * num_heads + head) * head_dim;
         for (int64_t d = 0; d < head_dim; d += 16)
             _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv)));
@@ -263,11 +275,12 @@ static inline int64_t block_index(const int64_t *first_block, int64_t s, int64_t
     return first_block[s] * num_kv_heads + kv_head * (first_block[s + 1] - first_block[s]) + kb;
 }
 
-int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
-                       const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,
-                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t block_size, float scale) {
+/* `format`: CACHE_BF16 or an fp8 one; the scores are scaled by `scale`, the output by `out_factor`. */
+static int prefill(const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                   const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
+                   const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,
+                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t block_size, int format, float scale, float out_factor) {
     if ((head_dim != 64 && head_dim != 128) || num_heads % num_kv_heads) return BAD_SHAPE;
     for (int64_t s = 0; s < num_seqs; s++)
         if (query_lens[s] < 1 || query_lens[s] > seq_lens[s]) return BAD_SHAPE;
@@ -308,7 +321,7 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
                 const int64_t kv_head = item % num_kv_heads;
                 const int64_t at = block_index(first_block, s, kv_head, kb, num_kv_heads) * block_elements;
                 pack_block(k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s], (int)kb, kv_head, head_dim,
-                           block_size, row_elements, k_packed + at, v_packed + at);
+                           block_size, row_elements, format, k_packed + at, v_packed + at);
             }
             _tile_loadconfig(&TILES_16x64);
             #pragma omp for schedule(dynamic, 1)
@@ -320,7 +333,7 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
                 const int64_t *at = block_at + block_index(first_block, s, head / group, 0, num_kv_heads);
                 attend_block(q + (int64_t)query_starts[s] * q_row_stride, q_row_stride, k_packed, v_packed, at,
                              out + (int64_t)query_starts[s] * num_heads * head_dim, num_heads, head, head_dim,
-                             seq_lens[s], query_lens[s], (int)(local % per_head * 16), scale);
+                             seq_lens[s], query_lens[s], (int)(local % per_head * 16), scale, out_factor);
             }
             _tile_release();
         }
@@ -334,6 +347,27 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
     free(tasks_at);
     return status;
 }
+
+int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
+                       const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,
+                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, float scale) {
+    return prefill(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, block_tables, seq_lens, query_lens,
+                   query_starts, out, q_row_stride, max_blocks, num_seqs, num_heads, num_kv_heads, head_dim,
+                   block_size, CACHE_BF16, scale, 1.f);
+}
+
+/* bf16 queries over fp8 caches (e4m3fn, or e5m2 when `e5m2`) holding K / k_scale and V / v_scale. */
+int paged_prefill_bf16_fp8(const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
+                           const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t e5m2, float scale, float k_scale, float v_scale) {
+    return prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, query_starts, out, q_row_stride,
+                   max_blocks, num_seqs, num_heads, num_kv_heads, head_dim, block_size, (int)e5m2,
+                   scale * k_scale * fp8_factor((int)e5m2), v_scale * fp8_factor((int)e5m2));
+}
 #else
 int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
@@ -344,5 +378,16 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_
     (void)seq_lens; (void)query_lens; (void)query_starts; (void)out; (void)num_seqs; (void)num_heads;
     (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale;
     return UNSUPPORTED;
+}
+
+int paged_prefill_bf16_fp8(const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
+                           const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t e5m2, float scale, float k_scale, float v_scale) {
+    (void)e5m2; (void)k_scale; (void)v_scale;   /* the bf16 stub says UNSUPPORTED */
+    return paged_prefill_bf16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_tables, seq_lens,
+                              query_lens, query_starts, out, q_row_stride, max_blocks, num_seqs, num_heads,
+                              num_kv_heads, head_dim, block_size, scale);
 }
 #endif

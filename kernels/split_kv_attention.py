@@ -40,7 +40,8 @@ def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, head_dim,
 def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                        scale: float, *, num_splits: int, sliding_window: int | None = None,
-                       softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                       softcap: float | None = None, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
     """Paged attention with the context cut into `num_splits` slices; same contract as the unified kernel.
 
     Meant for decode (any query length works). Allocates float32 partials of
@@ -56,7 +57,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                              device=q.device)
     launch_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, partial_out,
                            partial_lse, num_splits=num_splits, is_decode=True, sliding_window=sliding_window,
-                           softcap=softcap)
+                           softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, partial_out, partial_lse, head_dim, out.stride(0), out.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),

@@ -24,7 +24,7 @@ from .tuning import ATTENTION_CONFIGS
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        scale, softcap, sliding_window, num_seqs, head_dim,
+        scale, v_scale, softcap, sliding_window, num_seqs, head_dim,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
         QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -47,7 +47,7 @@ def _paged_attention_kernel(
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, head_dim,
         BLOCK_M, HEAD_DIM_PADDED, BLOCK_SIZE, TILE_SIZE, USE_SOFTCAP, USE_WINDOW)
     seen = l_i > 0.0   # False for rows whose visible keys all lie in other splits
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_d < head_dim)[None, :])
@@ -59,15 +59,17 @@ def _paged_attention_kernel(
 def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, out: torch.Tensor, lse: torch.Tensor | None, *, num_splits: int,
-                           is_decode: bool, sliding_window: int | None, softcap: float | None) -> None:
+                           is_decode: bool, sliding_window: int | None, softcap: float | None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """One launch: final rows into `out` [T, H, D], or with `lse` [T, H, splits] per-split partial
-    rows into float32 `out` [T, H, splits, D] and their log-sum-exps into `lse`."""
+    rows into float32 `out` [T, H, splits, D] and their log-sum-exps into `lse`. An fp8 cache
+    holds K / k_scale and V / v_scale."""
     geo = attention_geometry(q, k_cache, v_cache, block_tables, query_start_loc)
     out_split_stride = out.stride(2) if lse is not None else 0
     write_lse, lse = lse is not None, out if lse is None else lse   # `out` stands in, never written
     _paged_attention_kernel[(geo.num_q_blocks, geo.num_kv_heads, num_splits)](
         out, lse, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale, softcap or 0.0, sliding_window or 0, geo.num_seqs, geo.head_dim,
+        scale * k_scale, v_scale, softcap or 0.0, sliding_window or 0, geo.num_seqs, geo.head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), out_split_stride, lse.stride(0), lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -79,7 +81,8 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       scale: float, *, max_query_len: int, sliding_window: int | None = None,
-                      softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      softcap: float | None = None, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     """Paged attention of `q [T, H, D]`; same contract as `attention_ref.paged_attention_ref`.
 
     `max_query_len` is a host-side int (no sync) that picks decode or prefill tuning.
@@ -88,5 +91,5 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty_like(q) if out is None else out
     launch_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, None,
                            num_splits=1, is_decode=max_query_len == 1, sliding_window=sliding_window,
-                           softcap=softcap)
+                           softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     return out

@@ -36,7 +36,7 @@ def engine_args(isvc: InferenceService, model_path: str, served_name: str | None
     model, engine = isvc.spec.model, isvc.spec.engine
     values = {"model": model_path, "served_model_name": model.served_name or served_name,
               "dtype": model.dtype, "device": device(isvc), "block_size": engine.block_size,
-              "quantization": engine.quantization,
+              "quantization": engine.quantization, "kv_cache_dtype": engine.kv_cache_dtype,
               "kv_cache_memory": engine.kv_cache_memory,
               "gpu_memory_utilization": engine.kv_cache_memory_fraction,
               "max_num_seqs": engine.max_num_seqs,

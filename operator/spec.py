@@ -219,6 +219,8 @@ class EngineSpec(Section):
                                                     description=flag("block_size").help)
     quantization: Literal[flag("quantization").choices] = Field(  # type: ignore[valid-type]
         flag("quantization").default, description=flag("quantization").help)
+    kv_cache_dtype: Literal[flag("kv_cache_dtype").choices] = Field(  # type: ignore[valid-type]
+        flag("kv_cache_dtype").default, description=flag("kv_cache_dtype").help)
     kv_cache_memory_fraction: float = Field(flag("gpu_memory_utilization").default,
                                             ge=0.05, le=0.99,
                                             description=flag("gpu_memory_utilization").help)

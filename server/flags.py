@@ -21,6 +21,8 @@ ENV_PREFIX = "KUBEINFER_"
 # (must match the checkpoint's), then the ones applied at load to an unquantized checkpoint.
 QUANTIZATION_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "int8")
 TASKS = ("auto", "generate", "embed")
+# --kv-cache-dtype values (vLLM's): auto = the model's dtype; fp8 = fp8_e4m3
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -164,6 +166,15 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "unquantized checkpoint's linear weights at load (per output channel, dynamic per-token "
          "activations); fp8 also serves a checkpoint with quant_method fp8.", ("auto", "none", *QUANTIZATION_METHODS)),
     Flag("block-size", int, 16, "Tokens per KV-cache block."),
+    Flag("kv-cache-dtype", str, "auto",
+         "KV-cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 store K and V "
+         "in one byte per value with a per-tensor scale per layer (half of bf16: twice the cached "
+         "tokens in the same --kv-cache-memory). Scales come from the checkpoint when it has them "
+         "(self_attn.k_scale/v_scale, compressed-tensors kv_cache_scheme), from "
+         "--calculate-kv-scales, else 1.0.", KV_CACHE_DTYPES),
+    Flag("calculate-kv-scales", parse_bool, False,
+         "With an fp8 KV cache and no scales in the checkpoint: set each layer's K and V scale from "
+         "the first K/V it stores (max |x| / 200 for K, / 100 for V, as vLLM), then keep them."),
     Flag("kv-cache-memory", _optional(parse_bytes), None,
          "KV-cache pool size in bytes (e.g. 2GiB). Default on CPU: 1GiB; on CUDA: "
          "--gpu-memory-utilization of free memory."),

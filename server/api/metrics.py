@@ -63,8 +63,9 @@ class EngineStatsCollector(Collector):
     """Turns one exact `EngineStats` snapshot into gauges and counters per scrape."""
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str,
-                 in_flight: Callable[[], int]) -> None:
+                 in_flight: Callable[[], int], cache_config: dict[str, str] | None = None) -> None:
         self.stats, self.model_name, self.in_flight = stats, model_name, in_flight
+        self.cache_config = cache_config
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.stats()
@@ -101,15 +102,20 @@ class EngineStatsCollector(Collector):
         for position, value in enumerate(spec.accepted_per_pos):
             per_pos.add_metric([self.model_name, str(position)], float(value))
         yield per_pos
+        if self.cache_config:   # vLLM's info gauge: block size, cache dtype, blocks
+            info = _GAUGE("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                          labels=list(self.cache_config))
+            info.add_metric(list(self.cache_config.values()), 1.0)
+            yield info
 
 
 class ServerMetrics:
     """The server's own registry (never the global one: tests build many apps per process)."""
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str,
-                 in_flight: Callable[[], int]) -> None:
+                 in_flight: Callable[[], int], cache_config: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineStatsCollector(stats, model_name, in_flight))
+        self.registry.register(EngineStatsCollector(stats, model_name, in_flight, cache_config))
         self.model_name = model_name
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

@@ -31,7 +31,8 @@ class ServerState:
 
     @classmethod
     def create(cls, engine: AsyncEngine, model_source: str, max_queued_requests: int) -> ServerState:
-        metrics = ServerMetrics(engine.stats, engine.served_model_name, lambda: admission.in_flight)
+        metrics = ServerMetrics(engine.stats, engine.served_model_name, lambda: admission.in_flight,
+                                engine.engine.runner.cache_config())
         admission = Admission(engine.stats, max_queued_requests, metrics.observe_rejected)
         return cls(engine, model_source, admission, metrics)
 

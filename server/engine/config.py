@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from ..flags import ENGINE_FLAGS, QUANTIZATION_METHODS, TASKS, LoRAModuleSpec
+from ..flags import ENGINE_FLAGS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, TASKS, LoRAModuleSpec
 from .spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
@@ -19,6 +19,8 @@ class EngineConfig:
     device: str = "auto"
     quantization: str = "auto"
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
@@ -54,6 +56,11 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of auto, none, {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is not supported with tensor_parallel_size > 1 "
+                             "yet; use kv_cache_dtype auto")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.tensor_parallel_size < 1:

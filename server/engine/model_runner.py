@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..model.forward_batch import ForwardBatch
+from ..model.kv_cache_quant import LayerKVCache, kv_cache_torch_dtype, layer_kv_scales
 from ..parallel.plan import kv_heads_per_rank
 from .config import EngineConfig
 from .cpu_cache_memory import lazy_zeros, map_in_background
@@ -34,22 +35,38 @@ class ModelRunner:
             limit_torch_threads()
         self.dtype = loaded.dtype
         self.block_size = config.block_size
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        self._kv_cache_dtype_name, self._calculate_kv_scales = config.kv_cache_dtype, config.calculate_kv_scales
+        self._check_kv_cache_dtype(config.kv_cache_dtype)
         mc = loaded.config
         shape = (config.block_size, kv_heads_per_rank(mc, config.tensor_parallel_size), mc.head_dim)
-        bytes_per_block = 2 * mc.num_hidden_layers * int(np.prod(shape)) * self.dtype.itemsize
+        bytes_per_block = 2 * mc.num_hidden_layers * int(np.prod(shape)) * self.kv_cache_dtype.itemsize
         budget = self._kv_cache_budget(config)
         self.num_blocks = budget // bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(f"KV-cache budget of {budget} bytes holds no block of "
                              f"{bytes_per_block} bytes; raise --kv-cache-memory")
         zeros = lazy_zeros if self.device.type == "cpu" else self._device_zeros
-        self.kv_caches = [(zeros((self.num_blocks, *shape), self.dtype), zeros((self.num_blocks, *shape), self.dtype))
-                          for _ in range(mc.num_hidden_layers)]
+        dtype = self.kv_cache_dtype
+        scales = layer_kv_scales(mc.num_hidden_layers, dtype, loaded.kv_scales, config.calculate_kv_scales)
+        self.kv_caches = [LayerKVCache(zeros((self.num_blocks, *shape), dtype), zeros((self.num_blocks, *shape), dtype),
+                                       layer_scales) for layer_scales in scales]
         if self.device.type == "cpu":
-            map_in_background([cache for pair in self.kv_caches for cache in pair])
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)", self.num_blocks,
-                 config.block_size, self.num_blocks * bytes_per_block / 2**30,
+            map_in_background([cache for layer in self.kv_caches for cache in (layer.k, layer.v)])
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB of %s, %d tokens)", self.num_blocks,
+                 config.block_size, self.num_blocks * bytes_per_block / 2**30, str(dtype).removeprefix("torch."),
                  self.num_blocks * config.block_size)
+
+    def cache_config(self) -> dict[str, str]:
+        """vLLM's `vllm:cache_config_info` labels (the ones this engine has)."""
+        return {"block_size": str(self.block_size), "cache_dtype": self._kv_cache_dtype_name,
+                "num_gpu_blocks": str(self.num_blocks), "calculate_kv_scales": str(self._calculate_kv_scales)}
+
+    def _check_kv_cache_dtype(self, name: str) -> None:
+        if (name != "auto" and self.device.type == "cuda" and self.kv_cache_dtype == torch.float8_e4m3fn
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ValueError(f"--kv-cache-dtype {name} (fp8 e4m3) needs a GPU of compute capability 8.9 or "
+                             "newer (Triton has no e4m3 before Ada/Hopper); use --kv-cache-dtype fp8_e5m2")
 
     def _device_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)

@@ -37,8 +37,10 @@ import torch
 from torch.nn import functional as F
 
 from kubeinfer.kernels import fused_cpu, ops, paged_decode_cpu, paged_prefill_cpu
+from kubeinfer.kernels.kv_cache_ref import FP8_MAX, dequantize_fp8_ref, quantize_fp8_ref, store_kv_cache_ref
 
 from .forward_batch import ForwardBatch
+from .kv_cache_quant import KVScales
 from .rotary import RotaryEmbedding
 
 
@@ -50,9 +52,11 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] after rotary; stores k/v at `batch.slot_mapping`
-        (skipping -1) and returns [T, heads, d]."""
+        (skipping -1) and returns [T, heads, d]. An fp8 cache (`kv_scales` set) holds k / kv_scales.k
+        and v / kv_scales.v, and every query attends over those stored values (this step's too)."""
         ...
 
     def for_layer(self, sliding_window: int | None, softcap: float | None) -> "AttentionBackend":
@@ -235,17 +239,18 @@ def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
     )
 
 
-def _decide_kernel(choice: bool | None, cache: torch.Tensor, kernel: ModuleType, *shape: int) -> bool | None:
-    """Whether a CPU attention kernel module (`paged_decode_cpu`, `paged_prefill_cpu`) serves this
-    cache: `choice` once decided; None (torch now, decided at a later step) while a starting
-    server still compiles it."""
+def _decide_kernel(choice: bool | None, q: torch.Tensor, cache: torch.Tensor, kernel: ModuleType,
+                   *shape: int) -> bool | None:
+    """Whether a CPU attention kernel module (`paged_decode_cpu`, `paged_prefill_cpu`) serves these
+    queries and cache: `choice` once decided; None (torch now, decided at a later step) while a
+    starting server still compiles it."""
     if choice is not None:
         return choice
     if cache.device.type != "cpu":
         return False
     if kernel.building():
         return None
-    return kernel.available(cache.dtype, *shape)
+    return kernel.available(q.dtype, *shape, kv_dtype=cache.dtype)
 
 
 class TorchAttention:
@@ -280,34 +285,38 @@ class TorchAttention:
         return q, k
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
         if batch is not self._batch:   # first layer of a new step
             self._batch = batch
-            self.decode_kernel = _decide_kernel(self.decode_kernel, k_cache, paged_decode_cpu)
-            self.prefill_kernel = _decide_kernel(self.prefill_kernel, k_cache, paged_prefill_cpu, k_cache.shape[-1])
+            self.decode_kernel = _decide_kernel(self.decode_kernel, q, k_cache, paged_decode_cpu)
+            self.prefill_kernel = _decide_kernel(self.prefill_kernel, q, k_cache, paged_prefill_cpu, k_cache.shape[-1])
             self._layout = _layout(batch, k_cache.shape[1], self.sliding_window, bool(self.decode_kernel),
                                    bool(self.prefill_kernel), causal_sdpa=self.softcap is None)
         layout = self._layout
-        self._store(k, v, k_cache, v_cache, batch.slot_mapping, layout)
+        kv = (kv_scales or KVScales()) if k_cache.dtype in FP8_MAX else None
+        self._store(k, v, k_cache, v_cache, batch.slot_mapping, layout, kv)
+        if kv is not None and layout.fresh:   # fresh prompts attend over their k/v as the cache holds them
+            k, v = (dequantize_fp8_ref(quantize_fp8_ref(x, s, k_cache.dtype), s, x.dtype) for x, s in ((k, kv.k), (v, kv.v)))
         decode, padded, prefill = layout.decode, layout.padded, layout.prefill
         if decode is None and prefill is not None:   # then fresh and padded are empty too
-            return self._prefill(q, k_cache, v_cache, prefill, scale)
+            return self._prefill(q, k_cache, v_cache, prefill, scale, kv)
         if prefill is None and not padded and not layout.fresh:
-            return self._decode(q, k_cache, v_cache, decode, scale)
+            return self._decode(q, k_cache, v_cache, decode, scale, kv)
         if decode is None and not layout.fresh and len(padded) == 1:
-            return self._padded(q, k, v, k_cache, v_cache, padded[0], scale)
+            return self._padded(q, k, v, k_cache, v_cache, padded[0], scale, kv)
         if decode is None and not padded and len(layout.fresh) == 1:
             return self._causal(q, k, v, scale, layout.fresh[0].count)
         out = torch.empty_like(q)
         if decode is not None:
-            out[decode.rows] = self._decode(q[decode.rows], k_cache, v_cache, decode, scale)
+            out[decode.rows] = self._decode(q[decode.rows], k_cache, v_cache, decode, scale, kv)
         if prefill is not None:
-            out[prefill.rows] = self._prefill(q[prefill.rows], k_cache, v_cache, prefill, scale)
+            out[prefill.rows] = self._prefill(q[prefill.rows], k_cache, v_cache, prefill, scale, kv)
         for run in layout.fresh:
             out[run.rows] = self._causal(q[run.rows], k[run.rows], v[run.rows], scale, run.count)
         for group in padded:
             out[group.rows] = self._padded(q[group.rows], k[group.rows], v[group.rows], k_cache, v_cache,
-                                           group, scale)
+                                           group, scale, kv)
         return out
 
     def for_layer(self, sliding_window: int | None, softcap: float | None) -> "TorchAttention":
@@ -326,21 +335,24 @@ class TorchAttention:
 
     @staticmethod
     def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _PrefillGroup,
-                 scale: float) -> torch.Tensor:
+                 scale: float, kv: KVScales | None) -> torch.Tensor:
         return paged_prefill_cpu.paged_prefill(q, k_cache, v_cache, group.block_tables, group.seq_lens,
-                                               group.query_lens, group.query_starts, scale)
+                                               group.query_lens, group.query_starts, scale,
+                                               *((kv.k, kv.v) if kv else ()))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                group: _DecodeGroup, scale: float) -> torch.Tensor:
+                group: _DecodeGroup, scale: float, kv: KVScales | None) -> torch.Tensor:
         return paged_decode_cpu.paged_decode(q, k_cache, v_cache, group.block_tables, group.seq_lens,
-                                             scale, self.sliding_window)
+                                             scale, self.sliding_window, *((kv.k, kv.v) if kv else ()))
 
     def _padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, group: _PaddedGroup, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, group: _PaddedGroup, scale: float, kv: KVScales | None) -> torch.Tensor:
         num_seqs, max_q, max_len = group.num_seqs, group.max_query_len, group.max_seq_len
         heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
         keys = self._gather(k_cache, group, num_seqs, max_len)
         values = self._gather(v_cache, group, num_seqs, max_len)
+        if kv is not None:
+            keys, values = dequantize_fp8_ref(keys, kv.k, q.dtype), dequantize_fp8_ref(values, kv.v, q.dtype)
         if group.query_index is None:   # decode-only: one query per sequence, already in order
             queries = q[:, None]
         else:
@@ -356,7 +368,13 @@ class TorchAttention:
 
     @staticmethod
     def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               slot_mapping: torch.Tensor, layout: _StepLayout) -> None:
+               slot_mapping: torch.Tensor, layout: _StepLayout, kv: KVScales | None) -> None:
+        if kv is not None:   # fp8: quantized on the way in
+            if ops.uses_cpu_kernels(k) and fused_cpu.rows_of_heads(k) and k.stride() == v.stride():
+                fused_cpu.store_kv_fp8(k, v, k_cache, v_cache, slot_mapping, kv.k, kv.v)
+            else:
+                store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, kv.k, kv.v)
+            return
         if ops.uses_cpu_kernels(k) and fused_cpu.rows_of_heads(k) and k.stride() == v.stride():
             fused_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)   # rows copied in place, -1 skipped
             return

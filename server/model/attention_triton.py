@@ -13,6 +13,7 @@ from kubeinfer.kernels import ops
 from kubeinfer.kernels.ops import triton_paged_attention
 
 from .forward_batch import ForwardBatch
+from .kv_cache_quant import KVScales
 from .rotary import RotaryEmbedding
 
 
@@ -33,12 +34,15 @@ class TritonAttention:
         return ops.apply_rotary(q, k, *rotary.indexed_table(batch), inplace=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """q [T, heads, d], k/v [T, kv_heads, d] after rotary; returns [T, heads, d]."""
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d] after rotary; returns [T, heads, d]. An fp8 cache
+        holds k / kv_scales.k and v / kv_scales.v (quantized by the store, read by attention)."""
         from kubeinfer.kernels.kv_cache import store_kv_cache
 
-        store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        k_scale, v_scale = (kv_scales.k, kv_scales.v) if kv_scales is not None else (1.0, 1.0)
+        store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
         return triton_paged_attention(
             q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale,
             max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-            sliding_window=self.sliding_window, softcap=self.softcap)
+            sliding_window=self.sliding_window, softcap=self.softcap, k_scale=k_scale, v_scale=v_scale)

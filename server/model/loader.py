@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -27,6 +27,7 @@ from .checkpoint import Checkpoint, one_intra_op_thread
 from .config import ModelConfig
 from .gguf_checkpoint import read_gguf_file
 from .hf_checkpoint import read_hf_directory
+from .kv_cache_quant import KVScales, split_kv_scales
 from .pooling import with_causal_lm_names
 from .quantization import QuantizedLoad, resolve_for_checkpoint
 from .registry import model_family
@@ -47,6 +48,8 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     device: torch.device
+    # fp8 KV-cache scales the checkpoint carries, by attention module name (`kv_cache_quant`)
+    kv_scales: dict[str, KVScales] = field(default_factory=dict)
 
 
 class DeviceUnavailableError(ValueError):
@@ -173,7 +176,8 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
         hook.prepare()
         model = model.to_empty(device=torch_device)
     built = time.perf_counter()
-    pack_seconds = fill_model(model, checkpoint.weights(torch_dtype), torch_device, hook)
+    kv_scales: dict[str, KVScales] = {}
+    pack_seconds = fill_model(model, split_kv_scales(checkpoint.weights(torch_dtype), kv_scales), torch_device, hook)
     end = time.perf_counter()
     weighted = end - pack_seconds
     logger.info("loaded %d tensors as %s on %s in %.2fs (build %.2fs, weights %.2fs, prepack %.2fs; total %.2fs)%s",
@@ -189,4 +193,4 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
     config.eos_token_ids = checkpoint.tokenizer.eos_token_ids
     return LoadedModel(model=model, config=config, tokenizer=checkpoint.tokenizer,
                        generation_defaults=checkpoint.generation_defaults, name=checkpoint.name,
-                       dtype=torch_dtype, device=torch_device)
+                       dtype=torch_dtype, device=torch_device, kv_scales=kv_scales)

@@ -17,6 +17,7 @@ from torch import nn
 from .attention import AttentionBackend
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
+from .kv_cache_quant import LayerKVCache
 from .linear import Linear, MergedLinear, ParallelRole
 from .rotary import RotaryEmbedding
 
@@ -49,7 +50,10 @@ class SelfAttention(nn.Module):
         qk = qkv[:, :qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
         q, k = self.backend.rotate(qk, self.num_heads, rotary, batch)
         v = qkv[:, -self.num_kv_heads * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
+        scales = kv_cache.scales if isinstance(kv_cache, LayerKVCache) else None   # fp8 caches have them
+        if scales is not None and scales.calculate:
+            scales.observe(k, v)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, scales)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def _normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:

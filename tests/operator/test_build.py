@@ -30,9 +30,11 @@ def test_engine_flags_round_trip_through_the_flag_table() -> None:
     args = parsed_args(engine({
         "model": {"dtype": "float32", "maxModelLen": 2048, "servedName": "smol"},
         "engine": {"device": "cpu", "blockSize": 32, "maxNumSeqs": 8, "kvCacheMemory": "512Mi",
-                   "maxNumBatchedTokens": 512, "prefixCache": {"enabled": False}, "quantization": "int8"}}))
+                   "maxNumBatchedTokens": 512, "prefixCache": {"enabled": False}, "quantization": "int8",
+                   "kvCacheDtype": "fp8"}}))
     assert (args.model, args.served_model_name, args.dtype, args.device, args.quantization) == \
         ("embedded", "smol", "float32", "cpu", "int8")
+    assert args.kv_cache_dtype == "fp8"
     assert (args.block_size, args.max_num_seqs, args.max_num_batched_tokens) == (32, 8, 512)
     assert args.kv_cache_memory == 512 * 2**20 and args.max_model_len == 2048
     assert args.enable_prefix_caching is False

@@ -41,3 +41,4 @@ def test_fp8_example_asks_for_its_checkpoint_format() -> None:
     args = desired_children(InferenceService.from_body(manifest), CONFIG)[0]["spec"]["template"]["spec"][
         "containers"][0]["args"]
     assert args[args.index("--quantization") + 1] == "compressed-tensors"
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"

@@ -44,7 +44,7 @@ def test_unknown_model_sources_refused(source: str) -> None:
 
 
 @pytest.mark.parametrize("engine", [{"tensorParallelSize": 0}, {"tensorParallelSize": 16},
-                                    {"blockSize": 12}, {"maxNumSeqs": -1}])
+                                    {"blockSize": 12}, {"maxNumSeqs": -1}, {"kvCacheDtype": "int8"}])
 def test_engine_bounds(engine: dict) -> None:
     with pytest.raises(ValidationError):
         InferenceServiceSpec.model_validate({"engine": engine})

@@ -27,7 +27,7 @@ CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 # checkpoint tensor suffixes that belong to a quantized layer (kept in the checkpoint's dtype)
 QUANTIZED_TENSOR_SUFFIXES = frozenset({
     "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale",
-    "qweight", "qzeros", "scales", "g_idx"})
+    "qweight", "qzeros", "scales", "g_idx", "k_scale", "v_scale", "kv_scale", "output_scale"})
 
 
 class DenseAtLoad(QuantizationMethod):

@@ -35,14 +35,26 @@ def _package() -> Any:
     return QuantizationConfig, is_match, unpack_from_int32
 
 
+def _check_kv_cache_scheme(scheme: Any) -> None:
+    """A kv_cache_scheme's scales (`self_attn.k_scale` / `v_scale`) serve --kv-cache-dtype fp8 when
+    they are fp8 per-tensor ones; other schemes are refused, naming what they are."""
+    if scheme is None:
+        return
+    kind, bits, strategy = str(getattr(scheme.type, "value", scheme.type)), scheme.num_bits, \
+        str(getattr(scheme.strategy, "value", scheme.strategy))
+    if (kind, bits, strategy) != ("float", 8, "tensor") or scheme.dynamic or not scheme.symmetric:
+        raise ValueError(f"compressed-tensors checkpoint: kv_cache_scheme {kind} {bits}-bit by {strategy}"
+                         f"{' (dynamic)' if scheme.dynamic else ''} is not supported (fp8 per-tensor is)")
+
+
 class CompressedTensorsMethod(QuantizationMethod):
     name = "compressed-tensors"
 
     def __init__(self, quantization_config: dict[str, Any]) -> None:
         config_class, self._is_match, self._unpack = _package()
         self.config = config_class.model_validate(quantization_config)
-        refused = {"kv_cache_scheme": self.config.kv_cache_scheme,
-                   "sparsity_config": quantization_config.get("sparsity_config"),
+        _check_kv_cache_scheme(self.config.kv_cache_scheme)
+        refused = {"sparsity_config": quantization_config.get("sparsity_config"),
                    "transform_config": quantization_config.get("transform_config")}
         for key, value in refused.items():
             if value:
