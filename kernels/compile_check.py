@@ -24,8 +24,8 @@ class CompileCase:
     pointers: dict[str, str]                      # argument -> Triton pointer type, e.g. "*bf16"
     constexprs: dict[str, Any]
     floats: frozenset[str] = frozenset()          # float scalars; other scalars are i32
-    min_arch: int = 0                             # e.g. 89: Triton has fp8 e4m3 from Ada on
     options: dict[str, int] = field(default_factory=lambda: {"num_warps": 4, "num_stages": 3})
+    min_arch: int = 0                             # e.g. 89: Triton has fp8 e4m3 from Ada on
 
 
 def cases(dtype: str) -> Iterator[CompileCase]:
