@@ -207,7 +207,9 @@ def _edit_config(path, edit) -> None:
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=2), "2-bit int packed weights"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block", block_structure=[16, 16],
                                                               group_size=None), "block weight scales"),
-    (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}), "kv_cache_scheme"),
+    # fp8 per-tensor KV scales serve --kv-cache-dtype fp8 (tests/model/test_kv_cache_scales.py); int8 ones do not
+    (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "int", "strategy": "tensor"}),
+     "kv_cache_scheme int 8-bit by tensor"),
     (lambda q: q.update(quant_method="bitsandbytes"), "'bitsandbytes'"),
 ])
 def test_unsupported_compressed_tensors_layouts_are_refused_naming_them(edit, message, tmp_path):
