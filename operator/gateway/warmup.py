@@ -28,7 +28,7 @@ from .routing_key import RoutingKey
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)   # up to `capacity` of them
 class _Block:
     """One full block of prompts seen: the prefix through it, by its chained hash."""
 
@@ -49,7 +49,7 @@ class HotPrefix:
     salt: str | None
     block_size: int
     tokens: tuple[int, ...]   # whole blocks
-    hashes: tuple[int, ...]   # their chained hashes, from the first (fewer if some were dropped)
+    hashes: tuple[int, ...]   # their chained hashes, from the first (empty if one was dropped)
     count: int
 
     @property
@@ -79,20 +79,21 @@ class HotPrefixes:
         now = time.monotonic() if now is None else now
         depth = min(len(key.hashes), self.max_tokens // key.block_size, len(key.tokens) // key.block_size)
         self._block_size = key.block_size
-        blocks, tokens, child = self._blocks, None, 0
+        blocks, hashes, tokens, child = self._blocks, key.hashes, None, 0
         for index in range(depth - 1, -1, -1):   # last block first, so the first is the most recent
-            digest = key.hashes[index]
+            digest = hashes[index]
             block = blocks.get(digest)
-            if block is None:
+            if block is None:   # a prompt's new blocks are most of the cost: made in one go
                 tokens = tokens or tuple(key.tokens[:depth * key.block_size])
-                block = blocks[digest] = _Block(key.hashes[index - 1] if index else None, index + 1, tokens,
-                                                key.model, key.salt)
+                block = blocks[digest] = _Block(hashes[index - 1] if index else None, index + 1, tokens,
+                                                key.model, key.salt, 1, child, 1.0, now)
             else:
                 blocks.move_to_end(digest)
-            block.count += 1
-            block.score = block.score * 0.5 ** ((now - block.seen) / self.half_life) + 1.0
-            block.seen = now
-            block.max_child = max(block.max_child, child)
+                block.count += 1
+                block.score = block.score * 0.5 ** ((now - block.seen) / self.half_life) + 1.0
+                block.seen = now
+                if child > block.max_child:
+                    block.max_child = child
             child = block.count
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
