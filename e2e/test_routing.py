@@ -7,7 +7,8 @@ Asserted: the engines' reported cached prompt tokens are >= 85% of a single repl
 same workload (run first against one engine pod directly, with its own cache_salt); no engine
 serves more than 1.5x the mean of the routed requests; both routers send the same request to
 the same engine; and with the routers' deletion costs set, scaling 3 -> 2 removes the engine
-whose cache served least (one of them, when two served equally).
+whose cache served least (one of them, when two served equally). Scaling 2 -> 3, the routers
+warm the new engine with the tenants' system prompts.
 """
 
 from __future__ import annotations
@@ -149,6 +150,47 @@ def test_prefix_aware_routing_on_the_cluster(local_cluster: Cluster, operator: s
     kept = wait_for(remaining, "one engine removed", timeout=180, interval=2)
     removed = set(cost) - kept
     assert len(removed) == 1 and removed <= coldest, (cost, removed)
+
+
+def router_sample(url: str, sample: str) -> float:
+    """One sample (name and labels as exposed) of a router's metrics; 0 before it exists."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_scaled_up_engine_is_warmed_by_the_routers(local_cluster: Cluster, operator: str, namespace: str) -> None:
+    """Scale 2 -> 3: the routers send the new engine pod the tenants' shared system prompts
+    before it is asked for them, so its first request of each tenant finds the prompt cached."""
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest(2))
+    before = ready_urls(local_cluster, namespace, ENGINES, 8000, 2)
+    routers = list(ready_urls(local_cluster, namespace, ROUTERS, 8080, 2).values())
+    routers_ready_for_keys(routers)
+    asyncio.run(workload(routers, "warm"))   # each router sees every tenant twice: shared prefixes
+
+    local_cluster.kubectl("scale", "inferenceservice", NAME, "-n", namespace, "--replicas=3")
+    engines = ready_urls(local_cluster, namespace, ENGINES, 8000, 3)
+    [new] = [url for name, url in engines.items() if name not in before]
+    outcomes = ('kubeinfer:router_warmup_requests_total{outcome="sent"}',
+                'kubeinfer:router_warmup_requests_total{outcome="cached"}')
+
+    def warmed() -> float | None:   # the routers sent every tenant's prefix, or found it there
+        done = sum(router_sample(url, sample) for url in routers for sample in outcomes)
+        return done if done >= TENANTS else None   # (the workload sends each tenant to one router)
+
+    wait_for(warmed, "the routers warmed the new engine", timeout=300, interval=2)
+    sent = sum(router_sample(url, outcomes[0]) for url in routers)
+    cached = []
+    for tenant in range(TENANTS):   # straight to the new pod: what its cache holds
+        answer = httpx.post(f"{new}/v1/chat/completions", json=body(tenant, "first on the new engine", "warm"),
+                            timeout=600)
+        assert answer.status_code == 200, answer.text
+        cached.append(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    print(f"warm-up requests sent by the routers: {sent:g}; cached prompt tokens of each tenant's first "
+          f"request on the new engine: {cached}")
+    assert all(tokens > 0 for tokens in cached), cached
+    assert sent <= 2 * TENANTS
 
 
 async def stream(url: str, request: dict) -> list[str]:
