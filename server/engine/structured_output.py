@@ -110,6 +110,7 @@ class GrammarBackend:
                 raise InvalidRequestError(f"invalid {what} for structured outputs: not JSON ({error})") from error
             if unsupported:
                 raise InvalidRequestError(f"unsupported JSON schema feature for structured outputs: {unsupported}")
+            schema = json.dumps(bounded_strings_as_patterns(json.loads(schema)))
             return self._guard(what, lambda: compiler.compile_json_schema(schema, any_whitespace=False))
         if spec.json_object:
             return self._guard("JSON object", lambda: compiler.compile_json_schema(
@@ -164,6 +165,35 @@ def unsupported_feature(schema: Any, path: str = "") -> str | None:
     return None
 
 
+# A JSON string character xgrammar's maxLength grammar allows (no escapes, no quote), minus the
+# control characters that JSON rows may not hold anyway (GrammarBackend.json_bitmask).
+_STRING_CHARACTER = '[^"\\\\\\x00-\\x1f]'
+# Up to this bound the pattern compiles in about the time maxLength does (1.2 s at 64, measured);
+# above it, maxLength is fast at run time again and the pattern's compile grows (and failed at 200).
+MAX_PATTERN_LENGTH = 64
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """`{"type": "string", "maxLength": n}` (with or without minLength) as the same strings
+    written as a pattern, `^[^"\\\\\x00-\x1f]{min,n}$`. xgrammar expands a small maxLength into a
+    repetition whose token masks it cannot precompute: 5-12 ms per row and step inside such a
+    string (vs 0.02 ms for the pattern's automaton), which made a batch of 32 constrained rows
+    spend up to 290 ms a step filling masks. Both accept the same strings."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in ("enum", "const", "default", "examples") else bounded_strings_as_patterns(value)
+           for key, value in schema.items()}
+    high, low = out.get("maxLength"), out.get("minLength", 0)
+    if out.get("type") == "string" and isinstance(high, int) and isinstance(low, int) \
+            and 0 <= low <= high <= MAX_PATTERN_LENGTH and not {"pattern", "format", "enum", "const"} & out.keys():
+        del out["maxLength"]
+        out.pop("minLength", None)
+        out["pattern"] = f"^{_STRING_CHARACTER}{{{low},{high}}}$"
+    return out
+
+
 def _dumps(schema: Any, what: str) -> str:
     try:
         return json.dumps(schema)
@@ -191,8 +221,9 @@ class GrammarProcessor(LogitsProcessor):
                 bitmask[row] &= backend.json_bitmask
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
         # min_tokens may have masked the grammar's only way out (its stop tokens): the grammar wins.
+        # A row's max is cheaper to find than a finite entry (isfinite + any wrote a bool per logit).
         index = torch.tensor(rows, device=logits.device)
-        dead = ~torch.isfinite(logits.index_select(0, index)).any(dim=1)
+        dead = ~(logits.amax(dim=1).index_select(0, index) > float("-inf"))
         if bool(dead.any()):
             for row in index[dead].tolist():
                 logits[row, backend.stop_token_ids] = 0.0
