@@ -110,7 +110,7 @@ async def _serve(args: argparse.Namespace) -> int:
         cpu_build.start_building()
     try:
         state = ServerState.create(engine, args.model, args.max_queued_requests)
-        from kubeinfer.server.api.lora import runtime_updating_allowed
+        from .lora import runtime_updating_allowed
 
         app = build_app(state, args.api_keys, args.max_request_body_bytes,
                         runtime_updating_allowed(args.allow_runtime_lora_updating) and args.enable_lora)
