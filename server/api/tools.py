@@ -311,9 +311,9 @@ class ToolCallStream:
                 out.append(call.header())
                 pending, call.pending = call.pending, ""
                 self._arguments(call, pending, out)
-            elif field_name in arg_keys:
-                if len(piece.path) == depth and not call.arguments_started:
-                    call.arguments_started = True
+            elif field_name in arg_keys and call.arguments_key in (None, field_name):
+                if call.arguments_key is None:  # the first of "arguments"/"parameters" is streamed
+                    call.arguments_key = field_name
                     call.streamable = piece.text.startswith("{")  # string-encoded arguments wait for finish
                 if not call.streamable:
                     continue
@@ -396,7 +396,7 @@ class _StreamedCall:
     id: str = field(default_factory=new_call_id)
     sent: str = ""  # arguments text sent so far
     pending: str = ""
-    arguments_started: bool = False
+    arguments_key: str | None = None  # which field holds the arguments, once seen
     streamable: bool = True
 
     announced: bool = False  # its header (id, type, name) went out

@@ -233,6 +233,9 @@ def test_hermes_auto_calls_stream_incrementally() -> None:
     encoded = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>'
     _, _, calls = _replay_deltas(ToolCallStream(plan), encoded, 3)
     assert calls[0] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    both = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}, "parameters": {"x": 1}}</tool_call>'
+    _, _, calls = _replay_deltas(ToolCallStream(plan), both, 2)
+    assert calls[0]["arguments"] == plan.parse(both)[1][0].arguments == '{"city": "Oslo"}'
 
 
 def test_llama_json_auto_calls_stream_incrementally() -> None:
