@@ -178,7 +178,9 @@ class Warmer:
             blocks = min(prefix.blocks, budget // prefix.block_size)
             if blocks <= 0:
                 break
-            if len(prefix.hashes) >= blocks and view.matched_blocks(prefix.hashes[:blocks], time.monotonic()) >= blocks:
+            now = time.monotonic()
+            held = view.matched_blocks(prefix.hashes[:blocks], now) if len(prefix.hashes) >= blocks else 0
+            if held >= blocks:
                 self.count("cached", 0)
                 continue
             budget -= blocks * prefix.block_size
