@@ -23,6 +23,7 @@ QUANTIZATION_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "int8")
 TASKS = ("auto", "generate", "embed")
 # --kv-cache-dtype values (vLLM's): auto = the model's dtype; fp8 = fp8_e4m3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+RUNNERS = ("auto", "generate", "pooling")   # vLLM's --runner, the same choice as --task
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -212,7 +213,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "generate: completions and chat; embed: /v1/embeddings only, each prompt pooled as the "
          "checkpoint's sentence-transformers config says (last token, mean or CLS; normalised or "
          "not; default last token, normalised); auto: embed for a checkpoint of the bare decoder "
-         "(architectures like MistralModel), else generate.", TASKS),
+         "(architectures like MistralModel) or a GGUF with a pooling_type, else generate.", TASKS),
+    Flag("runner", str, "auto", "vLLM's newer spelling of --task: pooling = embed, generate = generate.",
+         RUNNERS),
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (

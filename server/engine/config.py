@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from ..flags import ENGINE_FLAGS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, TASKS, LoRAModuleSpec
+from ..flags import ENGINE_FLAGS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, RUNNERS, TASKS, LoRAModuleSpec
 from .spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
@@ -36,6 +36,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     speculative_config: SpeculativeConfig | None = None  # a dict or JSON text is parsed
     task: str = "auto"
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
@@ -63,6 +64,13 @@ class EngineConfig:
                              "yet; use kv_cache_dtype auto")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
+        if self.runner != "auto":   # vLLM's spelling: the same choice as task
+            task = "embed" if self.runner == "pooling" else "generate"
+            if self.task not in ("auto", task):
+                raise ValueError(f"--runner {self.runner} conflicts with --task {self.task}")
+            self.task = task
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.lora_modules and not self.enable_lora:

@@ -168,3 +168,17 @@ def test_too_long_and_empty_inputs(tmp_path):
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.embed([[]])
     _no_blocks_held(llm)
+
+
+def test_vllm_runner_spelling(tmp_path):
+    """`--runner pooling` is `--task embed` (vLLM >= 0.10 spells it so); a contradiction is refused."""
+    from kubeinfer.server.engine.config import EngineConfig
+
+    assert EngineConfig(runner="pooling").task == "embed" and EngineConfig(runner="generate").task == "generate"
+    assert EngineConfig(runner="pooling", task="embed").task == "embed"
+    with pytest.raises(ValueError, match="--runner pooling conflicts with --task generate"):
+        EngineConfig(runner="pooling", task="generate")
+    path, decoder = build_embedding_model(tmp_path, kind="qwen3", pooling="last")
+    llm = _engine(path, task="auto", runner="pooling")
+    assert llm.engine.task == "embed"
+    _check(llm.embed(PROMPTS[:1]), decoder, "last", True)
