@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prefix-len", type=int, default=512, help="shared-prefix: tokens of each group's prefix.")
     add("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
         help="Generate exactly --output-len tokens (sends ignore_eos and min_tokens).")
+    add("--lora-modules", nargs="+", default=None, metavar="NAME",
+        help="LoRA adapters the server serves (as vLLM's benchmark): measured requests name them in turn as "
+             "their model, spreading the load evenly over them.")
     add("--extra-body", type=json.loads, default={},
         help='JSON merged into every measured request, e.g. \'{"guided_json": {...}}\' (structured outputs).')
     add("--concurrency", default="1,4,16,32", help="Comma-separated levels: most requests in flight.")
@@ -127,8 +130,9 @@ async def _bench(args: argparse.Namespace) -> list[LevelReport]:
                         args.seed, False)
         reports = []
         for level in levels:
-            bodies = [{**request.body(model, args.ignore_eos), **args.extra_body}
-                      for request in dataset(level_seed(args.seed, args.dataset, level))]
+            models = args.lora_modules or [model]
+            bodies = [{**request.body(models[i % len(models)], args.ignore_eos), **args.extra_body}
+                      for i, request in enumerate(dataset(level_seed(args.seed, args.dataset, level)))]
             results, duration = await run_level(client, base_url + endpoint, bodies, headers, level,
                                                  args.request_rate, args.max_duration, args.seed,
                                                  not args.no_progress)

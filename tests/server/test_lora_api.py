@@ -176,3 +176,27 @@ def test_vllm_environment_variable_allows_runtime_updating():
     assert runtime_updating_allowed(False, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     assert not runtime_updating_allowed(False, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "False"})
     assert runtime_updating_allowed(True, {})
+
+
+def test_bench_serve_spreads_requests_over_lora_modules(live_server, adapters, tmp_path):
+    import argparse
+
+    from kubeinfer.server.bench import serve as bench_serve
+
+    base, paths = adapters
+    with lora_server(live_server, base, [LoRAModuleSpec("sql", str(paths["sql"])),
+                                         LoRAModuleSpec("chat", str(paths["chat"]))], max_loras=2) as url:
+        parser = argparse.ArgumentParser()
+        bench_serve.add_arguments(parser)
+        out = tmp_path / "bench.json"
+        code = bench_serve.run(parser.parse_args([
+            "--base-url", url, "--num-prompts", "4", "--output-len", "3", "--input-len", "8", "--token-range", "3,384",
+            "--concurrency", "2", "--warmup", "0", "--no-progress", "--json", str(out), "--lora-modules", "sql", "chat"]))
+        assert code == 0
+        level = json.loads(out.read_text())["levels"][0]
+        # (a tiny random model's 3 tokens may decode to no text, which the client counts as an error)
+        assert level["completed"] + level["errors"] == 4 and level["completed"] >= 2
+        metrics = httpx.get(f"{url}/metrics").text
+        counts = {line.split('adapter="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("kubeinfer:lora_requests_total{")}
+        assert counts == {"sql": 2.0, "chat": 2.0}
