@@ -182,3 +182,10 @@ def test_vllm_runner_spelling(tmp_path):
     llm = _engine(path, task="auto", runner="pooling")
     assert llm.engine.task == "embed"
     _check(llm.embed(PROMPTS[:1]), decoder, "last", True)
+
+
+def test_generation_only_features_are_refused_with_embed(tmp_path):
+    path, _ = build_embedding_model(tmp_path, kind="qwen3", pooling="last")
+    for option in ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, {"enable_lora": True}):
+        with pytest.raises(ValueError, match="apply to text generation only"):
+            _engine(path, **option)
