@@ -6,14 +6,15 @@
 # c=32, on one server then the other with the round's seed for both; odd rounds start with the
 # plain server. Prints the load average per round and the spec server's acceptance counters.
 #
-#   benchmarks/spec_decode.sh [rounds]     # default 2
+#   benchmarks/spec_decode.sh [rounds]     # default 4 (ABBA twice)
 #   SPEC='{"method": "ngram", ...}' NUM_PROMPTS=8 OUTPUT_LEN=160 benchmarks/spec_decode.sh
 # Servers on ports 18931 (plain) and 18932 (speculative).
 set -euo pipefail
-ROUNDS="${1:-2}"
+ROUNDS="${1:-4}"
 PY="${KUBEINFER_PYTHON:-python}"
-SPEC="${SPEC:-{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}}"
-NUM_PROMPTS="${NUM_PROMPTS:-2}"   # at c=1; twice that at c=4
+DEFAULT_SPEC='{"method": "ngram", "num_speculative_tokens": 10, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+SPEC="${SPEC:-$DEFAULT_SPEC}"
+NUM_PROMPTS="${NUM_PROMPTS:-3}"   # at c=1; twice that at c=4
 OUTPUT_LEN="${OUTPUT_LEN:-128}"
 HOST=127.0.0.1
 LOGS="${TMPDIR:-/tmp}"
@@ -49,7 +50,7 @@ for round in $(seq "$ROUNDS"); do
     echo "round $round $name $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "  grounded c=1:  $(bench $port $((round * 100)) --dataset grounded --num-prompts "$NUM_PROMPTS" --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 1)"
     echo "  grounded c=4:  $(bench $port $((round * 100)) --dataset grounded --num-prompts $((2 * NUM_PROMPTS)) --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 4)"
-    echo "  random c=32:   $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len "${RANDOM_OUTPUT_LEN:-128}" --num-prompts 32 --concurrency 32)"
+    echo "  random c=32:   $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len "${RANDOM_OUTPUT_LEN:-64}" --num-prompts 32 --concurrency 32)"
     [[ $port == 18932 ]] && echo "  counters: $(counters)"
   done
 done

@@ -190,7 +190,7 @@ class SpeculativeSpec(Section):
                                  "engine.speculative.draftModel must be 'pvc://<claim>/<path>'")))
     disable_by_batch_size: int | None = Field(
         None, ge=1, le=4096, description="No drafts in a step with more running sequences than this "
-                                         "(default 16: measured on CPU, see BENCHMARKS.md).")
+                                         "(default 8: measured on CPU, see BENCHMARKS.md).")
 
     @model_validator(mode="after")
     def _consistent(self) -> "SpeculativeSpec":

@@ -38,7 +38,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # adaptive: no drafts in a step with more running sequences than this (vLLM's
     # disable_by_batch_size; None = always draft). Measured in BENCHMARKS.md.
-    disable_by_batch_size: int | None = 16
+    disable_by_batch_size: int | None = 8
     # adaptive, per sequence: stop drafting while the moving average of accepted drafts per
     # drafted token is below this, and try again every `acceptance_retry_steps` steps
     min_acceptance_rate: float = 0.2
