@@ -73,6 +73,11 @@ class EngineConfig:
             self.task = task
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if (self.speculative_config is not None and self.speculative_config.method == "draft_model"
+                and self.tensor_parallel_size > 1):
+            raise ValueError("a speculative draft model with tensor_parallel_size > 1 is not supported yet "
+                             "(the draft would run on one device beside the sharded target); use method "
+                             "ngram or suffix")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         if self.max_loras < 1 or self.max_lora_rank < 1:

@@ -262,6 +262,11 @@ def test_the_speculative_config_takes_vllm_shapes():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             parse_speculative_config(bad)
     assert isinstance(ngram, SpeculativeConfig)
+    from kubeinfer.server.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="draft model with tensor_parallel_size > 1 is not supported"):
+        EngineConfig(tensor_parallel_size=2, speculative_config=draft)
+    assert EngineConfig(tensor_parallel_size=2, speculative_config=ngram).speculative_config == ngram
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(make_llm, draft_model_path, tmp_path):
