@@ -306,3 +306,32 @@ def test_embedded_model_fp32_greedy_output_is_unchanged_by_ngram_and_suffix_draf
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
         assert llm.engine.stats().spec_decode.num_accepted_tokens > 10
+
+
+def test_a_grammar_constrained_request_is_not_drafted_and_holds_next_to_drafted_ones(make_llm, random_prompts):
+    """Structured outputs have no rollback of the grammar's state, so a request with a grammar is
+    never drafted; in the same batch, unconstrained requests are, and every output equals the
+    non-speculative engine's."""
+    import json
+
+    from kubeinfer.server.engine.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["role"],
+              "properties": {"role": {"enum": ["admin", "user"]}}}
+    prompts = _repetitive_prompts(random_prompts, 3, seed=31)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(**GREEDY, max_tokens=30), SamplingParams(**GREEDY, max_tokens=30)]
+    want = make_llm().generate(prompts, params)
+    llm = make_llm(speculative_config=NGRAM)
+    drafted: list[bool] = []
+    original = llm.engine.speculator.draft
+
+    def draft(running):
+        original(running)
+        drafted.extend(bool(seq.draft_token_ids) for seq in running if seq.logits_processors)
+    llm.engine.speculator.draft = draft
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert json.loads(got[0].outputs[0].text)["role"] in ("admin", "user")
+    assert drafted and not any(drafted) and _accepted(llm.engine) > 0
+    _no_leaks(llm.engine)
