@@ -23,13 +23,13 @@ for port in 8811 8812; do
   for _ in $(seq 400); do curl -sf "http://$HOST:$port/v1/models" > /dev/null && break; sleep 1; done
 done
 
-metric() {  # port name: the value of an unlabelled-but-model_name metric
-  curl -sf "http://$HOST:$1/metrics" | awk -v name="$2" '$1 ~ "^"name"[{ ]" || $1 == name {print $2; exit}'
+metric() {  # port name: the metric's value (awk reads to the end: an early exit would fail curl's pipe)
+  curl -sf "http://$HOST:$1/metrics" | awk -v name="$2" '$1 ~ "^"name"[{ ]" || $1 == name {value = $2} END {print value}'
 }
 run() {  # port seed
   local port="$1" seed="$2" most=0 before after
   before=$(metric "$port" vllm:num_preemptions_total)
-  ( while :; do metric "$port" vllm:num_requests_running; sleep 0.2; done ) > "$LOGS/kv-running-$port" 2>/dev/null &
+  ( set +e; while :; do metric "$port" vllm:num_requests_running; sleep 0.2; done ) > "$LOGS/kv-running-$port" 2>/dev/null &
   local poller=$!
   local result
   result=$("$PY" -m kubeinfer.server.cli bench serve --base-url "http://$HOST:$port" --num-prompts 32 \

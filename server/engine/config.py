@@ -59,9 +59,6 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is not supported with tensor_parallel_size > 1 "
-                             "yet; use kv_cache_dtype auto")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.runner not in RUNNERS:

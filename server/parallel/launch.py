@@ -104,7 +104,8 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     context = torch.multiprocessing.get_context("spawn")
     processes = [context.Process(target=run_worker, name=f"tp-rank{rank}", daemon=True, args=(WorkerSpec(
         str(source), architecture, family, dtype, device.type, rank, size, port, config.block_size,
-        logging.getLogger().level, config.max_loras if config.enable_lora else 0, config.max_lora_rank),))
+        logging.getLogger().level, config.max_loras if config.enable_lora else 0, config.max_lora_rank,
+        config.kv_cache_dtype, config.calculate_kv_scales),))
         for rank in range(1, size)]
     for process in processes:
         process.start()
@@ -118,4 +119,4 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     checkpoint.config.eos_token_ids = checkpoint.tokenizer.eos_token_ids
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=checkpoint.tokenizer,
                        generation_defaults=checkpoint.generation_defaults, name=checkpoint.name, dtype=dtype,
-                       device=device)
+                       device=device, kv_scales=model.kv_scales)

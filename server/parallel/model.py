@@ -20,6 +20,7 @@ from ..model.attention import get_attention_backend
 from ..model.causal_lm import CausalLM
 from ..model.checkpoint import Slice
 from ..model.forward_batch import ForwardBatch
+from ..model.kv_cache_quant import KVScales, split_kv_scales
 from ..model.linear import Linear, MergedLinear, ParallelRole
 from ..model.loader import fill_model, uninitialized_modules
 from ..model.moe import FusedExperts
@@ -29,7 +30,7 @@ from .plan import ShardPlan
 from .step_broadcast import send_step
 from .weights import sharded_weights
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]   # or LayerKVCache (an fp8 cache with its scales)
 
 
 def shard_model(model: CausalLM, plan: ShardPlan) -> None:
@@ -81,9 +82,10 @@ def weight_slices(model: CausalLM, plan: ShardPlan) -> dict[str, Slice]:
 class TensorParallelModel(nn.Module):
     """One rank's shard of a model; to the engine (rank 0) the plain model contract."""
 
-    def __init__(self, shard: CausalLM, plan: ShardPlan) -> None:
+    def __init__(self, shard: CausalLM, plan: ShardPlan, kv_scales: dict[str, KVScales] | None = None) -> None:
         super().__init__()
         self.shard, self.plan = shard, plan
+        self.kv_scales = kv_scales or {}   # the checkpoint's fp8 KV-cache scales (per tensor: every rank's)
 
     def forward(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
         """Rank 0 (the engine's side): send the step to the workers, then compute it with them."""
@@ -118,5 +120,7 @@ def load_shard(source: Path, family: ModelFamily, plan: ShardPlan, dtype: torch.
     with uninitialized_modules(device, dtype):
         model = build_shard(family, plan, device).to(dtype)
     fused = family.resolve().fused_checkpoint_parts(plan.config)
-    fill_model(model, sharded_weights(source, plan, weight_slices(model, plan), family.gguf, dtype, fused), device)
-    return TensorParallelModel(model, plan)
+    kv_scales: dict[str, KVScales] = {}
+    weights = sharded_weights(source, plan, weight_slices(model, plan), family.gguf, dtype, fused)
+    fill_model(model, split_kv_scales(weights, kv_scales), device)
+    return TensorParallelModel(model, plan, kv_scales)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.forward_batch import ForwardBatch
+from ..model.kv_cache_quant import LayerKVCache, kv_cache_torch_dtype, layer_kv_scales
 from ..model.loader import read_checkpoint
 from ..model.lora import read_peft_adapter
 from ..model.lora_layers import LoRAModel
@@ -42,6 +43,8 @@ class WorkerSpec:
     log_level: int
     max_loras: int = 0        # LoRA device slots (--enable-lora); 0 = none
     max_lora_rank: int = 0
+    kv_cache_dtype: str = "auto"   # rank 0's --kv-cache-dtype and --calculate-kv-scales
+    calculate_kv_scales: bool = False
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -84,16 +87,20 @@ def serve_steps(model: TensorParallelModel, spec: WorkerSpec, device: torch.devi
             continue
         batch, num_blocks = step
         if kv_caches is None:
-            kv_caches = _allocate_kv_caches(model, num_blocks, spec.block_size, spec.dtype, device)
+            kv_caches = _allocate_kv_caches(model, num_blocks, spec, device)
         model.compute(batch, kv_caches)
 
 
-def _allocate_kv_caches(model: TensorParallelModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+def _allocate_kv_caches(model: TensorParallelModel, num_blocks: int, spec: WorkerSpec,
                         device: torch.device) -> KVCaches:
+    """This rank's share of the heads, in rank 0's cache dtype (an fp8 cache with its own scales:
+    the checkpoint's, or calculated from this rank's heads)."""
     config = model.plan.config
-    shape = (num_blocks, block_size, model.plan.num_kv_heads, config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)]
+    shape = (num_blocks, spec.block_size, model.plan.num_kv_heads, config.head_dim)
+    dtype = kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
+    scales = layer_kv_scales(config.num_hidden_layers, dtype, model.kv_scales, spec.calculate_kv_scales)
+    return [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                         layer_scales) for layer_scales in scales]
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -20,5 +20,3 @@ def test_kv_cache_dtype_is_checked():
     assert EngineConfig(kv_cache_dtype="fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
         EngineConfig(kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
-        EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)
