@@ -97,3 +97,20 @@ class PagedRunner:
         """float32 logits: the last token of each chunk, or every token with `all_logits`."""
         with torch.inference_mode():
             return self.model(self.build_batch(chunks, all_logits), self.kv_caches)
+
+
+def assert_stepwise_parity(model: torch.nn.Module, hf_model: torch.nn.Module, prompt: list[int],
+                           continuation: list[int], atol: float) -> None:
+    """A prefill of `prompt`, then one decode step per `continuation` token, through the paged
+    runner and through transformers' own cache, chunk for chunk: rope variants that rescale by
+    sequence length (dynamic NTK, LongRoPE) are compared at the same step boundaries."""
+    chunks = [prompt] + [[token] for token in continuation]
+    runner = PagedRunner(model, num_blocks=32)
+    ours = torch.cat([runner.step([("a", chunk)], all_logits=True) for chunk in chunks])
+    cache, reference = None, []
+    with torch.no_grad():
+        for chunk in chunks:
+            out = hf_model(torch.tensor([chunk]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            reference.append(out.logits[0])
+    torch.testing.assert_close(ours, torch.cat(reference), atol=atol, rtol=0)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
+import sys
 import time
+from contextlib import ExitStack
 
 import httpx
 
@@ -20,3 +24,30 @@ def wait_until_ready(process: subprocess.Popen, url: str, timeout: float, poll: 
             pass
         assert time.monotonic() < deadline, "server did not become ready"
         time.sleep(poll)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_kubeinfer(args: list[str], port: int, stack: ExitStack) -> subprocess.Popen:
+    """`kubeinfer <args> --port <port>` until `stack` closes, once it answers `/ready`; one
+    torch thread, so several engines on a small machine do not fight over its cores."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KUBEINFER_LOG_LEVEL": "warning"}
+    process = subprocess.Popen([sys.executable, "-m", "kubeinfer.server.cli", *args, "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    def stop() -> None:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    stack.callback(stop)
+    wait_until_ready(process, f"http://127.0.0.1:{port}", timeout=240)
+    return process

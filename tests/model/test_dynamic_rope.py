@@ -8,7 +8,7 @@ past it; float32, max |logit diff| <= 1e-4."""
 from __future__ import annotations
 
 import torch
-from helpers.paged import PagedRunner
+from helpers.paged import PagedRunner, assert_stepwise_parity
 from helpers.tiny_models import build_tiny_llama
 
 from kubeinfer.server.model.loader import load_model
@@ -28,17 +28,7 @@ def test_dynamic_ntk_follows_transformers_past_the_original_context(tmp_path):
     assert loaded.config.max_position_embeddings == 64
     assert loaded.config.rope_scaling == {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16}
     for prompt, steps in ((PROMPT[:12], 10), ((PROMPT * 2)[:30], 3)):
-        tokens = prompt + CONTINUATION[:steps]
-        chunks = [prompt] + [[token] for token in tokens[len(prompt):]]
-        runner = PagedRunner(loaded.model, num_blocks=32)
-        ours = torch.cat([runner.step([("a", chunk)], all_logits=True) for chunk in chunks])
-        cache, reference = None, []
-        with torch.no_grad():
-            for chunk in chunks:
-                out = hf_model(torch.tensor([chunk]), past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                reference.append(out.logits[0])
-        torch.testing.assert_close(ours, torch.cat(reference), atol=1e-4, rtol=0)
+        assert_stepwise_parity(loaded.model, hf_model, prompt, CONTINUATION[:steps], atol=1e-4)
 
 
 def test_sequences_of_a_batch_scale_by_their_own_length(tmp_path):

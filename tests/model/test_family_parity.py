@@ -23,7 +23,7 @@ from typing import Callable
 import pytest
 import torch
 from helpers.gguf_export import export_gguf
-from helpers.paged import PagedRunner
+from helpers.paged import PagedRunner, assert_stepwise_parity
 from helpers.tiny_models import (build_tiny_gemma2, build_tiny_gemma3, build_tiny_mixtral, build_tiny_phi3,
                                  build_tiny_qwen3, build_tiny_qwen3_moe)
 
@@ -206,14 +206,4 @@ def test_longrope_switches_to_the_long_factors_past_the_original_context(tmp_pat
     path, hf_model = build_tiny_phi3(tmp_path, sliding_window=None, rope_scaling=rope)
     model = load_model(str(path), dtype="float32", device="cpu").model
     for prompt, steps in ((PROMPT[:12], 8), ((PROMPT * 2)[:30], 3)):
-        tokens = prompt + _continuation(2)[:steps]
-        chunks = [prompt] + [[token] for token in tokens[len(prompt):]]
-        runner = PagedRunner(model, num_blocks=32)
-        ours = torch.cat([runner.step([("a", chunk)], all_logits=True) for chunk in chunks])
-        cache, reference = None, []
-        with torch.no_grad():
-            for chunk in chunks:
-                out = hf_model(torch.tensor([chunk]), past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                reference.append(out.logits[0])
-        torch.testing.assert_close(ours, torch.cat(reference), atol=FP32_ATOL, rtol=0)
+        assert_stepwise_parity(model, hf_model, prompt, _continuation(2)[:steps], atol=FP32_ATOL)

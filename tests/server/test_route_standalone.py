@@ -13,14 +13,11 @@ counters agree with the usage figures.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from contextlib import ExitStack
 
 import httpx
 import pytest
-from helpers.serve_process import wait_until_ready
+from helpers.serve_process import free_port, start_kubeinfer
 
 from kubeinfer.operator.autoscaler.scrape import parse_gauges
 
@@ -30,31 +27,10 @@ TOPICS = ["garden tools", "train tickets", "tax forms", "pet food", "guitar stri
           "tea leaves", "phone plans"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start(args: list[str], port: int, stack: ExitStack) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KUBEINFER_LOG_LEVEL": "warning"}
-    process = subprocess.Popen([sys.executable, "-m", "kubeinfer.server.cli", *args, "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-    def stop() -> None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-    stack.callback(stop)
-    url = f"http://127.0.0.1:{port}"
-    wait_until_ready(process, url, timeout=240)
-    return url
+def _start(args: list[str], stack: ExitStack) -> str:
+    port = free_port()
+    start_kubeinfer(args, port, stack)
+    return f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +38,9 @@ def cluster():
     """Three engines, a prefix-aware router and a round-robin router (engines' tokenizer)."""
     with ExitStack() as stack:
         engines = [_start(["serve", "--model", "embedded", "--max-model-len", "512", "--max-num-seqs", "8",
-                           "--kv-cache-memory", "384Mi"], _free_port(), stack) for _ in range(3)]
+                           "--kv-cache-memory", "384Mi"], stack) for _ in range(3)]
         backends = [arg for url in engines for arg in ("--backend", url)]
-        routers = {strategy: _start(["route", *backends, "--strategy", strategy], _free_port(), stack)
+        routers = {strategy: _start(["route", *backends, "--strategy", strategy], stack)
                    for strategy in ("prefix-aware", "round-robin")}
         yield engines, routers
 

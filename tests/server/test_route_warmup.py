@@ -10,16 +10,12 @@ four hot tenants' first requests on B find their system prompts cached, the fift
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from contextlib import ExitStack
 
 import httpx
 import pytest
-from helpers.serve_process import wait_until_ready
+from helpers.serve_process import free_port, start_kubeinfer
 
 from kubeinfer.operator.autoscaler.scrape import parse_gauges
 
@@ -28,31 +24,6 @@ HOT, COLD = range(4), 4
 ENGINE = ["serve", "--model", "embedded", "--max-model-len", "512", "--max-num-seqs", "8",
           "--kv-cache-memory", "256Mi"]
 SENT = 'kubeinfer:router_warmup_requests_total{outcome="sent"}'
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start(args: list[str], port: int, stack: ExitStack) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KUBEINFER_LOG_LEVEL": "warning"}
-    process = subprocess.Popen([sys.executable, "-m", "kubeinfer.server.cli", *args, "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-    def stop() -> None:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    stack.callback(stop)
-    wait_until_ready(process, f"http://127.0.0.1:{port}", timeout=240)
-    return process
 
 
 def _chat(router: str, tenant: int, question: str) -> dict:
@@ -80,11 +51,11 @@ def _router_metric(router: str, sample: str) -> float:
 
 
 def test_an_engine_that_becomes_ready_is_warmed_with_the_shared_prefixes() -> None:
-    old_port, new_port, router_port = _free_port(), _free_port(), _free_port()
+    old_port, new_port, router_port = free_port(), free_port(), free_port()
     old, new, router = (f"http://127.0.0.1:{port}" for port in (old_port, new_port, router_port))
     with ExitStack() as stack:
-        old_engine = _start(ENGINE, old_port, stack)
-        _start(["route", "--backend", old, "--backend", new, "--strategy", "prefix-aware"], router_port, stack)
+        old_engine = start_kubeinfer(ENGINE, old_port, stack)
+        start_kubeinfer(["route", "--backend", old, "--backend", new, "--strategy", "prefix-aware"], router_port, stack)
         deadline = time.monotonic() + 120   # the router has the engines' tokenizer: requests carry keys
         while 'reason="affinity"' not in httpx.get(f"{router}/metrics").text:
             _chat(router, 99, f"probe {time.monotonic()}")
@@ -95,7 +66,7 @@ def test_an_engine_that_becomes_ready_is_warmed_with_the_shared_prefixes() -> No
                 _chat(router, tenant, str(question))
         _chat(router, COLD, "0")
 
-        _start(ENGINE, new_port, stack)   # scale-up: B becomes Ready and is warmed in the background
+        start_kubeinfer(ENGINE, new_port, stack)   # scale-up: B becomes Ready and is warmed in the background
         deadline = time.monotonic() + 180
         while _router_metric(router, SENT) < len(HOT):
             assert time.monotonic() < deadline, httpx.get(f"{router}/metrics").text
