@@ -77,6 +77,11 @@ class EngineStatsCollector(Collector):
                            labels=["model_name"])
         in_flight.add_metric([self.model_name], float(self.in_flight()))
         yield in_flight
+        if self.cache_config:   # vLLM's info gauge: block size, cache dtype, blocks
+            info = _GAUGE("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                          labels=list(self.cache_config))
+            info.add_metric(list(self.cache_config.values()), 1.0)
+            yield info
         if snapshot.max_lora:
             # vLLM's form: one sample whose labels list the adapters and whose value is the time
             info = _GAUGE("vllm:lora_requests_info", "Running stats on LoRA requests.",
@@ -102,11 +107,6 @@ class EngineStatsCollector(Collector):
         for position, value in enumerate(spec.accepted_per_pos):
             per_pos.add_metric([self.model_name, str(position)], float(value))
         yield per_pos
-        if self.cache_config:   # vLLM's info gauge: block size, cache dtype, blocks
-            info = _GAUGE("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                          labels=list(self.cache_config))
-            info.add_metric(list(self.cache_config.values()), 1.0)
-            yield info
 
 
 class ServerMetrics:

@@ -71,3 +71,11 @@ def test_admission_refuses_when_queue_full_or_draining() -> None:
     with pytest.raises(OpenAIError) as info:
         admission.admit()
     assert info.value.code == "draining" and rejected == ["queue_full", "draining"]
+
+
+def test_cache_config_info_names_the_kv_cache_dtype() -> None:
+    """vLLM's info gauge: a dashboard tells an fp8 cache and its block count apart."""
+    config = {"block_size": "16", "cache_dtype": "fp8", "num_gpu_blocks": "546", "calculate_kv_scales": "False"}
+    samples = _samples(ServerMetrics(EngineStats, "m", lambda: 0, config))
+    assert samples[("vllm:cache_config_info", tuple(sorted(config.items())))] == 1.0
+    assert not any(name == "vllm:cache_config_info" for name, _ in _samples(ServerMetrics(EngineStats, "m", lambda: 0)))
