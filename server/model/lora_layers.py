@@ -13,9 +13,12 @@ Tensor parallelism slices A and B like the weight they patch (`weight_slices`): 
 layer's B by output rows, a row layer's A by input columns, its delta added before the
 all-reduce (`RowParallelLinear`), which sums the partial shrinks.
 
-On CUDA the per-slot matmuls are the Triton SGMV kernel (`kubeinfer.kernels.lora`); on the
-CPU each slot's rows run as one torch matmul pair, inside a guard: a slot whose delta raises
-is recorded in `LoRABatch.failed`, and the engine fails only that adapter's requests.
+On CUDA the per-slot matmuls are the Triton SGMV kernel (`kubeinfer.kernels.lora`). On the
+CPU a step with one adapter runs its rows as one torch matmul pair; a step with several runs
+one shrink over all slots' A, masks each token's other-slot ranks and runs one expand over all
+slots' B (a few large ops beat a loop of small ones on a busy CPU). Should that raise, the
+slots are computed one by one inside a guard: a slot whose delta raises is recorded in
+`LoRABatch.failed`, and the engine fails only that adapter's requests.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import nn
 from kubeinfer.kernels import ops
 
 from .forward_batch import ForwardBatch
-from .linear import Linear, MergedLinear, ParallelRole
+from .linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight
 from .lora import LoRAError, LoRAWeights
 
 if TYPE_CHECKING:
@@ -104,6 +107,9 @@ class LoRALayer:
         self.a_all = self.a.view(-1, module.in_features)
         self.b_all = torch.zeros(module.out_features, max_loras * len(sizes) * max_rank, dtype=dtype,
                                  device=device) if device.type == "cpu" else None
+        # oneDNN-prepacked copies (CPU bf16, as the base weights: see linear.py), refreshed on write
+        self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.packed_all: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def write(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Fill `slot` with one (A [r, in], B [rows, r]) per shard, None = not targeted."""
@@ -119,6 +125,10 @@ class LoRALayer:
         if self.b_all is not None:
             width = self.b.shape[2]
             self.b_all[:, slot * width:(slot + 1) * width].copy_(self.b[slot])
+        if can_pack(self.a):
+            self.packed[slot] = (pack_weight(self.a[slot]), pack_weight(self.b[slot]))
+            assert self.b_all is not None
+            self.packed_all = (pack_weight(self.a_all), pack_weight(self.b_all))
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each token's delta (in place; `out` is the layer's fresh output)."""
@@ -133,7 +143,7 @@ class LoRALayer:
             # several adapters: one shrink over every slot's A, the other slots' ranks masked to
             # zero per token, one expand (3 ops for the layer instead of ~5 per slot)
             try:
-                out += lora_delta_all(x, self.a_all, self.b_all, batch.token_mask).to(out.dtype)
+                out += lora_delta_all(x, self.a_all, self.b_all, batch.token_mask, self.packed_all).to(out.dtype)
                 return
             except Exception:  # noqa: BLE001 - slot by slot below, to find whose delta fails
                 pass
@@ -141,7 +151,7 @@ class LoRALayer:
             if slot in batch.failed:
                 continue
             try:
-                delta = lora_delta(x[rows], self.a[slot], self.b[slot])
+                delta = lora_delta(x[rows], self.a[slot], self.b[slot], self.packed.get(slot))
             except Exception as error:  # noqa: BLE001 - fails that adapter's requests only
                 batch.failed[slot] = error
                 continue
@@ -151,17 +161,22 @@ class LoRALayer:
                 out.index_add_(0, rows, delta.to(out.dtype))
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+Packed = tuple[torch.Tensor, torch.Tensor] | None   # oneDNN copies of (A, B), or None
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, packed: Packed = None) -> torch.Tensor:
     """(x @ A.T) @ B.T for one slot's rows: the seam tests replace to make one adapter fail."""
-    return (x.to(a.dtype) @ a.T) @ b.T
+    a_packed, b_packed = packed or (None, None)
+    return linear(linear(x.to(a.dtype), a, a_packed), b, b_packed)
 
 
-def lora_delta_all(x: torch.Tensor, a_all: torch.Tensor, b_all: torch.Tensor, token_mask: torch.Tensor
-                   ) -> torch.Tensor:
+def lora_delta_all(x: torch.Tensor, a_all: torch.Tensor, b_all: torch.Tensor, token_mask: torch.Tensor,
+                   packed: Packed = None) -> torch.Tensor:
     """Every token's delta with all slots' A [S * R, in] and B [out, S * R] at once: the shrink's
     other-slot ranks zeroed by `token_mask` [T, S] before the expand."""
-    shrunk = (x.to(a_all.dtype) @ a_all.T).view(x.shape[0], token_mask.shape[1], -1)
-    return (shrunk * token_mask[:, :, None]).view(x.shape[0], -1) @ b_all.T
+    a_packed, b_packed = packed or (None, None)
+    shrunk = linear(x.to(a_all.dtype), a_all, a_packed).view(x.shape[0], token_mask.shape[1], -1)
+    return linear((shrunk * token_mask[:, :, None]).view(x.shape[0], -1), b_all, b_packed)
 
 
 class LoRAModel:

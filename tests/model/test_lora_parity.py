@@ -170,15 +170,15 @@ def test_a_failing_adapter_fails_only_its_requests(tiny_llama_lora, monkeypatch)
     broken_a = llm.engine.adapters.lora_model.targets["model.layers.1.mlp.down_proj"][0].a[broken_slot]
     real_delta, real_delta_all = lora_layers.lora_delta, lora_layers.lora_delta_all
 
-    def delta(x, a, b):
+    def delta(x, a, b, packed=None):
         if a.data_ptr() == broken_a.data_ptr():
             raise RuntimeError("injected adapter failure")
-        return real_delta(x, a, b)
+        return real_delta(x, a, b, packed)
 
-    def delta_all(x, a_all, b_all, token_mask):   # all slots at once: fails whenever the broken one is in
+    def delta_all(x, a_all, b_all, token_mask, packed=None):   # all slots at once: fails when the broken one is in
         if token_mask[:, broken_slot].any():
             raise RuntimeError("injected adapter failure")
-        return real_delta_all(x, a_all, b_all, token_mask)
+        return real_delta_all(x, a_all, b_all, token_mask, packed)
 
     monkeypatch.setattr(lora_layers, "lora_delta", delta)
     monkeypatch.setattr(lora_layers, "lora_delta_all", delta_all)
