@@ -82,7 +82,12 @@ class EngineAdapters:
         return running, running | waiting
 
     def register(self, module: LoRAModuleSpec, weights: LoRAWeights) -> None:
+        """Load `module`; the prefix cache forgets what an earlier adapter of the same name left
+        (none of its requests remain: `LoRAManager.register` refuses while any does)."""
         self.manager.register(module, weights, self.in_use()[1])
+        assert self.scheduler is not None
+        if self.scheduler.kv.cache is not None:
+            self.scheduler.kv.cache.drop_adapter(module.name)
 
     def unregister(self, name: str) -> None:
         self.manager.unregister(name, self.in_use()[1])

@@ -144,6 +144,24 @@ class RadixCache:
     def cached_blocks(self) -> list[int]:
         return [block for node in self._nodes() for block in node.blocks]
 
+    def drop_adapter(self, adapter: str) -> int:
+        """Forget every block cached under LoRA adapter `adapter` (in any cache_salt); returns how
+        many. The namespace is the adapter's name, so a different adapter loaded again under the
+        same name must not find the old one's K/V."""
+        dropped = 0
+        for key in [key for key in self.roots if key.adapter == adapter]:
+            stack = list(self.roots.pop(key).children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                for block in node.blocks:
+                    self.pool.cache_decref(block)
+                if self.events is not None:
+                    self.events.removed(node.hashes)
+                dropped += len(node.blocks)
+        self.num_cached_blocks -= dropped
+        return dropped
+
     def clear(self) -> None:
         """Drop every cached block (the tree's references only)."""
         for node in self._nodes():

@@ -149,6 +149,35 @@ def test_adapter_files_missing_or_foreign_target(live_server, adapters, tmp_path
             assert response.status_code == 400 and expected in response.json()["error"]["message"], response.text
 
 
+def test_an_adapter_loaded_again_under_a_used_name_finds_nothing_of_the_old_one_cached(live_server, adapters):
+    """The prefix cache's namespace is the adapter's name: loading other weights under a name
+    must drop the K/V the previous adapter of that name left, or its blocks would be reused."""
+    base, paths = adapters
+    long_prompt = (PROMPT * 5)[:40]   # two full blocks of 16
+
+    def complete(url: str, model: str) -> dict:
+        response = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": long_prompt,
+                                                               "max_tokens": 6, "temperature": 0}, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def cached(answer: dict) -> int:
+        return (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    load = lambda name, path: httpx.post(f"{url}/v1/load_lora_adapter",  # noqa: E731
+                                         json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+    with lora_server(live_server, base, [], max_loras=2) as url:
+        assert load("x", paths["sql"]).status_code == 200
+        complete(url, "x")
+        assert cached(complete(url, "x")) == 32   # the old adapter's blocks are cached
+        assert load("chat", paths["chat"]).status_code == 200
+        expected = complete(url, "chat")["choices"][0]["text"]
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=60).status_code == 200
+        assert load("x", paths["chat"]).status_code == 200
+        answer = complete(url, "x")
+        assert cached(answer) == 0 and answer["choices"][0]["text"] == expected
+
+
 def test_startup_error_names_the_adapter(adapters):
     from kubeinfer.server.engine.llm_engine import LLMEngine
     from kubeinfer.server.engine.config import EngineConfig
