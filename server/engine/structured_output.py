@@ -111,19 +111,24 @@ class GrammarBackend:
             if unsupported:
                 raise InvalidRequestError(f"unsupported JSON schema feature for structured outputs: {unsupported}")
             schema = json.dumps(bounded_strings_as_patterns(json.loads(schema)))
-            return self._guard(what, lambda: compiler.compile_json_schema(schema, any_whitespace=False))
+            return self._checked(what, lambda: compiler.compile_json_schema(schema, any_whitespace=False))
         if spec.json_object:
             return self._guard("JSON object", lambda: compiler.compile_json_schema(
                 '{"type": "object"}', any_whitespace=False, strict_mode=False))
         if spec.regex is not None:
             regex = spec.regex
-            return self._guard("regex", lambda: compiler.compile_regex(regex))
+            return self._checked("regex", lambda: compiler.compile_regex(regex))
         if spec.choice is not None:
             grammar = "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
-            return self._guard("choice", lambda: compiler.compile_grammar(grammar))
+            return self._checked("choice", lambda: compiler.compile_grammar(grammar))
         assert spec.grammar is not None
         text = spec.grammar
-        return self._guard("grammar", lambda: compiler.compile_grammar(text))
+        return self._checked("grammar", lambda: compiler.compile_grammar(text))
+
+    def _checked(self, what: str, compile_it: Any) -> "xgrammar.CompiledGrammar":
+        compiled = self._guard(what, compile_it)
+        self.check_first_token(compiled, what)
+        return compiled
 
     @staticmethod
     def _guard(what: str, compile_it: Any) -> "xgrammar.CompiledGrammar":
@@ -131,6 +136,18 @@ class GrammarBackend:
             return compile_it()
         except (RuntimeError, ValueError, TypeError) as error:
             raise InvalidRequestError(f"invalid {what} for structured outputs: {_client_message(error)}") from error
+
+    def check_first_token(self, compiled: "xgrammar.CompiledGrammar", what: str) -> None:
+        """Refuse a constraint that no token of this vocabulary can start (e.g. a choice of a
+        control character the tokenizer has no token for): generating it could only end in a
+        grammar violation, so it is the request's error, answered before it is queued."""
+        matcher = self._xgr.GrammarMatcher(compiled)
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        bits = (bitmask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        if not bool(bits.flatten()[:self.vocab_size].any()):
+            raise InvalidRequestError(f"invalid {what} for structured outputs: no token of this model's "
+                                      "vocabulary can begin it")
 
     def processor_factory(self, compiled: "xgrammar.CompiledGrammar", is_json: bool) -> ProcessorFactory:
         """Makes one matcher per sequence (n>1 siblings each follow their own tokens)."""

@@ -189,6 +189,8 @@ def test_a_tool_result_turn_is_answered(client, model) -> None:
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}},
      "tool_choice", "'launch', which is not in 'tools'"),
+    # SmolLM2's vocabulary has no token for U+0016 (schemathesis found the 500 it used to give)
+    ({"guided_choice": ["\x16"]}, "guided_choice", "no token of this model's vocabulary can begin it"),
 ])
 def test_bad_constraints_are_openai_400s(server, body, param, words) -> None:
     response = httpx.post(server[0] + "/v1/chat/completions", timeout=120,
