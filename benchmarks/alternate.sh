@@ -35,7 +35,10 @@ if [[ -n $BASELINE ]]; then
   SHIM="$LOGS/alternate-baseline/kubeinfer"
   mkdir -p "$SHIM" && touch "$SHIM/__init__.py"
   for folder in server kernels operator; do ln -sfn "$(realpath "$BASELINE/$folder")" "$SHIM/$folder"; done
-  PYTHONPATH="$(dirname "$SHIM")" serve 8802 "$LOGS/alternate-baseline.log"
+  # Its own kernel cache: an older tree deletes other sources' builds, and one deleted between
+  # the other server's build and its load left that server on torch ops at half the speed.
+  PYTHONPATH="$(dirname "$SHIM")" KUBEINFER_CACHE_DIR="$LOGS/alternate-baseline/cache" \
+    serve 8802 "$LOGS/alternate-baseline.log"
 else
 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=4 VLLM_HOST_IP=$HOST \
   "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name smollm2 \

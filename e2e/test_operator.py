@@ -119,9 +119,10 @@ def test_spec_edit_rolls_the_deployment(cluster: Cluster, operator: str, namespa
     assert condition(obj, "Ready")["observedGeneration"] == 2
     args = deployment(cluster, namespace, "roll")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--max-num-seqs") + 1] == "7"
-    events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector",
-                             "involvedObject.kind=InferenceService", "-o", "json").stdout
-    assert "RollingOut" in events
+    # kopf posts Events from a queue of its own, after the handler that made them returned.
+    wait_for(lambda: "RollingOut" in cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceService",
+        "-o", "json").stdout, "a RollingOut Event on the InferenceService", timeout=30)
 
 
 def test_deleted_or_edited_deployment_comes_back(cluster: Cluster, operator: str,

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -51,6 +52,8 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512": (_NO_AMX, ("avx512f", "avx512_bf16")),
     "avx2": (("-mno-avx512f", *_NO_AMX), ("avx2",)),
 }
+# A build no process has used for a week is an older source's: its file is deleted.
+UNUSED_SECONDS = 7 * 24 * 3600
 _PER_ISA: list = []
 F = TypeVar("F", bound=Callable)
 
@@ -123,11 +126,25 @@ def _build(source: Path, compiler: str, variant: str = "native") -> Path:
             subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
                            check=True, capture_output=True, text=True)
             built.replace(target)   # atomic: concurrent builders never load a half-written file
-        for stale in target.parent.glob(f"{stem}-*.so"):   # older sources' builds
-            if stale != target:
-                stale.unlink(missing_ok=True)   # a process that loaded it keeps its mapping
         log.info("built CPU kernels %s", target)
+    os.utime(target)   # in use: `_forget_unused` keeps it
+    _forget_unused(target.parent, stem, keep=target)
     return target
+
+
+def _forget_unused(folder: Path, stem: str, keep: Path) -> None:
+    """Delete builds of `stem` from other sources that no process has used for UNUSED_SECONDS.
+
+    Not every other build: two versions can share one cache (a node's hostPath cache during a
+    rolling upgrade, a before/after benchmark), and deleting the other's fresh build between its
+    `_build` and its dlopen sent that server to the torch ops at half the speed for its lifetime.
+    """
+    for other in folder.glob(f"{stem}-*.so"):
+        try:
+            if other != keep and time.time() - other.stat().st_mtime > UNUSED_SECONDS:
+                other.unlink()   # a process that loaded it keeps its mapping
+        except FileNotFoundError:   # another process forgot it first
+            pass
 
 
 def load(name: str) -> ctypes.CDLL | None:

@@ -15,7 +15,9 @@ class Event:
 
 
 def transition_events(before: list[Condition], after: list[Condition]) -> list[Event]:
-    """One Event per condition that changed status (or, while Degraded, changed reason).
+    """One Event per condition that changed status (or, while Degraded, changed reason, or,
+    while a rollout is in flight, a newer generation started rolling out: an edit made before
+    the last rollout finished is announced too).
 
     The first status ever written only reports what is worth knowing: a rollout starting or
     a problem; "not ready yet" and "not degraded" are the expected start.
@@ -28,7 +30,9 @@ def transition_events(before: list[Condition], after: list[Condition]) -> list[E
             events += adapter_events(prev, cond)
             continue
         if prev is not None and prev.status == cond.status and \
-                not (cond.type == "Degraded" and is_true and prev.reason != cond.reason):
+                not (cond.type == "Degraded" and is_true and prev.reason != cond.reason) and \
+                not (cond.type == "Progressing" and is_true and cond.reason == "RollingOut"
+                     and cond.observed_generation != prev.observed_generation):
             continue
         if cond.type == "Degraded" and is_true:
             events.append(Event("Warning", cond.reason, cond.message))

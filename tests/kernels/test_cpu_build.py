@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,22 +12,33 @@ import pytest
 from kubeinfer.kernels import cpu_build
 
 
-def test_build_is_cached_and_replaces_older_builds(tmp_path, monkeypatch):
+def test_build_is_cached_and_forgets_only_builds_unused_for_a_week(tmp_path, monkeypatch):
+    """Another source's build used recently belongs to a server of another version sharing this
+    cache: deleting it between that server's build and its load sent it to the torch ops."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.fail("CI machines have a C compiler: the CPU kernels must be built and tested")
     monkeypatch.setenv("KUBEINFER_CACHE_DIR", str(tmp_path))
-    stale = tmp_path / "kernels" / "fused_cpu-0000000000000000.so"
-    stale.parent.mkdir(parents=True)
-    stale.write_bytes(b"an older build")
-    other = tmp_path / "kernels" / "paged_decode_cpu-0000000000000000.so"
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    unused = folder / "fused_cpu-0000000000000000.so"
+    unused.write_bytes(b"an older source's build, unused for eight days")
+    eight_days_ago = time.time() - 8 * 24 * 3600
+    os.utime(unused, (eight_days_ago, eight_days_ago))
+    in_use = folder / "fused_cpu-1111111111111111.so"
+    in_use.write_bytes(b"another version's build, loaded an hour ago")
+    os.utime(in_use, (time.time() - 3600, time.time() - 3600))
+    other = folder / "paged_decode_cpu-0000000000000000.so"
     other.write_bytes(b"another kernel's build")
+    os.utime(other, (eight_days_ago, eight_days_ago))
     source = Path(cpu_build.__file__).with_name("fused_cpu.c")
     target = cpu_build._build(source, compiler)
-    assert target.exists() and target.parent == tmp_path / "kernels"
-    assert not stale.exists() and other.exists()
-    modified = target.stat().st_mtime_ns
-    assert cpu_build._build(source, compiler) == target and target.stat().st_mtime_ns == modified
+    assert target.exists() and target.parent == folder
+    assert not unused.exists() and in_use.exists() and other.exists()
+    built = target.stat().st_ino
+    os.utime(target, (eight_days_ago, eight_days_ago))
+    assert cpu_build._build(source, compiler) == target and target.stat().st_ino == built  # not rebuilt
+    assert time.time() - target.stat().st_mtime < 3600   # marked as used again
 
 
 def test_start_building_compiles_every_kernel_without_loading_or_importing_torch(tmp_path):
