@@ -342,6 +342,8 @@ class RoutingSpec(Section):
                                  description=routing_flag("warmup_prefixes").help)
     warmup_tokens: int = Field(routing_flag("warmup_tokens").default, ge=0, le=1 << 24,
                                description=routing_flag("warmup_tokens").help)
+    warmup_hold_seconds: float = Field(routing_flag("warmup_hold_seconds").default, ge=0, le=3600,
+                                       description=routing_flag("warmup_hold_seconds").help)
 
 
 def _unique_names(adapters: list[AdapterSpec]) -> list[AdapterSpec]:

@@ -76,8 +76,8 @@ class GatewayMetrics:
         self.warmups = Counter("kubeinfer:router_warmup_requests", "Prefill-only requests warming an engine "
                                "that became Ready with the hottest shared prefixes, by outcome (sent; cached: "
                                "the engine held it already; failed).", ["outcome"], registry=self.registry)
-        self.warmup_tokens = Counter("kubeinfer:router_warmup_tokens", "Prompt tokens sent to warm engines "
-                                     "that became Ready.", registry=self.registry)
+        self.warmup_tokens = Counter("kubeinfer:router_warmup_tokens", "Prompt tokens the engines prefilled "
+                                     "for warm-ups (the prompt less what they found cached).", registry=self.registry)
 
 
 class Activator:

@@ -107,7 +107,8 @@ def routing_args(isvc: InferenceService) -> list[str]:
     values = {"strategy": gateway_strategy(isvc), "load_penalty_tokens": routing.load_penalty_tokens,
               "balance_factor": routing.balance_factor, "balance_slack": routing.balance_slack,
               "kv_usage_limit": routing.kv_usage_limit, "prefix_key_tokens": routing.prefix_key_tokens,
-              "warmup_prefixes": routing.warmup_prefixes, "warmup_tokens": routing.warmup_tokens}
+              "warmup_prefixes": routing.warmup_prefixes, "warmup_tokens": routing.warmup_tokens,
+              "warmup_hold_seconds": routing.warmup_hold_seconds}
     return to_args(values, ROUTING_FLAGS)
 
 

@@ -7,6 +7,9 @@ choose alike without talking. The one exception is short-lived: blocks of a requ
 has just sent count as cached there for `pending_seconds`, until the engine's digest shows them
 (otherwise a burst sharing a new prefix would scatter before the first poll): from the moment
 they are sent until `pending_seconds` after the request ended (a slow engine may queue them).
+A replica being warmed (`warmup.py`) also lists the blocks its warm-ups will bring, `warming`,
+until each warm-up ends or its hold expires: the prefix-aware picker keeps the requests those
+blocks would serve off it meanwhile.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class EngineView:
     block_size: int | None = None
     cached: set[int] = field(default_factory=set)
     pending: dict[int, float] = field(default_factory=dict)   # hash -> until (monotonic)
+    warming: dict[int, float] = field(default_factory=dict)   # hash -> hold until (monotonic)
     running: float = 0.0
     waiting: float = 0.0
     others: float = 0.0   # running + waiting that are not this router's, at the last scrape
@@ -63,24 +67,38 @@ class EngineView:
     def matched_blocks(self, hashes: Sequence[int], now: float) -> int:
         """Leading blocks of `hashes` this engine holds. A cache holds a block's parents too
         (leaves are evicted first), so the held blocks are a prefix: binary search."""
-        low, high = 0, len(hashes)
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self.has(hashes[middle - 1], now):
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        return _leading(hashes, lambda block: self.has(block, now))
+
+    def warming_blocks(self, hashes: Sequence[int], now: float) -> int:
+        """Leading blocks of `hashes` this engine will hold once its warm-ups in flight end
+        (a warm-up sends a prefix from its first block, so these are a prefix too)."""
+        if not self.warming:
+            return 0
+        return _leading(hashes, lambda block: self.has(block, now) or self.warming.get(block, 0.0) > now)
 
     def apply(self, digest: dict) -> None:
         if digest.get("hash") != HASH_SCHEME:
             raise ValueError(f"unknown block hash scheme {digest.get('hash')!r}")
+        if not digest["reset"] and digest["epoch"] == self.epoch and self.seq is not None \
+                and digest["seq"] < self.seq:
+            return   # an older read answered after a newer one (the warm-up's check, the poll loop)
         if digest["reset"] or digest["epoch"] != self.epoch:
             self.cached = set(digest["stored"])
         else:
             self.cached.difference_update(digest["removed"])
             self.cached.update(digest["stored"])
         self.epoch, self.seq, self.block_size = digest["epoch"], digest["seq"], digest["block_size"]
+
+
+def _leading(hashes: Sequence[int], held: Callable[[int], bool]) -> int:
+    low, high = 0, len(hashes)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if held(hashes[middle - 1]):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class EngineViews:
@@ -137,10 +155,7 @@ class EngineViews:
     async def _poll(self, view: EngineView) -> None:
         now = time.monotonic()
         try:
-            params = {} if view.seq is None else {"since": view.seq}
-            response = await self.client.get(f"{view.url}/kv/blocks", params=params, timeout=self.timeout)
-            if response.status_code == 200:
-                view.apply(response.json())
+            await self.read_digest(view)
             if now - view.metrics_at >= self.metrics_interval:
                 response = await self.client.get(f"{view.url}/metrics", timeout=self.timeout)
                 response.raise_for_status()
@@ -153,6 +168,15 @@ class EngineViews:
             log.debug("engine %s: %s", view.url, error or type(error).__name__)
         if view.pending:
             view.pending = {block: until for block, until in view.pending.items() if until > now}
+        if view.warming:
+            view.warming = {block: until for block, until in view.warming.items() if until > now}
+
+    async def read_digest(self, view: EngineView) -> None:
+        """Bring `view.cached` up to date with the engine's `/kv/blocks` now."""
+        params = {} if view.seq is None else {"since": view.seq}
+        response = await self.client.get(f"{view.url}/kv/blocks", params=params, timeout=self.timeout)
+        if response.status_code == 200:
+            view.apply(response.json())
 
     async def _adapters(self, url: str) -> frozenset[str]:
         """The adapters `/v1/models` lists (vLLM gives each a `parent`); none if it will not say."""

@@ -100,6 +100,13 @@ class PrefixAware:
     agree and a new prefix settles on one replica. A session (`x-session-id` or `user`) keeps
     its replica while that replica stays within those bounds. A request for a LoRA adapter
     goes only among the replicas holding it, when any does.
+
+    A replica being warmed is held back from the requests its warm-ups will serve (those whose
+    prompt it will hold more of once they end) while another replica within the bounds can take
+    them: sent there now, each would prefill the tenant's prefix a second time beside the warm-up.
+    The hold is per prefix and ends when that prefix's warm-up ends (its blocks then count as
+    cached there, so the idle replica draws that tenant's share at once), fails, or after the
+    warm-up's hold time; every other request may go there meanwhile, so it is never starved.
     """
 
     def __init__(self, views: EngineViews, config: PrefixAwareConfig = PrefixAwareConfig()) -> None:
@@ -118,6 +125,8 @@ class PrefixAware:
         eligible = [url for url in urls if loads[url] + 1 <= limit
                     and views.get(url).kv_usage < config.kv_usage_limit] or list(urls)
         matched = {url: views.get(url).matched_blocks(key.hashes, now) for url in urls}
+        eligible = [url for url in eligible
+                    if views.get(url).warming_blocks(key.hashes, now) <= matched[url]] or eligible
         sticky = self._sessions.get(key.session) if key.session else None
         if sticky in eligible:
             url, reason = sticky, "session"

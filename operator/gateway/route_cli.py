@@ -45,6 +45,9 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
          "With prefix-aware: an engine that becomes Ready (scale-up, replaced pod) gets this many of the "
          "hottest shared prefixes as prefill-only requests, in the background; 0 turns warm-up off."),
     Flag("warmup-tokens", int, 16384, "Prompt tokens one warm-up sends to an engine at most."),
+    Flag("warmup-hold-seconds", float, 60.0,
+         "While a prefix is being warmed on an engine, requests it would serve go to other replicas "
+         "within the bounded load, until its warm-up ends or for this long at most; 0: no hold."),
 )
 
 
@@ -101,7 +104,8 @@ def build_routing(args: argparse.Namespace, client: Any, metrics: Any,
 
         headers = {"Authorization": f"Bearer {api_keys[0]}"} if api_keys else None
         warmer = Warmer(HotPrefixes(), views, client,
-                        WarmupConfig(prefixes=args.warmup_prefixes, max_tokens=args.warmup_tokens), count, headers)
+                        WarmupConfig(prefixes=args.warmup_prefixes, max_tokens=args.warmup_tokens,
+                                     hold_seconds=args.warmup_hold_seconds), count, headers)
     routing = Routing(views, tokenizer, args.block_size, args.prefix_key_tokens,
                       keyed=args.strategy == "prefix-aware", warmer=warmer)
     return picker, routing

@@ -114,6 +114,41 @@ def test_session_keeps_its_replica_while_it_is_within_bounds() -> None:
     assert moved.url != "http://c" and moved.reason != "session"
 
 
+def test_a_replica_being_warmed_is_held_back_from_the_prefixes_it_is_warming_only() -> None:
+    """c is new and being warmed with SHARED (the hot tenant): while a and b, which hold it, are
+    within the bounded load, SHARED's requests go there though c is idle; a prompt c is not
+    warming may go to c; past the bound, or once the hold ends, c takes SHARED too."""
+    import time
+
+    state = views({"http://a": SHARED, "http://b": SHARED})
+    until = time.monotonic() + 60
+    state.get("http://c").warming.update(dict.fromkeys(key(SHARED).hashes[:20], until))
+    picker = PrefixAware(state, PrefixAwareConfig(load_penalty_tokens=100, balance_factor=0.25, balance_slack=1))
+    loads = {"http://a": 2, "http://b": 2}   # c idle: without the hold c would win (320 - 0 > 320 - 200)
+    decision = picker.pick(URLS, key(SHARED + [1]), loads)
+    assert decision.url in ("http://a", "http://b") and decision.predicted_cached_tokens == 20 * BS
+    other = list(range(9000, 9000 + 10 * BS))   # a cold tenant's prompt: c is the least loaded
+    assert picker.pick(URLS, key(other, affinity=3), loads).url == "http://c"
+    # a and b past the bound ((4 + 4 + 1) / 3 x 1.25 + 1 = 4.75 < 5): not starved, c serves it
+    assert picker.pick(URLS, key(SHARED + [1]), {"http://a": 4, "http://b": 4}).url == "http://c"
+    # the hold expired (or the warm-up ended): c, idle, draws SHARED again
+    state.get("http://c").warming.clear()
+    assert picker.pick(URLS, key(SHARED + [1]), loads).url == "http://c"
+
+
+def test_a_warm_up_partly_done_holds_only_what_is_still_missing() -> None:
+    """c holds SHARED's first 8 blocks and is warming all 20: a request whose prompt shares
+    only those 8 blocks gains nothing by waiting, so it is not held back."""
+    import time
+
+    state = views({"http://a": SHARED, "http://c": SHARED[:8 * BS]})
+    state.get("http://c").warming.update(dict.fromkeys(key(SHARED).hashes[:20], time.monotonic() + 60))
+    short = SHARED[:8 * BS] + [7] * BS
+    picker = PrefixAware(state, PrefixAwareConfig(load_penalty_tokens=100))
+    assert picker.pick(URLS, key(short), {"http://a": 2}).url == "http://c"
+    assert picker.pick(URLS, key(SHARED + [1]), {"http://a": 2}).url == "http://a"
+
+
 def test_no_key_falls_back_to_least_load() -> None:
     decision = PrefixAware(views()).pick(URLS, None, {"http://a": 2, "http://b": 0, "http://c": 1})
     assert decision.url == "http://b" and decision.reason == "no-key"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import time
 
 import httpx
 
@@ -123,7 +125,7 @@ def test_a_new_engine_gets_the_hottest_prefixes_once_skipping_what_it_holds() ->
 
     asyncio.run(scenario())
     # hottest 3: tenants 3, 2 (held: skipped), 1, within the budget of 8 blocks; only the new engine
-    assert [(body["cache_salt"], body["prompt"]) for body in sent] == [("s3", system(3)), ("s1", system(1))]
+    assert sorted((body["cache_salt"], body["prompt"]) for body in sent) == [("s1", system(1)), ("s3", system(3))]
     assert all(body["max_tokens"] == 1 and body["model"] == "m" and body["authorization"] == "Bearer k"
                for body in sent)
     assert sorted(counts) == [("cached", 0), ("sent", 4 * BS), ("sent", 4 * BS)]
@@ -164,3 +166,135 @@ def test_no_warmup_without_shared_prefixes_or_when_turned_off() -> None:
 
     asyncio.run(scenario())
     assert sent == []
+
+
+class _Engine:
+    """A mock engine with the real one's cache behaviour as the router sees it: a completion's
+    full prompt blocks are published in /kv/blocks (`seq` grows) as it is admitted, and a later
+    prompt's blocks found there are reported in `usage.prompt_tokens_details.cached_tokens`
+    (all but the last token's block, as the engine matches). `fail`: answer 500 instead."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.bodies, self.stored, self.seq = fail, [], [], 0
+        self.prefilled = 0   # prompt tokens computed
+        self.client = httpx.AsyncClient(transport=httpx.MockTransport(self.handle))
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/kv/blocks":
+            return httpx.Response(200, json={"hash": HASH_SCHEME, "block_size": BS, "epoch": "e", "seq": self.seq,
+                                             "reset": True, "stored": list(self.stored), "removed": []})
+        if request.url.path == "/v1/completions":
+            body = json.loads(request.content)
+            self.bodies.append(body)
+            if self.fail:
+                return httpx.Response(500, json={"error": {"message": "boom"}})
+            prompt = body["prompt"]
+            hashes = block_hashes(prompt, BS, body.get("cache_salt"))
+            cached = 0
+            for digest in block_hashes(prompt[:-1], BS, body.get("cache_salt")):
+                if digest not in self.stored:
+                    break
+                cached += BS
+            self.prefilled += len(prompt) - cached
+            self.stored += [h for h in hashes if h not in self.stored]
+            self.seq += 1
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "usage": {
+                "prompt_tokens": len(prompt), "prompt_tokens_details": {"cached_tokens": cached}}})
+        return httpx.Response(200, text="")
+
+
+def _hot(tenants: int = 3) -> HotPrefixes:
+    hot = HotPrefixes()
+    for tenant in range(tenants):
+        for q in range(2):
+            hot.observe(question(tenant, q, salt=f"s{tenant}"))
+    return hot
+
+
+def test_the_hold_starts_when_the_engine_is_noticed_and_ends_with_each_warm_up() -> None:
+    """From `notice` on, the new engine lists the blocks being warmed (the picker holds their
+    traffic off it); once a warm-up is answered they count as cached there and the hold ends."""
+    engine = _Engine()
+    seen: list[int] = []
+
+    async def scenario() -> None:
+        views = EngineViews(engine.client)
+        warmer = Warmer(_hot(), views, engine.client, WarmupConfig(prefixes=3, digest_wait=0))
+        warmer.notice(["http://new"])
+        view = views.get("http://new")
+        for tenant in range(3):
+            hashes = question(tenant, 9, salt=f"s{tenant}").hashes
+            seen.append(view.warming_blocks(hashes, time.monotonic()) - view.matched_blocks(hashes, time.monotonic()))
+        await asyncio.gather(*warmer._tasks)
+        assert view.warming == {}
+        for tenant in range(3):   # cached there now, before the engine's digest is polled again
+            assert view.matched_blocks(question(tenant, 9, salt=f"s{tenant}").hashes, time.monotonic()) == 4
+        await engine.client.aclose()
+
+    asyncio.run(scenario())
+    assert seen == [4, 4, 4]
+    assert len(engine.bodies) == 3
+
+
+def test_a_failed_warm_up_or_its_hold_time_ends_the_hold() -> None:
+    engine = _Engine(fail=True)
+
+    async def scenario() -> None:
+        views = EngineViews(engine.client)
+        warmer = Warmer(_hot(1), views, engine.client, WarmupConfig(prefixes=3, digest_wait=0))
+        warmer.notice(["http://new"])
+        assert views.get("http://new").warming
+        await asyncio.gather(*warmer._tasks)
+        assert views.get("http://new").warming == {}   # failed: traffic may go there, cold
+
+        quick = Warmer(_hot(1), views, engine.client, WarmupConfig(prefixes=3, hold_seconds=0.01))
+        quick.notice(["http://other"])
+        hashes = question(0, 9, salt="s0").hashes
+        await asyncio.sleep(0.05)   # the warm-up is still waiting for a digest; its hold is over
+        assert views.get("http://other").warming_blocks(hashes, time.monotonic()) == 0
+        await quick.stop()
+        await engine.client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_two_routers_warming_one_new_engine_prefill_each_prefix_once() -> None:
+    """Two routers (two Warmers, same hot prefixes, no shared state) notice the same new engine
+    at once. Whichever reaches a prefix second finds it in the engine's digest and skips it, or
+    (sent meanwhile) finds all but its last block cached: the engine prefills each prefix's
+    blocks once, and the routers' counts say so (each prefix `sent` once between the two)."""
+    engine = _Engine()
+    counts: list[tuple[str, int]] = []
+
+    async def scenario() -> None:
+        routers = [Warmer(_hot(4), EngineViews(engine.client), engine.client,
+                          WarmupConfig(prefixes=4, digest_wait=0, concurrency=2),
+                          lambda outcome, tokens: counts.append((outcome, tokens)), rng=random.Random(seed))
+                   for seed in (1, 2)]
+        for warmer in routers:
+            warmer.notice(["http://new"])
+        await asyncio.gather(*(task for warmer in routers for task in warmer._tasks))
+        await engine.client.aclose()
+
+    asyncio.run(scenario())
+    sent = [tokens for outcome, tokens in counts if outcome == "sent"]
+    assert sorted(outcome for outcome, _ in counts) == ["cached"] * 4 + ["sent"] * 4
+    assert sum(sent) == 4 * 4 * BS
+    # each prefix's blocks computed once; a copy sent before the first was published costs its last block
+    copies = len(engine.bodies) - 4
+    assert engine.prefilled == 4 * 4 * BS + copies * BS
+
+
+def test_a_router_that_comes_second_sends_nothing() -> None:
+    engine = _Engine()
+
+    async def scenario() -> None:
+        for seed in (1, 2):
+            warmer = Warmer(_hot(3), EngineViews(engine.client), engine.client,
+                            WarmupConfig(prefixes=3, digest_wait=0), rng=random.Random(seed))
+            warmer.notice(["http://new"])
+            await asyncio.gather(*warmer._tasks)
+        await engine.client.aclose()
+
+    asyncio.run(scenario())
+    assert len(engine.bodies) == 3 and engine.prefilled == 3 * 4 * BS

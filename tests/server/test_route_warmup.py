@@ -83,3 +83,53 @@ def test_an_engine_that_becomes_ready_is_warmed_with_the_shared_prefixes() -> No
         assert all(cached[tenant] > 0.5 * usages[tenant]["prompt_tokens"] for tenant in HOT), cached
         assert cached[COLD] == 0
         assert _hits(new) - hits_before == sum(cached.values())   # all five served by the new engine
+
+
+def test_two_routers_warming_the_same_engine_have_it_prefill_each_prefix_once() -> None:
+    """Two routers' warmers (no shared state, as two router replicas) notice one real engine at
+    the same moment with the same four hot prefixes. Whatever the interleaving, the engine
+    computes each prefix's blocks once: a router that comes second skips a prefix the engine's
+    digest shows, and a copy sent before then finds all but its last block cached (the engine
+    shares a prompt's blocks from the step that schedules them). The prompt tokens the engine
+    computed equal what the two routers' counts say."""
+    import asyncio
+    import random
+
+    from kubeinfer.operator.gateway.engine_views import EngineViews
+    from kubeinfer.operator.gateway.routing_key import RoutingKey
+    from kubeinfer.operator.gateway.warmup import HotPrefixes, Warmer, WarmupConfig
+    from kubeinfer.server.engine.kv_events import block_hash, block_hashes, root_hash
+
+    port = free_port()
+    engine = f"http://127.0.0.1:{port}"
+    counts: list[tuple[str, int]] = []
+    with ExitStack() as stack:
+        start_kubeinfer(ENGINE, port, stack)
+        block_size = int(httpx.get(f"{engine}/tokenizer_info").json()["block_size"])
+        hot = HotPrefixes()
+        for tenant in range(4):
+            system = [1000 + 100 * tenant + i % 90 for i in range(8 * block_size)]
+            for q in range(2):
+                tokens = system + [50 + q] * (block_size + 1)
+                hot.observe(RoutingKey(len(tokens), block_size, tuple(block_hashes(tokens[:-1], block_size, "two")),
+                                       block_hash(root_hash("two"), tokens[:32]), salt="two", tokens=tokens))
+        before = parse_gauges(httpx.get(f"{engine}/metrics").text, ["vllm:prompt_tokens_total"])
+
+        async def warm() -> None:
+            async with httpx.AsyncClient() as client:
+                routers = [Warmer(hot, EngineViews(client), client, WarmupConfig(prefixes=4, digest_wait=0),
+                                  lambda outcome, tokens: counts.append((outcome, tokens)), rng=random.Random(seed))
+                           for seed in (1, 2)]
+                for warmer in routers:
+                    warmer.notice([engine])
+                await asyncio.gather(*(task for warmer in routers for task in warmer._tasks))
+
+        asyncio.run(warm())
+        after = parse_gauges(httpx.get(f"{engine}/metrics").text, ["vllm:prompt_tokens_total"])
+        hits = _hits(engine)
+    computed = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] - hits
+    print(f"two routers' warm-up outcomes: {sorted(counts)}; engine computed {computed:g} prompt tokens")
+    assert sorted(outcome for outcome, _ in counts) == ["cached"] * 4 + ["sent"] * 4
+    assert sum(tokens for outcome, tokens in counts if outcome == "sent") == 4 * 8 * block_size
+    assert computed == sum(tokens for _, tokens in counts)   # copies cost their last block at most
+    assert computed <= 4 * 8 * block_size + 4 * block_size
