@@ -95,6 +95,31 @@ def test_greedy_output_and_logprobs_are_unchanged(method, spec_config, make_llm,
     _no_leaks(llm.engine)
 
 
+def test_a_bounded_suffix_trie_keeps_a_long_generation_unchanged(make_llm, random_prompts):
+    """suffix_decoding_max_request_tokens far below the prompt and output lengths: every
+    sequence's own trie stays within window x depth nodes at every step, and greedy output is
+    still the non-speculative engine's."""
+    config = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 2.0,
+              "suffix_decoding_max_tree_depth": 4, "suffix_decoding_max_request_tokens": 16}
+    prompts = [prompt * 2 for prompt in _repetitive_prompts(random_prompts, 3, seed=13)]
+    params = SamplingParams(**GREEDY, max_tokens=120)
+    want = make_llm().generate(prompts, params)
+    llm = make_llm(speculative_config=config)
+    proposer, nodes = llm.engine.proposer, []
+    original = proposer.propose
+
+    def propose(seq, max_tokens):
+        drafts = original(seq, max_tokens)
+        nodes.append(proposer._states[id(seq)].own.num_nodes)
+        return drafts
+    proposer.propose = propose
+    got = llm.generate(prompts, params)
+    assert _token_ids(got) == _token_ids(want)
+    assert nodes and max(nodes) <= 16 * 4 and _accepted(llm.engine) > 0
+    assert all(len(p) > 16 for p in prompts)
+    _no_leaks(llm.engine)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_stop_strings_and_stop_tokens_end_where_they_would(method, spec_config, make_llm, random_prompts):
     prompts = _repetitive_prompts(random_prompts, 4, seed=5)

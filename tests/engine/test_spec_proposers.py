@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Request, Sequence
 from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig
@@ -154,3 +156,63 @@ def test_suffix_matches_follow_a_sequence_as_it_grows():
             fresh.release(_seq(response, num_prompt_tokens=0))
         assert proposer.propose(seq, 4) == fresh.propose(_seq(list(seq.token_ids)), 4)
         seq.token_ids += [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+
+
+def test_suffix_request_trie_holds_only_the_substrings_of_its_last_window():
+    """A sequence's own trie counts exactly the substrings of its last
+    `suffix_decoding_max_request_tokens` tokens, however it grows (a token at a time, in bursts,
+    or by more than the window at once), and drafts what a fresh proposer finds on that window."""
+    rng = random.Random(5)
+    for trial in range(20):
+        depth, window = rng.randint(2, 5), rng.randint(5, 20)
+        proposer = _suffix(suffix_decoding_max_tree_depth=depth, suffix_decoding_max_request_tokens=window)
+        seq = _seq([rng.randrange(4) for _ in range(rng.randint(1, 3 * window))])
+        for step in range(60):
+            drafts = proposer.propose(seq, 3)
+            state = proposer._states[id(seq)]
+            tail = seq.token_ids[-window:]
+            assert _trie_counts(state.own) == _substring_counts([tail], depth), (trial, step)
+            assert state.own.num_nodes == len(_trie_counts(state.own)) <= window * depth
+            fresh = _suffix(suffix_decoding_max_tree_depth=depth, suffix_decoding_max_request_tokens=window)
+            assert drafts == fresh.propose(_seq(tail), 3)
+            grow = rng.choice((1, 1, 2, rng.randint(1, 2 * window)))
+            seq.token_ids += [rng.randrange(4) for _ in range(grow)]
+
+
+def test_suffix_request_memory_stays_within_its_bound_on_a_long_generation():
+    """6,000 generated tokens with no repeats (the most nodes a token can make): the trie never
+    holds more than window x depth nodes, and the memory the proposer holds at the end (traced
+    to suffix.py) is what it held when the window first filled: nothing grows with the output."""
+    import tracemalloc
+
+    from kubeinfer.server.engine.spec_decode import suffix
+
+    def held() -> int:
+        only = [tracemalloc.Filter(True, suffix.__file__)]
+        return sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(only).statistics("filename"))
+
+    depth, window = 24, 128
+    proposer = _suffix(suffix_decoding_max_tree_depth=depth, suffix_decoding_max_request_tokens=window)
+    seq = _seq(list(range(100_000, 100_064)))
+    tracemalloc.start()
+    try:
+        peak_nodes, filled = 0, 0
+        for token in range(6_000):
+            seq.token_ids.append(token)
+            proposer.propose(seq, 4)
+            peak_nodes = max(peak_nodes, proposer._states[id(seq)].own.num_nodes)
+            if seq.num_tokens == window + depth:
+                filled = held()
+        end = held()
+    finally:
+        tracemalloc.stop()
+    # distinct tokens: every substring starting in the window is a node (the last few are shorter)
+    assert peak_nodes == window * depth - depth * (depth - 1) // 2
+    assert 0 < end <= filled * 1.05, (filled, end)
+    assert proposer._states[id(seq)].first == seq.num_tokens - window
+
+
+def test_suffix_request_window_must_hold_the_tree_depth():
+    with pytest.raises(ValueError, match="suffix_decoding_max_request_tokens must be >= "):
+        SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_decoding_max_tree_depth=24,
+                          suffix_decoding_max_request_tokens=16)

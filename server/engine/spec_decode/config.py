@@ -34,6 +34,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     # ours: the shared trie's bound in tokens (at most depth nodes a token, ~240 bytes a node)
     suffix_decoding_max_cached_tokens: int = 20_000
+    # ours: a sequence's own trie holds the substrings starting in its last this many tokens
+    # (prompt and output; at most this x depth nodes, ~12 MB at the defaults)
+    suffix_decoding_max_request_tokens: int = 2048
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     # adaptive: no drafts in a step with more running sequences than this (vLLM's
@@ -70,6 +73,9 @@ class SpeculativeConfig:
                 or self.suffix_decoding_max_cached_tokens < 0):
             raise ValueError("suffix_decoding_max_tree_depth must be >= 2 and "
                              "suffix_decoding_max_cached_requests/tokens >= 0")
+        if self.suffix_decoding_max_request_tokens < self.suffix_decoding_max_tree_depth:
+            raise ValueError("suffix_decoding_max_request_tokens must be >= suffix_decoding_max_tree_depth "
+                             f"({self.suffix_decoding_max_tree_depth}), got {self.suffix_decoding_max_request_tokens}")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0 or self.suffix_decoding_max_spec_factor <= 0:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1] and "
                              "suffix_decoding_max_spec_factor > 0")

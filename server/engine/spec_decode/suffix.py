@@ -12,6 +12,11 @@ shares stays above `suffix_decoding_min_token_prob`, for at most
 `suffix_decoding_max_spec_factor` x the match length tokens (and num_speculative_tokens).
 The shared trie keeps the responses of the last `suffix_decoding_max_cached_requests` finished
 sequences, at most `suffix_decoding_max_cached_tokens` tokens in all; the oldest go first.
+A sequence's own trie holds the substrings starting in its last
+`suffix_decoding_max_request_tokens` tokens (at most that many x D nodes): as it grows, the
+substrings starting at its oldest token are uncounted, and a longer prompt enters by its tail,
+so neither a huge prompt nor a long generation grows the trie (or the time to build it) without
+bound. Matches older than the window are what the n-gram proposer is for.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class SuffixTrie:
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self.root = _Node()
+        self.num_nodes = 0   # below the root
 
     def extend(self, open_nodes: list[_Node], token: int) -> list[_Node]:
         """Count `token` after each open suffix: `open_nodes[n]` is the node of the last n tokens
@@ -48,6 +54,7 @@ class SuffixTrie:
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node()
+                self.num_nodes += 1
             child.count += 1
             if len(extended) < self.depth:
                 extended.append(child)
@@ -61,14 +68,20 @@ class SuffixTrie:
     def remove(self, tokens: list[int]) -> None:
         """Uncount a token list added before; substrings it alone held are deleted."""
         for start in range(len(tokens)):
-            node = self.root
-            for token in tokens[start:start + self.depth]:
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:   # its descendants on this path held only this occurrence too
-                    del node.children[token]
-                    break
-                node = child
+            self.remove_prefixes(tokens[start:start + self.depth])
+
+    def remove_prefixes(self, path: list[int]) -> None:
+        """Uncount one occurrence of each prefix of `path` (the substrings counted from one start
+        position: at most `depth` tokens, all of them added before)."""
+        node = self.root
+        for i, token in enumerate(path):
+            child = node.children[token]
+            child.count -= 1
+            if child.count == 0:   # its descendants held only this occurrence too: one path
+                del node.children[token]
+                self.num_nodes -= len(path) - i
+                return
+            node = child
 
     def match(self, tokens: list[int], longest: int) -> list[_Node]:
         """Nodes of the suffixes of `tokens` of lengths 1.. found in the trie (at most `longest`)."""
@@ -89,7 +102,8 @@ def _continuation(node: _Node, max_tokens: int, min_prob: float) -> list[int]:
     prob = 1.0
     while len(drafts) < max_tokens and node.children:
         total = sum(child.count for child in node.children.values())
-        token, child = max(node.children.items(), key=lambda item: item[1].count)
+        # ties go to the smaller token id, so a draft never depends on the order of insertion
+        token, child = max(node.children.items(), key=lambda item: (item[1].count, -item[0]))
         prob *= child.count / total
         if prob < min_prob:
             break
@@ -106,7 +120,8 @@ class _SequenceState:
         self.open_nodes = [self.own.root]
         self.shared_matches: list[_Node] = []   # [n - 1]: node of the last n tokens in the shared trie
         self.shared_version = -1
-        self.num_tokens = 0
+        self.first = 0        # the own trie counts the substrings starting at token_ids[first:]
+        self.num_tokens = 0   # ... and ending before token_ids[num_tokens]
 
 
 class SuffixProposer:
@@ -117,6 +132,7 @@ class SuffixProposer:
         self.min_token_prob = config.suffix_decoding_min_token_prob
         self.max_cached_requests = config.suffix_decoding_max_cached_requests
         self.max_cached_tokens = config.suffix_decoding_max_cached_tokens
+        self.max_request_tokens = config.suffix_decoding_max_request_tokens
         self.shared = SuffixTrie(self.depth)
         self.cached: OrderedDict[int, list[int]] = OrderedDict()   # responses in the shared trie, oldest first
         self.num_cached_tokens = 0
@@ -148,10 +164,21 @@ class SuffixProposer:
 
     def _advance(self, state: _SequenceState, tokens: list[int], longest: int) -> None:
         """Extend the sequence's own trie and shared-trie matches by the tokens since last time."""
+        window, depth = self.max_request_tokens, self.depth
         new = tokens[state.num_tokens:]
+        if len(new) > window:   # a long prompt (or a long pause) enters by its tail
+            state.own = SuffixTrie(depth)
+            state.open_nodes = [state.own.root]
+            state.first = state.num_tokens = len(tokens) - window
+            state.shared_version = -1   # the shared-trie matches are looked up again
+            new = tokens[state.num_tokens:]
+        own = state.own
         for token in new:
-            state.open_nodes = state.own.extend(state.open_nodes, token)
-        state.num_tokens = len(tokens)
+            state.open_nodes = own.extend(state.open_nodes, token)
+            state.num_tokens += 1
+            if state.num_tokens - state.first > window:   # the oldest start leaves (window >= depth)
+                own.remove_prefixes(tokens[state.first:state.first + depth])
+                state.first += 1
         if state.shared_version != self._version:
             state.shared_matches = self.shared.match(tokens, longest)
             state.shared_version = self._version
