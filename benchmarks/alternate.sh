@@ -10,6 +10,15 @@
 #
 #   benchmarks/alternate.sh [rounds]    # default 4; ~3 min to start vLLM, ~2 min a round
 #
+# Several kubeinfer configurations against vLLM in one run (issue 23):
+#   KUBEINFER_ARMS='w8a8=--model ~/.cache/kubeinfer/peers/smollm2-w8a8;q4=--model embedded' KV_CACHE_GIB=1 \
+#     benchmarks/alternate.sh 2
+# names each arm and its `kubeinfer serve` model arguments (default: one arm, "kubeinfer", on the
+# embedded GGUF); the arms are on ports 8801, 8803, 8804, ..., vLLM on 8802. Odd rounds run the
+# arms in order then vLLM, even rounds the reverse. KV_CACHE_GIB sizes every server's KV pool
+# (--kv-cache-memory and VLLM_CPU_KVCACHE_SPACE alike; default 4). Every server gets one
+# unmeasured c=32 burst (32 prompts, 128 in / 16 out) before round 1.
+#
 # Before/after a change: KUBEINFER_BASELINE=<a checkout of the older commit, e.g. from
 # `git archive`> puts that tree's kubeinfer on the second port instead of vLLM (it is imported
 # through a `kubeinfer` package of links in front of the installed one), and each round runs
@@ -25,12 +34,26 @@ LOGS="${TMPDIR:-/tmp}"
 THREADS="${THREADS:-$(nproc)}"
 BASELINE="${KUBEINFER_BASELINE:-}"
 PEER=$([[ -n $BASELINE ]] && echo baseline || echo vllm)
+KV_CACHE_GIB="${KV_CACHE_GIB:-4}"
+ARMS="${KUBEINFER_ARMS:-kubeinfer=--model $GGUF}"
+[[ -n $BASELINE && $ARMS == *";"* ]] && { echo "KUBEINFER_BASELINE takes one arm" >&2; exit 2; }
 
-serve() {  # port log
-  "$PY" -m kubeinfer.server.cli serve --model "$GGUF" --served-model-name smollm2 --host $HOST --port "$1" \
-    --kv-cache-memory 4GiB --max-num-seqs 64 --enable-prefix-caching --log-level warning > "$2" 2>&1 &
+serve() {  # port log model-args...
+  local port="$1" log="$2"; shift 2
+  "$PY" -m kubeinfer.server.cli serve "$@" --served-model-name smollm2 --host $HOST --port "$port" \
+    --kv-cache-memory "${KV_CACHE_GIB}GiB" --max-num-seqs 64 --enable-prefix-caching --log-level warning \
+    > "$log" 2>&1 &
 }
-serve 8801 "$LOGS/alternate-kubeinfer.log"
+declare -A NAME_OF=([8802]=$PEER)
+ARM_PORTS=()
+IFS=';' read -ra arm_specs <<< "$ARMS"
+for i in "${!arm_specs[@]}"; do
+  port=$(( i == 0 ? 8801 : 8802 + i ))
+  name="${arm_specs[i]%%=*}"
+  eval "args=(${arm_specs[i]#*=})"   # the arm's arguments, as a shell would split them (~ expands)
+  NAME_OF[$port]=$name; ARM_PORTS+=("$port")
+  serve "$port" "$LOGS/alternate-$name.log" "${args[@]}"
+done
 if [[ -n $BASELINE ]]; then
   SHIM="$LOGS/alternate-baseline/kubeinfer"
   mkdir -p "$SHIM" && touch "$SHIM/__init__.py"
@@ -38,15 +61,16 @@ if [[ -n $BASELINE ]]; then
   # Its own kernel cache: an older tree deletes other sources' builds, and one deleted between
   # the other server's build and its load left that server on torch ops at half the speed.
   PYTHONPATH="$(dirname "$SHIM")" KUBEINFER_CACHE_DIR="$LOGS/alternate-baseline/cache" \
-    serve 8802 "$LOGS/alternate-baseline.log"
+    serve 8802 "$LOGS/alternate-baseline.log" --model "$GGUF"
 else
-VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=4 VLLM_HOST_IP=$HOST \
+VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=$KV_CACHE_GIB VLLM_HOST_IP=$HOST \
   "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name smollm2 \
   --host $HOST --port 8802 --dtype bfloat16 --enable-prefix-caching --max-model-len 2048 --max-num-seqs 64 \
   > "$LOGS/alternate-vllm.log" 2>&1 &
 fi
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
-for port in 8801 8802; do
+ALL_PORTS=("${ARM_PORTS[@]}" 8802)
+for port in "${ALL_PORTS[@]}"; do
   for _ in $(seq 400); do curl -sf "http://$HOST:$port/v1/models" > /dev/null && break; sleep 1; done
 done
 
@@ -55,10 +79,14 @@ bench() {  # port seed dataset-flags...
   "$PY" -m kubeinfer.server.cli bench serve --base-url "http://$HOST:$port" --num-prompts 32 --max-duration 60 \
     --seed "$seed" --no-progress "$@" | tail -1
 }
+for port in "${ALL_PORTS[@]}"; do
+  echo "warm-up ${NAME_OF[$port]}: $(bench "$port" 1 --dataset random --input-len 128 --output-len 16 --concurrency 32)"
+done
 for round in $(seq "$ROUNDS"); do
-  order="8801 8802"; (( round % 2 == 0 )) && order="8802 8801"
+  order="${ALL_PORTS[*]}"
+  (( round % 2 == 0 )) && order="$(printf '%s\n' "${ALL_PORTS[@]}" | tac | tr '\n' ' ')"
   for port in $order; do
-    name=$([[ $port == 8801 ]] && echo kubeinfer || echo $PEER)
+    name=${NAME_OF[$port]}
     echo "round $round $name $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
     if [[ -n $BASELINE ]]; then
       echo "  random c=1:   $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 1)"
