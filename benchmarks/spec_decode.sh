@@ -70,6 +70,6 @@ for round in $(seq "$ROUNDS"); do
     echo "  grounded c=1:  $(bench $port $((round * 100)) --dataset grounded --num-prompts "$NUM_PROMPTS" --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 1)"
     echo "  grounded c=4:  $(bench $port $((round * 100)) --dataset grounded --num-prompts $((2 * NUM_PROMPTS)) --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 4)"
     echo "  random c=32:   $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len "${RANDOM_OUTPUT_LEN:-64}" --num-prompts 32 --concurrency 32)"
-    [[ $port != 18931 ]] && echo "  counters: $(counters "$port")"
+    if [[ $port != 18931 ]]; then echo "  counters: $(counters "$port")"; fi
   done
 done
