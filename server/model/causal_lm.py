@@ -122,9 +122,10 @@ class CausalLM(nn.Module):
 
     def stacked_tensors(self) -> dict[str, tuple[FusedExperts, str]]:
         """Checkpoint tensor name -> (module whose parameters stack it, its name there): the
-        per-expert matrices of MoE layers."""
+        per-expert matrices of MoE layers (quantized ones are the quantization loader's)."""
         return {f"{name}.{part}": (module, part) for name, module in self.named_modules()
-                if isinstance(module, FusedExperts) for part, _, _ in module.checkpoint_layout()}
+                if isinstance(module, FusedExperts) and module.quant is None
+                for part, _, _ in module.checkpoint_layout()}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -11,7 +11,7 @@ as vLLM does), so routing is computed whole on every rank and one all-reduce fol
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from kubeinfer.kernels.moe_ref import fused_moe_ref
 
 from .config import MoEConfig
 from .linear import Linear, ParallelRole, can_pack, linear, pack_weight
+
+if TYPE_CHECKING:
+    from .quantization.weights import QuantizedLinearWeight
 
 # transformers' per-expert names (gate, up, down): Qwen3-MoE's; Mixtral's are w1, w3, w2
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
@@ -42,11 +45,14 @@ class FusedExperts(nn.Module):
     without it every expert matmul reorders its weight first)."""
 
     packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # a quantized checkpoint's experts: each one's gate|up and down compute forms, w13 / w2 None
+    quant: "list[tuple[QuantizedLinearWeight, QuantizedLinearWeight]] | None" = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  names: tuple[str, str, str] = GATE_UP_DOWN) -> None:
         super().__init__()
-        self.num_experts, self.intermediate_size, self.names = num_experts, intermediate_size, names
+        self.num_experts, self.hidden_size, self.intermediate_size, self.names = \
+            num_experts, hidden_size, intermediate_size, names
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
@@ -72,13 +78,18 @@ class FusedExperts(nn.Module):
 
     def pack(self) -> None:
         """Prepack every expert's matrices (after loading: reloading would not update them)."""
-        if self.packed is None and can_pack(self.w13):
+        if self.packed is None and self.w13 is not None and can_pack(self.w13):
             self.packed = [(pack_weight(self.w13[e]), pack_weight(self.w2[e])) for e in range(self.num_experts)]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:   # grouped by expert, each expert's matmuls on its compute form
+            return fused_moe_ref(x, None, None, weights, ids, self._quantized_linear)
         if self.packed is not None and not ops.uses_triton(x):
             return fused_moe_ref(x, self.w13, self.w2, weights, ids, self._packed_linear)
         return ops.fused_moe(x, self.w13, self.w2, weights, ids)
+
+    def _quantized_linear(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor:
+        return self.quant[expert][which].forward(rows, None)
 
     def _packed_linear(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor:
         return linear(rows, (self.w13, self.w2)[which][expert], self.packed[expert][which])

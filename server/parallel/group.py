@@ -30,3 +30,12 @@ def init_group(rank: int, size: int, port: int, device: torch.device) -> torch.d
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     return device
+
+
+def agree_on_load(error: Exception | None) -> list[str | None]:
+    """Every rank's load failure (None: loaded), gathered on all ranks, so that they decide
+    together: a rank that raised alone would leave the others waiting in their first collective,
+    or die and take the server down before rank 0 could say why."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{error}")
+    return errors

@@ -22,7 +22,7 @@ from ..engine.config import EngineConfig
 from ..model.loader import LoadedModel, embedded_model_path, read_checkpoint, resolve_device, resolve_dtype
 from ..model.quantization import resolve_for_checkpoint
 from ..model.registry import model_family
-from .group import free_port, init_group
+from .group import agree_on_load, free_port, init_group
 from .model import load_shard
 from .plan import ShardPlan
 from .step_broadcast import send_stop
@@ -93,9 +93,7 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = read_checkpoint(config.model)
-    if resolve_for_checkpoint(checkpoint, config.quantization) is not None:
-        raise ValueError("quantized Hugging Face checkpoints (and --quantization fp8/int8) are not supported with "
-                         "tensor parallelism yet; use --tensor-parallel-size 1")
+    method = resolve_for_checkpoint(checkpoint, config.quantization)   # refuses a bad format before spawning
     plan = ShardPlan(checkpoint.config, 0, size)   # validates the split before anything starts
     architecture = checkpoint.config.architecture
     family = model_family(architecture)
@@ -105,17 +103,29 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     processes = [context.Process(target=run_worker, name=f"tp-rank{rank}", daemon=True, args=(WorkerSpec(
         str(source), architecture, family, dtype, device.type, rank, size, port, config.block_size,
         logging.getLogger().level, config.max_loras if config.enable_lora else 0, config.max_lora_rank,
-        config.kv_cache_dtype, config.calculate_kv_scales),))
+        config.kv_cache_dtype, config.calculate_kv_scales, config.quantization),))
         for rank in range(1, size)]
     for process in processes:
         process.start()
     _active = WorkerGroup(processes, device)
     atexit.register(shutdown_tensor_parallel)
     device = init_group(0, size, port, device)
-    model = load_shard(source, family, plan, dtype, device)
-    log.info("tensor parallel %d: rank 0 holds %d of %d heads, %d of %d KV heads; loaded in %.2fs", size,
+    try:
+        model = load_shard(source, family, plan, dtype, device, method)
+        error = None
+    except ValueError as failure:
+        error = failure
+    errors = agree_on_load(error)
+    if error is not None or any(errors):
+        shutdown_tensor_parallel()
+        if error is not None:
+            raise error
+        rank, message = next((rank, message) for rank, message in enumerate(errors) if message)
+        raise ValueError(f"tensor-parallel rank {rank}: {message}")
+    log.info("tensor parallel %d: rank 0 holds %d of %d heads, %d of %d KV heads; loaded in %.2fs%s", size,
              plan.num_heads, checkpoint.config.num_attention_heads, plan.num_kv_heads,
-             checkpoint.config.num_key_value_heads, time.perf_counter() - start)
+             checkpoint.config.num_key_value_heads, time.perf_counter() - start,
+             "" if method is None else f"; linear layers quantized with {method.name}")
     checkpoint.config.eos_token_ids = checkpoint.tokenizer.eos_token_ids
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=checkpoint.tokenizer,
                        generation_defaults=checkpoint.generation_defaults, name=checkpoint.name, dtype=dtype,

@@ -21,7 +21,10 @@ class RowParallelLinear(Linear):
     partial outputs, then the (whole, replicated) bias is added once."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.packed, None, self.quantized)
+        if self.weight_quant is not None:   # this rank's input features of a quantized layer
+            out = self.weight_quant.forward(x, None)
+        else:
+            out = linear(x, self.weight, self.packed, None, self.quantized)
         if self.lora is not None:   # this rank's partial delta (A sliced by input columns) joins the sum
             self.lora.apply(x, out)
         dist.all_reduce(out)

@@ -24,9 +24,13 @@ from ..model.kv_cache_quant import KVScales, split_kv_scales
 from ..model.linear import Linear, MergedLinear, ParallelRole
 from ..model.loader import fill_model, uninitialized_modules
 from ..model.moe import FusedExperts
+from ..model.quantization import QuantizedLoad, Reshard
+from ..model.quantization.base import QuantizationMethod
+from ..model.quantization.weights import QuantizedLinearWeight
 from ..model.registry import ModelFamily
 from .layers import RowParallelExperts, RowParallelLinear, VocabParallelEmbedding
 from .plan import ShardPlan
+from .quantized import shard_quantized
 from .step_broadcast import send_step
 from .weights import sharded_weights
 
@@ -59,14 +63,11 @@ def weight_slices(model: CausalLM, plan: ShardPlan) -> dict[str, Slice]:
     slices: dict[str, Slice] = {}
     for source, module, shard in model.checkpoint_modules():
         if isinstance(module, nn.Embedding):
-            role, rows = ParallelRole.VOCAB, 0
-        elif isinstance(module, MergedLinear) and shard is not None:
-            role, rows = module.roles[shard], module.output_sizes[shard]
+            role, local = ParallelRole.VOCAB, 0
         elif isinstance(module, Linear):
-            role, rows = module.role, module.out_features
+            role, local = layer_role(module, shard)
         else:
             continue
-        local = module.in_features if role is ParallelRole.ROW else rows
         for kind in ("weight", "bias"):
             part = plan.slice_for(role, local, is_bias=kind == "bias")
             if part is not None:
@@ -77,6 +78,29 @@ def weight_slices(model: CausalLM, plan: ShardPlan) -> dict[str, Slice]:
         if part is not None:
             slices[name] = part
     return slices
+
+
+def layer_role(module: nn.Module, shard: int | None) -> tuple[ParallelRole, int]:
+    """The role of checkpoint matrix `shard` of `module` (experts: 0 gate, 1 up, 2 down) and its
+    local size along the split dimension (output rows, input columns for ROW)."""
+    if isinstance(module, FusedExperts):
+        _, role, local = list(module.checkpoint_layout())[shard or 0]   # expert 0's gate, up, down
+        return role, local
+    if isinstance(module, MergedLinear) and shard is not None:
+        role, rows = module.roles[shard], module.output_sizes[shard]
+    else:
+        role, rows = module.role, module.out_features
+    return role, module.in_features if role is ParallelRole.ROW else rows
+
+
+def quantized_reshard(plan: ShardPlan) -> Reshard:
+    """`QuantizedLoad`'s cut of each quantized checkpoint layer to this rank's part, by its role."""
+
+    def reshard(source: str, module: nn.Module, shard: int | None, form: QuantizedLinearWeight
+                ) -> QuantizedLinearWeight:
+        return shard_quantized(source, form, plan.slice_for(*layer_role(module, shard)), plan.size)
+
+    return reshard
 
 
 class TensorParallelModel(nn.Module):
@@ -113,14 +137,25 @@ def build_shard(family: ModelFamily, plan: ShardPlan, device: torch.device) -> C
     return model
 
 
-def load_shard(source: Path, family: ModelFamily, plan: ShardPlan, dtype: torch.dtype,
-               device: torch.device) -> TensorParallelModel:
+def load_shard(source: Path, family: ModelFamily, plan: ShardPlan, dtype: torch.dtype, device: torch.device,
+               method: QuantizationMethod | None = None) -> TensorParallelModel:
     """Build this rank's model uninitialised and stream in only its slices of the weights (the
-    single-process loader's steps: see `load_model`)."""
-    with uninitialized_modules(device, dtype):
+    single-process loader's steps: see `load_model`). With a quantization `method`, as there the
+    model is built on the meta device; its quantized layers' tensors arrive whole, become their
+    compute form and are then cut to this rank's part (`quantized.py`)."""
+    with uninitialized_modules(device if method is None else torch.device("meta"), dtype):
         model = build_shard(family, plan, device).to(dtype)
+    hook = None
+    slices = weight_slices(model, plan)
+    if method is not None:
+        hook = QuantizedLoad(method, model, quantized_reshard(plan))
+        hook.prepare()
+        model = model.to_empty(device=device)
+        for layer in hook.layers:
+            slices.pop(f"{layer}.weight", None)
     fused = family.resolve().fused_checkpoint_parts(plan.config)
     kv_scales: dict[str, KVScales] = {}
-    weights = sharded_weights(source, plan, weight_slices(model, plan), family.gguf, dtype, fused)
-    fill_model(model, split_kv_scales(weights, kv_scales), device)
+    weights = sharded_weights(source, plan, slices, family.gguf, dtype, fused, 
+                              keep_quantized=method is not None and not method.dense_checkpoint)
+    fill_model(model, split_kv_scales(weights, kv_scales), device, hook)
     return TensorParallelModel(model, plan, kv_scales)

@@ -17,13 +17,19 @@ from safetensors import safe_open
 from ..model.checkpoint import FusedParts, Slice, is_fused, split_fused
 from ..model.gguf_checkpoint import convert_tensors
 from ..model.gguf_reader import GGUFFile
-from ..model.hf_checkpoint import _safetensors_files
+from ..model.hf_checkpoint import _safetensors_files, _stored_as_is
 from ..model.registry import GGUFNames
 from .plan import ShardPlan
 
 
-def safetensors_shards(path: Path, slices: Mapping[str, Slice], dtype: torch.dtype, fused: FusedParts
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_shards(path: Path, slices: Mapping[str, Slice], dtype: torch.dtype, fused: FusedParts,
+                       keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """`keep_quantized`: a quantized checkpoint's integer / 8-bit tensors and scales keep their
+    dtype, as in the single-device loader (`hf_checkpoint._stored_as_is`)."""
+
+    def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if keep_quantized and _stored_as_is(name, tensor) else tensor.to(dtype)
+
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as handle:
             for name in handle.keys():
@@ -32,15 +38,15 @@ def safetensors_shards(path: Path, slices: Mapping[str, Slice], dtype: torch.dty
                         part = slices.get(piece_name)
                         if part is not None:
                             piece = part.pad(piece.narrow(part.dim, part.start, part.stop - part.start))
-                        yield piece_name, piece.to(dtype)
+                        yield piece_name, convert(piece_name, piece)
                     continue
                 part = slices.get(name)
                 if part is None:
-                    yield name, handle.get_tensor(name).to(dtype)
+                    yield name, convert(name, handle.get_tensor(name))
                     continue
                 view = handle.get_slice(name)
                 tensor = view[part.start:part.stop] if part.dim == 0 else view[:, part.start:part.stop]
-                yield name, part.pad(tensor.to(dtype))
+                yield name, part.pad(convert(name, tensor))
 
 
 def gguf_shards(path: Path, plan: ShardPlan, slices: Mapping[str, Slice], names: GGUFNames, dtype: torch.dtype,
@@ -51,9 +57,10 @@ def gguf_shards(path: Path, plan: ShardPlan, slices: Mapping[str, Slice], names:
 
 
 def sharded_weights(source: Path, plan: ShardPlan, slices: Mapping[str, Slice], names: GGUFNames,
-                    dtype: torch.dtype, fused: FusedParts | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype, fused: FusedParts | None = None, keep_quantized: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's part of every checkpoint tensor; `slices` from `model.weight_slices`, `fused`
     from the family's `fused_checkpoint_parts` of the whole model's config."""
     if source.is_dir():
-        return safetensors_shards(source, slices, dtype, fused or {})
+        return safetensors_shards(source, slices, dtype, fused or {}, keep_quantized)
     return gguf_shards(source, plan, slices, names, dtype, fused or {})

@@ -17,9 +17,10 @@ from ..model.forward_batch import ForwardBatch
 from ..model.kv_cache_quant import LayerKVCache, kv_cache_torch_dtype, layer_kv_scales
 from ..model.loader import read_checkpoint
 from ..model.lora import read_peft_adapter
+from ..model.quantization import resolve_for_checkpoint
 from ..model.lora_layers import LoRAModel
 from ..model.registry import ModelFamily, register_model
-from .group import init_group
+from .group import agree_on_load, init_group
 from .model import KVCaches, TensorParallelModel, load_shard, weight_slices
 from .plan import ShardPlan
 from .step_broadcast import receive_step
@@ -45,6 +46,7 @@ class WorkerSpec:
     max_lora_rank: int = 0
     kv_cache_dtype: str = "auto"   # rank 0's --kv-cache-dtype and --calculate-kv-scales
     calculate_kv_scales: bool = False
+    quantization: str = "auto"     # rank 0's --quantization
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -57,8 +59,19 @@ def run_worker(spec: WorkerSpec) -> None:
     device = init_group(spec.rank, spec.size, spec.port, torch.device(spec.device))
     start = time.perf_counter()
     register_model(spec.architecture, spec.family)
-    plan = ShardPlan(read_checkpoint(spec.source).config, spec.rank, spec.size)
-    model = load_shard(Path(spec.source), spec.family, plan, spec.dtype, device)
+    checkpoint = read_checkpoint(spec.source)
+    plan = ShardPlan(checkpoint.config, spec.rank, spec.size)
+    try:
+        model = load_shard(Path(spec.source), spec.family, plan, spec.dtype, device,
+                           resolve_for_checkpoint(checkpoint, spec.quantization))
+        error = None
+    except ValueError as failure:   # a checkpoint this rank cannot hold: rank 0 reports it and stops us
+        error = failure
+    if any(agree_on_load(error)):
+        while receive_step(device) is not None:
+            pass
+        dist.destroy_process_group()
+        return
     log.info("rank %d/%d: shard of %d heads, %d KV heads loaded in %.2fs", spec.rank, spec.size, plan.num_heads,
              plan.num_kv_heads, time.perf_counter() - start)
     lora = _lora_slots(model, plan, spec, device) if spec.max_loras else None

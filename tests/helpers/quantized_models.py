@@ -215,3 +215,72 @@ def add_activation_fake_quant(model: torch.nn.Module, kind: str, static_scale: f
 
     for _, module in _quantized_linears(model):
         module.register_forward_pre_hook(hook)
+
+
+def write_compressed_moe(path: Path, target: Path, scheme: dict, format: str) -> tuple[Path, Path]:
+    """An MoE checkpoint in compressed-tensors `format` ("pack-quantized", "int-quantized"): every
+    2-D matrix of the decoder layers, per-expert matrices included, quantized per tensor with the
+    package's `calculate_qparams` / `quantize` / `pack_to_int32` (transformers 5 holds experts as
+    3-D parameters, which the package's module-level `apply_quantization_config` does not reach;
+    llm-compressor's MoE checkpoints name each expert's matrices as here). The routers stay
+    dense (`ignore`), as llm-compressor's MoE recipes leave them. Returns (quantized dir, dense dir
+    with the dequantized weights: load it with transformers for the reference)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file
+
+    args = QuantizationArgs(**scheme["weights"])
+    quantized, dense = {}, {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if not (name.startswith("model.layers.") and tensor.dim() == 2 and not module.endswith(".gate")):
+            quantized[name] = dense[name] = tensor
+            continue
+        weight = tensor.float()
+        scale, zero = calculate_qparams(*_min_max(weight, args.strategy, args.group_size), args)
+        q = quantize(weight, scale, zero, args)
+        dense[name] = dequantize(q, scale, zero, args).float()
+        if format == "pack-quantized":
+            quantized[f"{module}.weight_packed"] = pack_to_int32(q.to(torch.int8), args.num_bits)
+            quantized[f"{module}.weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int32)
+        else:
+            quantized[f"{module}.weight"] = q.to(torch.int8)
+        quantized[f"{module}.weight_scale"] = scale.float().reshape(weight.shape[0], -1)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
+                                ignore=["lm_head", "re:.*\\.gate$"], format=format, quantization_status="compressed")
+    hf_config = json.loads((path / "config.json").read_text())
+    for directory, tensors, quantization in ((target, quantized, config.model_dump(mode="json")),
+                                             (target.with_name(target.name + "-dequantized"), dense, None)):
+        _copy_side_files(path, directory)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+        config_json = dict(hf_config, **({"quantization_config": quantization} if quantization else {}))
+        (directory / "config.json").write_text(json.dumps(config_json, indent=2))
+    return target, target.with_name(target.name + "-dequantized")
+
+
+def add_expert_activation_fake_quant(model: torch.nn.Module) -> None:
+    """Per-token int8 rounding (amax/127) of the inputs of every expert's gate|up and down matmuls,
+    as the engine's W8A8 experts compute: transformers 5's experts modules (3-D gate_up_proj /
+    down_proj) run their own loop, replaced here by the same loop with the rounding."""
+    from torch.nn import functional as F
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 127.0
+        return torch.round(x / scale).clamp(-128, 127) * scale
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(top_k_index == expert)
+            if token.numel():
+                gate, up = F.linear(rounded(hidden_states[token]), self.gate_up_proj[expert]).chunk(2, dim=-1)
+                down = F.linear(rounded(self.act_fn(gate) * up), self.down_proj[expert])
+                out.index_add_(0, token, down * top_k_weights[token, slot, None])
+        return out
+
+    for name, module in model.named_modules():
+        if name.endswith(".experts") and hasattr(module, "gate_up_proj"):
+            module.forward = forward.__get__(module)

@@ -266,15 +266,6 @@ def test_missing_quantized_tensor_is_refused_naming_it(tmp_path):
         load_model(str(quantized), dtype="float32", device="cpu")
 
 
-def test_tensor_parallel_refuses_quantized_checkpoints(tmp_path):
-    from kubeinfer.server.parallel.launch import load_tensor_parallel
-
-    path, hf_model = build_tiny_llama(tmp_path)
-    quantized, _ = write_awq(path, hf_model, tmp_path / "awq")
-    with pytest.raises(ValueError, match="not supported with tensor parallelism"):
-        load_tensor_parallel(EngineConfig(model=str(quantized), device="cpu", tensor_parallel_size=2))
-
-
 @pytest.mark.slow
 def test_embedded_model_in_w8a8_int8_keeps_the_bf16_engines_greedy_tokens():
     """The embedded SmolLM2 (GGUF) re-quantized at load with --quantization int8 (per-channel int8
