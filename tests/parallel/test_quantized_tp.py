@@ -152,3 +152,34 @@ def test_a_row_cut_inside_a_group_is_refused_naming_the_layer():
                                          r"4-bit layer by input features: its input features 48\.\.95 on this rank "
                                          r"split group 1 \(each group of 32"):
         shard_quantized("model.layers.3.mlp.down_proj", whole, Slice(1, 48, 96, 48), 2)
+
+
+def test_quantized_moe_tp2_matches_tp1(tmp_path, make_tp_llm):
+    """Qwen3-MoE in W4A16 with groups of 8: every expert's gate/up cut by output units, down by
+    its 48 intermediate inputs into 3 whole groups a rank (RowParallelExperts)."""
+    from helpers.quantized_models import write_compressed_moe
+    from helpers.tiny_models import build_tiny_qwen3_moe
+
+    path, _ = build_tiny_qwen3_moe(tmp_path)
+    scheme = {"weights": {"num_bits": 4, **_INT, "strategy": "group", "group_size": 8}}
+    quantized, _ = write_compressed_moe(path, tmp_path / "w4a16-g8", scheme, "pack-quantized")
+    prompts = random_prompts(4, seed=5)
+    reference = LLM(str(quantized), **ENGINE).generate(prompts, GREEDY)
+    tp = make_tp_llm(str(quantized), tensor_parallel_size=2, **ENGINE)
+    experts = tp.engine.runner.model.shard.model.layers[0].mlp.experts
+    assert experts.w13 is None and all(down.in_features == 24 for _, down in experts.quant)
+    assert_greedy_parity(tp.generate(prompts, GREEDY), reference, **TINY_TOL)
+
+
+def test_quantized_moe_split_inside_a_group_is_refused_naming_the_expert(tmp_path):
+    from helpers.quantized_models import write_compressed_moe
+    from helpers.tiny_models import build_tiny_qwen3_moe
+
+    path, _ = build_tiny_qwen3_moe(tmp_path)
+    scheme = {"weights": {"num_bits": 4, **_INT, "strategy": "group", "group_size": 16}}
+    quantized, _ = write_compressed_moe(path, tmp_path / "w4a16-g16", scheme, "pack-quantized")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj: tensor parallel size 2 cannot "
+                                         r"split this 4-bit layer by input features: its input features 0\.\.23 on "
+                                         r"this rank split group 1"):
+        load_tensor_parallel(EngineConfig(model=str(quantized), device="cpu", dtype="float32",
+                                          tensor_parallel_size=2))
