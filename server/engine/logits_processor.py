@@ -8,6 +8,11 @@ for all its rows and masks them in one call); a batch without processors pays no
 
 Preemption by recompute keeps a sequence's tokens, so a processor's state stays valid across it;
 a finished, aborted or failed sequence releases its processors.
+
+Speculative decoding: a sequence is drafted only if all its processors are `speculative`. Such a
+processor checks deterministic drafts before they are scored (`validate_drafts`: the prefix it
+allows), shapes the row of each draft position as it stands after the drafts before it
+(`at_drafts`), and after verification is told only the tokens kept, through `accept`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import torch
 
 class LogitsProcessor:
     """One sequence's decoding rule. Subclasses override `apply` (or `apply_rows` to batch)."""
+
+    # whether its sequence may be drafted: `validate_drafts` and `at_drafts` work
+    speculative = False
 
     @classmethod
     def apply_rows(cls, logits: torch.Tensor, rows: list[int], processors: Seq["LogitsProcessor"]) -> None:
@@ -35,6 +43,17 @@ class LogitsProcessor:
 
     def release(self) -> None:
         """The sequence is done: let go of any state it holds."""
+
+    def validate_drafts(self, token_ids: list[int]) -> int:
+        """How many leading draft `token_ids` (after the sequence's tokens) the rule allows,
+        as the sequence's state stands (a speculative processor only). A processor that raises
+        here gets no drafts, and must raise again when its row is sampled (its request fails)."""
+        raise NotImplementedError
+
+    def at_drafts(self, token_ids: list[int]) -> "LogitsProcessor":
+        """The processor of the row after the sequence's tokens and the drafts `token_ids`
+        (a speculative processor only; of its own class, so the rows batch together)."""
+        raise NotImplementedError
 
 
 ProcessorFactory = Callable[[], LogitsProcessor]

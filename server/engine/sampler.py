@@ -11,7 +11,7 @@ default: they describe the model, not the sampling knobs.
 
 A row is a sequence, or in a speculative step one of its draft positions (`DraftPosition`:
 the sequence plus the drafts before that position), so penalties and min_tokens see the
-tokens in front of that very position (sequences with logits processors are not drafted). The
+tokens in front of that very position, and logits processors stand after those drafts. The
 engine, not the sampler, decides how many of a sequence's rows it keeps.
 
 A fault in one row must not fail the batch: the random numbers are drawn first, so when the

@@ -158,10 +158,10 @@ class DraftPosition:
 
     @property
     def logits_processors(self) -> list[LogitsProcessor]:
-        """None: a processor's state is at the sequence's last token, not at this position, so
-        the engine drafts only for sequences without processors (`LLMEngine._propose`)."""
-        assert not self.seq.logits_processors
-        return []
+        """The sequence's processors as they stand after the drafts before this position (only
+        speculative processors' sequences are drafted: `Speculator.draft`)."""
+        drafts = self.seq.draft_token_ids[:self.num_drafts]
+        return [processor.at_drafts(drafts) for processor in self.seq.logits_processors]
 
 
 SamplingRow = Sequence | DraftPosition   # one row of logits the sampler turns into a token

@@ -13,6 +13,7 @@ that never sees one pays nothing at start.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -219,12 +220,59 @@ def _dumps(schema: Any, what: str) -> str:
 
 
 class GrammarProcessor(LogitsProcessor):
-    """Masks every token the grammar cannot take next; advances with each sampled token."""
+    """Masks every token the grammar cannot take next; advances with each sampled token.
+
+    Speculative decoding (vLLM's way with xgrammar): the matcher takes the drafts a row needs
+    before filling its mask, and rolls back; it is positioned lazily (`_position`), so scoring
+    k draft positions costs k accepted tokens, and a draft the engine keeps is one the matcher
+    already took (`accept` only drops it from `_ahead`)."""
+
+    speculative = True
 
     def __init__(self, backend: GrammarBackend, matcher: "xgrammar.GrammarMatcher", is_json: bool) -> None:
         self.backend = backend
         self.matcher: "xgrammar.GrammarMatcher | None" = matcher
         self.is_json = is_json  # also masks raw control characters (GrammarBackend.json_bitmask)
+        self._base = self                     # the sequence's own processor (a draft row's view: its sequence's)
+        self._drafts: tuple[int, ...] = ()    # the drafts in front of this view's row
+        self._ahead: list[int] = []           # draft tokens the matcher took past the sequence's tokens
+        self._fault: Exception | None = None  # a matcher that raised while moving: its request fails
+
+    def at_drafts(self, token_ids: list[int]) -> "GrammarProcessor":
+        view = copy.copy(self)
+        view._drafts = tuple(token_ids)
+        return view
+
+    def validate_drafts(self, token_ids: list[int]) -> int:
+        return self._base._position(tuple(token_ids))
+
+    def _position(self, drafts: tuple[int, ...]) -> int:
+        """Put the matcher after the sequence's tokens and `drafts`, as far as the grammar
+        allows them; returns how many it allows. A stop token is counted but not kept taken
+        (no mask follows it), nor are drafts after a refused one: rows behind those are never
+        kept (the refused draft's own row masks it), so their mask need only be some valid one."""
+        matcher = self.live_matcher_unpositioned()
+        ahead = self._ahead
+        try:
+            keep = 0
+            for taken, wanted in zip(ahead, drafts):
+                if taken != wanted:
+                    break
+                keep += 1
+            if keep < len(ahead):
+                matcher.rollback(len(ahead) - keep)
+                del ahead[keep:]
+            for token in drafts[keep:]:
+                if not matcher.accept_token(token):
+                    break
+                if matcher.is_terminated():
+                    matcher.rollback(1)
+                    return len(ahead) + 1
+                ahead.append(token)
+            return len(ahead)
+        except Exception as error:
+            self._fault = error
+            raise
 
     @classmethod
     def apply_rows(cls, logits: torch.Tensor, rows: list[int], processors: Seq[LogitsProcessor]) -> None:
@@ -246,16 +294,30 @@ class GrammarProcessor(LogitsProcessor):
                 logits[row, backend.stop_token_ids] = 0.0
 
     def live_matcher(self) -> "xgrammar.GrammarMatcher":
-        if self.matcher is None:
+        """The matcher, positioned at this row (after the sequence's tokens and the drafts in front)."""
+        self._base._position(self._drafts)
+        return self._base.live_matcher_unpositioned()
+
+    def live_matcher_unpositioned(self) -> "xgrammar.GrammarMatcher":
+        base = self._base
+        if base._fault is not None:
+            raise GrammarViolation("the grammar matcher failed while checking drafts") from base._fault
+        if base.matcher is None:
             raise GrammarViolation("the grammar matcher was already released")
-        return self.matcher
+        return base.matcher
 
     def accept(self, token_id: int) -> None:
-        if not self.live_matcher().accept_token(token_id):
+        matcher = self.live_matcher_unpositioned()
+        if self._ahead and self._ahead[0] == token_id:   # a kept draft: the matcher already took it
+            del self._ahead[0]
+            return
+        self._position(())
+        if not matcher.accept_token(token_id):
             raise GrammarViolation(f"token {token_id} does not match the grammar")
 
     def release(self) -> None:
         self.matcher = None
+        self._ahead = []
 
 
 class GrammarBackendHolder:

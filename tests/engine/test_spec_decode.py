@@ -333,30 +333,102 @@ def test_embedded_model_fp32_greedy_output_is_unchanged_by_ngram_and_suffix_draf
         assert llm.engine.stats().spec_decode.num_accepted_tokens > 10
 
 
-def test_a_grammar_constrained_request_is_not_drafted_and_holds_next_to_drafted_ones(make_llm, random_prompts):
-    """Structured outputs have no rollback of the grammar's state, so a request with a grammar is
-    never drafted; in the same batch, unconstrained requests are, and every output equals the
-    non-speculative engine's."""
-    import json
+_GRAMMARS = (
+    {"json": {"type": "object", "additionalProperties": False, "required": ["role", "notes"],
+              "properties": {"role": {"enum": ["admin", "user"]}, "notes": {"type": "string", "maxLength": 12}}}},
+    {"regex": "(the |a |cat |sat |on |mat ){4,40}done"},
+    {"grammar": 'root ::= item (", " item)* "."\nitem ::= "alpha" | "beta" | "gamma" | [a-z]+'},
+)
 
+
+def _constrained_params(max_tokens: int = 48) -> list[SamplingParams]:
     from kubeinfer.server.engine.sampling_params import StructuredOutputsParams
 
-    schema = {"type": "object", "additionalProperties": False, "required": ["role"],
-              "properties": {"role": {"enum": ["admin", "user"]}}}
-    prompts = _repetitive_prompts(random_prompts, 3, seed=31)
-    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
-              SamplingParams(**GREEDY, max_tokens=30), SamplingParams(**GREEDY, max_tokens=30)]
+    return [SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**g))
+            for g in _GRAMMARS]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_grammar_constrained_requests_are_drafted_and_greedy_output_is_unchanged(
+        method, spec_config, make_llm, random_prompts):
+    """Structured outputs (JSON schema, regex, EBNF) are drafted: each draft is checked through
+    the request's grammar, every draft position is masked as the grammar stands after the
+    drafts before it, and the matcher rolls back what was not kept. Greedy output equals the
+    non-speculative engine's token for token, unconstrained neighbours too, and drafts of
+    constrained requests are kept."""
+    prompts = _repetitive_prompts(random_prompts, 5, seed=31)
+    params = _constrained_params() + [SamplingParams(**GREEDY, max_tokens=30)] * 2
+    want = make_llm().generate(prompts, params)
+    llm = make_llm(speculative_config=spec_config(method))
+    kept: dict[str, int] = {}
+    original = llm.engine.speculator.verified
+
+    def verified(seq, num_drafts, num_accepted):
+        if seq.logits_processors:
+            kept[seq.request.request_id] = kept.get(seq.request.request_id, 0) + num_accepted
+        original(seq, num_drafts, num_accepted)
+    llm.engine.speculator.verified = verified
+    got = llm.generate(prompts, params)
+    assert _token_ids(got) == _token_ids(want)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert got[0].outputs[0].text.startswith(('{"role": "admin", "notes": "', '{"role": "user", "notes": "'))
+    assert sum(kept.values()) > 0, kept
+    _no_leaks(llm.engine)
+
+
+class _FailsMidVerify:
+    """A grammar matcher that raises once it has taken a draft: while a draft position's mask
+    is filled ("fill"), or while it takes a second draft ("accept": checking or positioning)."""
+
+    def __init__(self, processor, where: str) -> None:
+        self.processor, self.matcher, self.where = processor, processor.matcher, where
+        self.raised = 0
+
+    def fill_next_token_bitmask(self, bitmask, row):
+        if self.where == "fill" and self.processor._ahead:
+            self.raised += 1
+            raise RuntimeError("grammar fault mid-verify")
+        return self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token):
+        if self.where == "accept" and self.processor._ahead:
+            self.raised += 1
+            raise RuntimeError("grammar fault mid-verify")
+        return self.matcher.accept_token(token)
+
+    def __getattr__(self, name):
+        return getattr(self.matcher, name)
+
+
+@pytest.mark.parametrize("where", ["fill", "accept"])
+def test_a_grammar_that_raises_mid_verify_fails_only_its_own_request(where, make_llm, random_prompts):
+    """One constrained request's matcher raises while its drafts are checked or its draft
+    positions masked: that request alone fails (an error output), every block comes back, and
+    the other constrained and unconstrained requests of the same steps are token-identical to
+    the engine without speculation; the engine serves the next request as before."""
+    prompts = _repetitive_prompts(random_prompts, 4, seed=31)
+    constrained = _constrained_params()
+    params = [constrained[1], constrained[1], constrained[0], SamplingParams(**GREEDY, max_tokens=30)]
     want = make_llm().generate(prompts, params)
     llm = make_llm(speculative_config=NGRAM)
-    drafted: list[bool] = []
-    original = llm.engine.speculator.draft
-
-    def draft(running):
-        original(running)
-        drafted.extend(bool(seq.draft_token_ids) for seq in running if seq.logits_processors)
-    llm.engine.speculator.draft = draft
-    got = llm.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert json.loads(got[0].outputs[0].text)["role"] in ("admin", "user")
-    assert drafted and not any(drafted) and _accepted(llm.engine) > 0
-    _no_leaks(llm.engine)
+    engine = llm.engine
+    requests = [engine.make_request(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
+    processor = requests[0].seqs[0].logits_processors[0]
+    faulty = processor.matcher = _FailsMidVerify(processor, where)
+    for request in requests:
+        engine.add_request(request.request_id, request)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    assert faulty.raised > 0
+    assert done["0"].error is not None and done["0"].outputs[0].finish_reason == "error"
+    for i in (1, 2, 3):
+        assert done[str(i)].error is None
+        assert done[str(i)].outputs[0].token_ids == want[i].outputs[0].token_ids
+    assert _accepted(engine) > 0
+    _no_leaks(engine)
+    again = llm.generate([prompts[0]], [params[0]])
+    assert again[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    _no_leaks(engine)

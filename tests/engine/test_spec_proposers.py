@@ -216,3 +216,52 @@ def test_suffix_request_window_must_hold_the_tree_depth():
     with pytest.raises(ValueError, match="suffix_decoding_max_request_tokens must be >= "):
         SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_decoding_max_tree_depth=24,
                           suffix_decoding_max_request_tokens=16)
+
+
+def _allowed_tokens(processor, vocab_size: int) -> list[int]:
+    import torch
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    processor.live_matcher().fill_next_token_bitmask(bitmask, 0)
+    bits = (bitmask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return [i for i, bit in enumerate(bits.flatten()[:vocab_size].tolist()) if bit]
+
+
+def test_a_grammar_checks_drafts_masks_each_draft_position_and_rolls_back():
+    """The grammar side of drafting, on a toy vocabulary: `validate_drafts` gives the prefix the
+    grammar allows (a stop token ends it), a draft position's view masks as the grammar stands
+    after the drafts in front of it, the sequence's own state never moves, and after
+    verification the kept drafts and the sampled token leave the matcher where plain decoding
+    would."""
+    import xgrammar as xgr
+
+    from kubeinfer.server.engine.structured_output import GrammarProcessor, GrammarViolation
+
+    a, b, c, eos, x = range(5)
+    vocab = ["a", "b", "c", "</s>", "x"]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=5, stop_token_ids=[eos])
+    grammar = xgr.GrammarCompiler(info).compile_grammar('root ::= ("a" | "b")* "c"')
+    processor = GrammarProcessor(None, xgr.GrammarMatcher(grammar), is_json=False)   # type: ignore[arg-type]
+    assert processor.validate_drafts([a, b, a, c, eos, a]) == 5   # nothing follows the stop token
+    assert processor.validate_drafts([a, x, b]) == 1
+    assert processor.validate_drafts([]) == 0
+    assert _allowed_tokens(processor.at_drafts([a, c]), 5) == [eos]
+    assert _allowed_tokens(processor.at_drafts([a, x, b]), 5) == [a, b, c]   # behind a refused draft: some valid mask
+    assert _allowed_tokens(processor.at_drafts([a, b, c, eos]), 5) == [eos]  # behind a stop: the one before it
+    assert _allowed_tokens(processor, 5) == [a, b, c]   # the sequence's own row: nothing taken yet
+    # a step that drafted a b a: two drafts kept, then c sampled instead of the third
+    processor.validate_drafts([a, b, a])
+    for token in (a, b, c):
+        processor.accept(token)
+    assert _allowed_tokens(processor, 5) == [eos]
+    processor.accept(eos)
+    assert processor.live_matcher().is_terminated()
+    # a draft refused by the grammar is never what the engine accepts: a wrong token still raises
+    fresh = GrammarProcessor(None, xgr.GrammarMatcher(grammar), is_json=False)   # type: ignore[arg-type]
+    fresh.validate_drafts([a, b])
+    with pytest.raises(GrammarViolation):
+        fresh.accept(x)
+    fresh.release()
+    with pytest.raises(GrammarViolation):
+        fresh.validate_drafts([a])

@@ -13,6 +13,7 @@ It also keeps vLLM's spec-decode counters (`SpecDecodeStats`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ from ..stats import SpecDecodeStats
 if TYPE_CHECKING:
     from ..llm_engine import LLMEngine
     from .config import SpeculativeConfig
+
+log = logging.getLogger(__name__)
 
 EMA_WEIGHT = 0.3   # weight of the newest step in a sequence's acceptance average
 MAX_BACKOFF = 32
@@ -54,9 +57,11 @@ class Speculator:
 
     def draft(self, running: list[Sequence]) -> None:
         """Set `draft_token_ids` of the running decodes worth drafting for, never past a
-        sequence's length limit. A sequence with logits processors is not drafted: their state
-        (a grammar's) follows the sequence's accepted tokens only, so they cannot score
-        positions after unverified drafts."""
+        sequence's length limit. A sequence is drafted only if its logits processors are all
+        speculative (a grammar's matcher advances through drafts and rolls back), and its
+        deterministic drafts are cut to the prefix they allow (a sampled draft model's are
+        kept whole: cutting them would bias rejection sampling; a draft the grammar refuses
+        is rejected by its masked row anyway)."""
         self._step += 1
         if self.disable_by_batch_size is not None and len(running) > self.disable_by_batch_size:
             return
@@ -65,7 +70,8 @@ class Speculator:
             room = seq.request.max_total_tokens - seq.num_tokens - 1
             if self.k is not None:
                 room = min(room, self.k)
-            if room <= 0 or seq.num_tokens - seq.num_computed_tokens != 1 or seq.logits_processors:
+            if room <= 0 or seq.num_tokens - seq.num_computed_tokens != 1 or not all(
+                    processor.speculative for processor in seq.logits_processors):
                 continue
             record = self._acceptance.get(id(seq))
             if record is not None and record.paused_until > self._step:
@@ -79,7 +85,10 @@ class Speculator:
         else:
             drafts = [self.proposer.propose(seq, room) for seq, room in zip(seqs, rooms)]
         for seq, room, tokens in zip(seqs, rooms, drafts):
-            seq.draft_token_ids = list(tokens[:room])
+            tokens = list(tokens[:room])
+            if tokens and seq.logits_processors and seq.draft_probs is None:
+                tokens = _allowed(seq, tokens)
+            seq.draft_token_ids = tokens
 
     def verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """`seq` scored `num_drafts` drafts this step and kept the first `num_accepted`."""
@@ -109,6 +118,18 @@ class Speculator:
         self._acceptance.pop(id(seq), None)
         if self._release is not None:
             self._release(seq)
+
+
+def _allowed(seq: Sequence, tokens: list[int]) -> list[int]:
+    """The leading drafts every processor of `seq` allows (none if one raises: it raises again
+    when its row is sampled, where the engine fails its request alone)."""
+    for processor in seq.logits_processors:
+        try:
+            tokens = tokens[:processor.validate_drafts(tokens)]
+        except Exception:  # noqa: BLE001 - the processor's own row reports it
+            log.warning("a logits processor failed to check drafts; not drafting", exc_info=True)
+            return []
+    return tokens
 
 
 def build_speculator(config: "SpeculativeConfig", engine: "LLMEngine") -> Speculator:
