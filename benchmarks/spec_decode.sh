@@ -9,6 +9,8 @@
 #   benchmarks/spec_decode.sh [rounds]     # default 4 (ABBA twice)
 #   SPEC='{"method": "ngram", ...}' NUM_PROMPTS=8 OUTPUT_LEN=160 benchmarks/spec_decode.sh
 #   VLLM=1 benchmarks/spec_decode.sh 2    # adds vLLM-CPU with the same SPEC (port 18933) as a third arm
+#   RANDOM_ONLY=1 benchmarks/spec_decode.sh 6   # only random c=32 (speculation must not cost under load)
+#   GROUNDED_EXTRA_BODY='{"response_format": {...}}' benchmarks/spec_decode.sh   # grounded answers under a grammar
 # Servers on ports 18931 (plain) and 18932 (speculative); vLLM (peers.sh install vllm) on 18933
 # loads peers.sh's bf16 directory of the same GGUF, with as many threads as OMP_NUM_THREADS and
 # the same KV pool (KV_CACHE_GIB, default 1).
@@ -67,8 +69,10 @@ for round in $(seq "$ROUNDS"); do
   for port in $order; do
     name=${NAME_OF[$port]}
     echo "round $round $name $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
-    echo "  grounded c=1:  $(bench $port $((round * 100)) --dataset grounded --num-prompts "$NUM_PROMPTS" --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 1)"
-    echo "  grounded c=4:  $(bench $port $((round * 100)) --dataset grounded --num-prompts $((2 * NUM_PROMPTS)) --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 4)"
+    if [[ -z ${RANDOM_ONLY:-} ]]; then
+      echo "  grounded c=1:  $(bench $port $((round * 100)) --dataset grounded --num-prompts "$NUM_PROMPTS" --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 1 ${GROUNDED_EXTRA_BODY:+--extra-body "$GROUNDED_EXTRA_BODY"})"
+      echo "  grounded c=4:  $(bench $port $((round * 100)) --dataset grounded --num-prompts $((2 * NUM_PROMPTS)) --output-len "$OUTPUT_LEN" --no-ignore-eos --concurrency 4 ${GROUNDED_EXTRA_BODY:+--extra-body "$GROUNDED_EXTRA_BODY"})"
+    fi
     echo "  random c=32:   $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len "${RANDOM_OUTPUT_LEN:-64}" --num-prompts 32 --concurrency 32)"
     if [[ $port != 18931 ]]; then echo "  counters: $(counters "$port")"; fi
   done
