@@ -65,7 +65,7 @@ class FakeModel:
 def _check_references(kv: KVCacheManager, seqs: list[Sequence]) -> None:
     expected = [0] * kv.pool.num_blocks
     for seq in seqs:
-        for block in seq.block_table:
+        for block in seq.block_table[seq.num_released_blocks:]:   # blocks a sliding window left hold none
             expected[block] += 1
     assert kv.num_used_blocks == sum(1 for count in expected if count), "incremental used-block count drifted"
     if kv.cache is not None:
@@ -122,21 +122,18 @@ operations = st.lists(st.one_of(
 ), max_size=60)
 
 
-@settings(max_examples=150, deadline=None)
-@given(operations, st.integers(10, 24), st.sampled_from([4, 8, 16]), st.integers(1, 4),
-       st.booleans())
-def test_random_interleavings_never_leak_and_always_finish(ops, num_blocks, budget, max_seqs,
-                                                           caching):
-    kv = KVCacheManager(num_blocks, BS, caching)
-    sched = Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget)
-    model = FakeModel(kv)
+def drive(ops: list[tuple], sched: Scheduler, model: FakeModel, max_total_tokens: int,
+          extra_tokens: int = 0, settle_steps: int = 2000) -> list[Request]:
+    """Apply hypothesis' operations, checking every reference count after each, then step until
+    every request has finished; returns the requests (sliding-window tests drive the same way)."""
+    kv = sched.kv
     requests: list[Request] = []
     for op in ops:
         if op[0] == "add":
             _, prompt, max_tokens, n, salt, priority = op
-            params = SamplingParams(n=n, max_tokens=max_tokens, cache_salt=salt,
+            params = SamplingParams(n=n, max_tokens=max_tokens + extra_tokens, cache_salt=salt,
                                     priority=priority, ignore_eos=True)
-            request = Request(str(len(requests)), prompt, params, frozenset(), num_blocks * BS)
+            request = Request(str(len(requests)), prompt, params, frozenset(), max_total_tokens)
             requests.append(request)
             sched.add_request(request)
         elif op[0] == "step":
@@ -148,11 +145,23 @@ def test_random_interleavings_never_leak_and_always_finish(ops, num_blocks, budg
         elif op[0] == "truncate" and sched.running:
             _roll_back(kv, sched.running[op[1] % len(sched.running)], op[2])
         _check_references(kv, [s for r in requests for s in r.seqs])
-    for _ in range(2000):
+    for _ in range(settle_steps):
         if not sched.num_unfinished_seqs:
             break
         _run_step(sched, model, requests)
         _check_references(kv, [s for r in requests for s in r.seqs])
+    return requests
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations, st.integers(10, 24), st.sampled_from([4, 8, 16]), st.integers(1, 4),
+       st.booleans())
+def test_random_interleavings_never_leak_and_always_finish(ops, num_blocks, budget, max_seqs,
+                                                           caching):
+    kv = KVCacheManager(num_blocks, BS, caching)
+    sched = Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    model = FakeModel(kv)
+    requests = drive(ops, sched, model, num_blocks * BS)
     for request in requests:
         assert request.finished
         if not request.aborted:

@@ -19,14 +19,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import torch
 from test_parity import GREEDY
-from test_scheduler import BS, FakeModel, _abort, _prefix_hashes, _roll_back, operations
+from test_scheduler import BS, FakeModel, _prefix_hashes, drive, operations
 
 from helpers.tiny_models import build_tiny_gemma2, build_tiny_mistral, build_tiny_phi3
 from kubeinfer.server.engine.kv_cache_manager import KVCacheManager
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.scheduler import Scheduler, SchedulerOutput
-from kubeinfer.server.engine.sequence import Request, Sequence, SequenceStatus
 
 WINDOW, BLOCK = 8, 4
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4   # K and V, 2 layers, 2 KV heads of 16, float32
@@ -62,35 +61,6 @@ class WindowedFakeModel(FakeModel):
         return sampled
 
 
-def _check_references(kv: KVCacheManager, seqs: list[Sequence]) -> None:
-    expected = [0] * kv.pool.num_blocks
-    for seq in seqs:
-        for block in seq.block_table[seq.num_released_blocks:]:
-            expected[block] += 1
-    assert kv.num_used_blocks == sum(1 for count in expected if count)
-    if kv.cache is not None:
-        for block in kv.cache.cached_blocks():
-            expected[block] += 1
-    assert kv.pool.ref_counts == expected
-    assert kv.pool.num_free == expected.count(0)
-
-
-def _run_step(sched: Scheduler, model: FakeModel, requests: list[Request]) -> None:
-    out = sched.schedule()
-    tokens = model.step(out)
-    fork_tokens = [(sib, (tokens[i] + sib.index) % 3) for sib, i in out.forks]
-    sched.update(out)
-    for item, token in zip(out.scheduled, tokens):
-        if item.samples:
-            item.seq.token_ids.append(token)
-    for sibling, token in fork_tokens:
-        sibling.token_ids.append(token)
-    for request in requests:
-        for seq in request.seqs:
-            if seq.status is not SequenceStatus.FINISHED and seq.num_tokens >= request.max_total_tokens:
-                sched.finish(seq)
-
-
 @settings(max_examples=150, deadline=None)
 @given(operations, st.integers(10, 24), st.sampled_from([4, 8, 16]), st.integers(1, 4), st.booleans(),
        st.sampled_from([1, 5, 8]))
@@ -99,29 +69,7 @@ def test_random_interleavings_with_a_window_read_only_their_own_window(ops, num_
     kv = KVCacheManager(num_blocks, BS, caching, sliding_window=window)
     sched = Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget)
     model = WindowedFakeModel(kv, window)
-    requests: list[Request] = []
-    for op in ops:
-        if op[0] == "add":
-            _, prompt, max_tokens, n, salt, priority = op
-            params = SamplingParams(n=n, max_tokens=max_tokens + 24, cache_salt=salt, priority=priority,
-                                    ignore_eos=True)
-            request = Request(str(len(requests)), prompt, params, frozenset(), 4 * num_blocks * BS)
-            requests.append(request)
-            sched.add_request(request)
-        elif op[0] == "step":
-            _run_step(sched, model, requests)
-        elif op[0] == "abort" and requests:
-            _abort(sched, requests[op[1] % len(requests)])
-        elif op[0] == "preempt" and sched.running:
-            sched.preempt(sched.running[op[1] % len(sched.running)])
-        elif op[0] == "truncate" and sched.running:
-            _roll_back(kv, sched.running[op[1] % len(sched.running)], op[2])
-        _check_references(kv, [s for r in requests for s in r.seqs])
-    for _ in range(4000):
-        if not sched.num_unfinished_seqs:
-            break
-        _run_step(sched, model, requests)
-        _check_references(kv, [s for r in requests for s in r.seqs])
+    requests = drive(ops, sched, model, 4 * num_blocks * BS, extra_tokens=24, settle_steps=4000)
     for request in requests:
         assert request.finished
     assert kv.pool.num_free == num_blocks - (kv.cache.num_cached_blocks if kv.cache else 0)
