@@ -57,6 +57,9 @@ class GatewayMetrics:
         self.decisions = Counter("kubeinfer:router_decisions", "Routing decisions, by the reason the "
                                  "replica won (prefix, session, affinity, overload, least-load, "
                                  "round-robin, no-key).", ["reason"], registry=self.registry)
+        self.warmup_held = Counter("kubeinfer:router_warmup_held_requests", "Requests kept off a replica "
+                                   "being warmed with their prefix (sent to another within the bounded "
+                                   "load).", registry=self.registry)
         self.in_flight = Gauge("kubeinfer:router_in_flight_requests",
                                "Requests this router has in flight, per engine replica.", ["replica"],
                                registry=self.registry)
@@ -151,6 +154,8 @@ class Activator:
         if spent is not None:   # not after a hold: that wait is no overhead of routing
             self.metrics.decision_seconds.observe(spent + time.perf_counter() - started)
         self.metrics.decisions.labels(decision.reason).inc()
+        if decision.held_off_warming:
+            self.metrics.warmup_held.inc()
         if key is not None:
             self.metrics.predicted_cached.observe(decision.predicted_cached_tokens)
         return decision.url

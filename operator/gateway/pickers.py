@@ -28,6 +28,7 @@ class Decision:
     url: str
     reason: str  # why this replica: a label of kubeinfer:router_decisions_total
     predicted_cached_tokens: int = 0
+    held_off_warming: bool = False   # a replica being warmed with this prefix was passed over
 
 
 class Picker(Protocol):
@@ -125,8 +126,9 @@ class PrefixAware:
         eligible = [url for url in urls if loads[url] + 1 <= limit
                     and views.get(url).kv_usage < config.kv_usage_limit] or list(urls)
         matched = {url: views.get(url).matched_blocks(key.hashes, now) for url in urls}
-        eligible = [url for url in eligible
-                    if views.get(url).warming_blocks(key.hashes, now) <= matched[url]] or eligible
+        settled = [url for url in eligible if views.get(url).warming_blocks(key.hashes, now) <= matched[url]]
+        held = bool(settled) and len(settled) < len(eligible)
+        eligible = settled or eligible
         sticky = self._sessions.get(key.session) if key.session else None
         if sticky in eligible:
             url, reason = sticky, "session"
@@ -143,7 +145,7 @@ class PrefixAware:
         views.sent(url, key.hashes)
         log.debug("%s -> %s (%s): loads %s, cached blocks %s of %d", key.affinity, url, reason,
                   loads, matched, len(key.hashes))
-        return Decision(url, reason, matched[url] * key.block_size)
+        return Decision(url, reason, matched[url] * key.block_size, held)
 
     def release(self, url: str, key: RoutingKey | None) -> None:
         if key is not None:

@@ -127,10 +127,13 @@ def test_a_replica_being_warmed_is_held_back_from_the_prefixes_it_is_warming_onl
     loads = {"http://a": 2, "http://b": 2}   # c idle: without the hold c would win (320 - 0 > 320 - 200)
     decision = picker.pick(URLS, key(SHARED + [1]), loads)
     assert decision.url in ("http://a", "http://b") and decision.predicted_cached_tokens == 20 * BS
+    assert decision.held_off_warming   # counted in kubeinfer:router_warmup_held_requests
     other = list(range(9000, 9000 + 10 * BS))   # a cold tenant's prompt: c is the least loaded
-    assert picker.pick(URLS, key(other, affinity=3), loads).url == "http://c"
+    decision = picker.pick(URLS, key(other, affinity=3), loads)
+    assert decision.url == "http://c" and not decision.held_off_warming
     # a and b past the bound ((4 + 4 + 1) / 3 x 1.25 + 1 = 4.75 < 5): not starved, c serves it
-    assert picker.pick(URLS, key(SHARED + [1]), {"http://a": 4, "http://b": 4}).url == "http://c"
+    decision = picker.pick(URLS, key(SHARED + [1]), {"http://a": 4, "http://b": 4})
+    assert decision.url == "http://c" and not decision.held_off_warming
     # the hold expired (or the warm-up ended): c, idle, draws SHARED again
     state.get("http://c").warming.clear()
     assert picker.pick(URLS, key(SHARED + [1]), loads).url == "http://c"
