@@ -1,5 +1,6 @@
 """Fused CPU kernels of `fused_cpu.c` (via `cpu_build`): RMSNorm(+residual), SiLU-and-mul,
-rotary in place, and the KV-cache store (quantizing into an fp8 cache).
+rotary in place, the KV-cache store (quantizing into an fp8 cache), and a structured-output
+token bitmask applied to logits.
 
 One call replaces the ~10 torch ops of HF's RMSNorm (float copy, pow, mean, rsqrt, casts,
 products, the residual add), the 3 of SiLU-and-mul and the 5 of the rotary embedding, with the
@@ -104,3 +105,31 @@ def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     _functions(k.dtype)[4](k.data_ptr(), v.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                            k.shape[0], k.stride(0), k.shape[1] * k.shape[2], k_cache.dtype == torch.float8_e5m2,
                            inverse_scale(k_scale), inverse_scale(v_scale))
+
+
+@cpu_build.per_isa
+def _bitmask_function() -> object | None:
+    library = cpu_build.load("fused_cpu")
+    return None if library is None else cpu_build.bind(library, "apply_token_bitmask_f32", pointers=4, ints=4)
+
+
+def token_bitmask_available(logits: torch.Tensor) -> bool:
+    """Whether `apply_token_bitmask` takes these logits (CPU float32 with unit column stride)."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and _bitmask_function() is not None)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Set `logits[r, j]` to -inf where bit j of `bitmask[r]` (int32 words, xgrammar's layout)
+    is clear, for each r in `rows` and j < logits.shape[1]; returns a bool per listed row: whether
+    any allowed token's logit is still above -inf."""
+    if not token_bitmask_available(logits) or bitmask.dtype != torch.int32 or bitmask.stride(1) != 1 \
+            or bitmask.shape[1] * 32 < logits.shape[1] or bitmask.shape[0] < logits.shape[0]:
+        raise ValueError("apply_token_bitmask needs CPU float32 logits and an int32 bitmask covering them")
+    if rows and not (0 <= min(rows) and max(rows) < logits.shape[0]):
+        raise ValueError(f"rows must index the {logits.shape[0]} rows of logits")
+    index = torch.tensor(rows, dtype=torch.int64)
+    alive = torch.zeros(len(rows), dtype=torch.uint8)
+    _bitmask_function()(logits.data_ptr(), bitmask.data_ptr(), index.data_ptr(), alive.data_ptr(), len(rows),
+                        logits.stride(0), bitmask.stride(0), logits.shape[1])
+    return alive.bool()

@@ -112,7 +112,7 @@ class AsyncEngine:
                     raise item
                 finished = item.finished
                 if item.error is not None:
-                    raise RequestFailedError(item.error)
+                    raise (InvalidRequestError if item.client_error else RequestFailedError)(item.error)
                 yield item
         finally:
             self._streams.pop(request_id, None)

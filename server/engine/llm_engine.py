@@ -330,8 +330,12 @@ class LLMEngine:
         return None
 
     def _fail(self, request: Request, error: Exception) -> None:
-        log.error("request %s failed; the engine goes on", request.request_id, exc_info=error)
-        request.error = f"the server failed while generating this request ({type(error).__name__})"
+        if isinstance(error, InvalidRequestError):   # e.g. a constraint its vocabulary cannot finish
+            log.info("request %s refused while generating: %s", request.request_id, error)
+            request.error, request.client_error = str(error), True
+        else:
+            log.error("request %s failed; the engine goes on", request.request_id, exc_info=error)
+            request.error = f"the server failed while generating this request ({type(error).__name__})"
         self.requests.pop(request.request_id, None)
         for seq in request.seqs:
             if seq.status is not SequenceStatus.FINISHED:
@@ -352,7 +356,8 @@ class LLMEngine:
             token_ids=seq.output_token_ids[:seq.num_sent_tokens], delta_text="", delta_token_ids=[],
             logprobs=None, finish_reason="error", stop_reason=None) for seq in request.seqs]
         return RequestOutput(request.request_id, request.prompt_token_ids, request.num_cached_tokens,
-                             completions, True, request.metrics, error=request.error)
+                             completions, True, request.metrics, error=request.error,
+                             client_error=request.client_error)
 
     # -- speculative decoding (with a proposer) ------------------------------------------------
 

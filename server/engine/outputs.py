@@ -48,5 +48,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None  # set (with finished) when handling this request failed
+    client_error: bool = False  # `error` is the request's own fault: the client's message, a 400
     # a pooling request's result (float32, CPU; `outputs` is then empty); None while running or if aborted
     embedding: "torch.Tensor | None" = None

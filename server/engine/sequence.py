@@ -47,6 +47,7 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit of the first scheduling
     aborted: bool = False
     error: str | None = None  # why handling it failed (it then finished with "error")
+    client_error: bool = False  # the failure is the request's own (InvalidRequestError), not the server's
     # each sequence builds its own processors from these (e.g. a grammar matcher)
     processor_factories: list[ProcessorFactory] = field(default_factory=list)
     adapter: str | None = None  # LoRA adapter name; None = the base weights (no adapters yet)

@@ -5,7 +5,10 @@ compiler caches results by schema text and options, so a repeated schema compile
 each sequence gets a `GrammarProcessor` holding its own matcher. Compiling happens where the
 request is made (the HTTP server does it on a worker thread before admission), never in the
 engine step. In the step, constrained rows get a token bitmask (one fill per row, one masking
-call for all of them); unconstrained rows are not touched.
+pass for all of them: `kernels/fused_cpu` on the CPU, xgrammar's kernels elsewhere);
+unconstrained rows are not touched. A constraint the vocabulary cannot write is refused before
+it is queued where that is cheap to see (a choice), else it fails its request alone when the
+sequence gets stuck: both are the client's error, never a 500.
 
 xgrammar (and the transformers it imports) load on the first structured request, so a server
 that never sees one pays nothing at start.
@@ -22,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq, cast
 import numpy as np
 import torch
 
+from kubeinfer.kernels import fused_cpu
+
 from .logits_processor import LogitsProcessor, ProcessorFactory
 from .sampling_params import InvalidRequestError, StructuredOutputsParams
 
@@ -37,6 +42,12 @@ _CONTROL = re.compile("[\x00-\x1f]")
 
 class GrammarViolation(RuntimeError):
     """A sampled token the grammar does not allow (a bug or a fault, never the client's doing)."""
+
+
+class UnsatisfiableConstraint(InvalidRequestError):
+    """The grammar allows no token of this vocabulary in the state the sequence reached (e.g. a
+    regex whose next character no token holds): the request's own constraint cannot go on, so
+    it fails alone as the client's error (a 400, or an error event once streaming)."""
 
 
 def _client_message(error: Exception) -> str:
@@ -85,6 +96,12 @@ class GrammarBackend:
         info = xgr.TokenizerInfo(vocab, xgr.VocabType[vocab_type], vocab_size=vocab_size,
                                  stop_token_ids=self.stop_token_ids, add_prefix_space=add_prefix_space)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        # What the matcher can write: each token's text as xgrammar matches it (special tokens,
+        # blanked above, and the stop tokens write nothing).
+        special = set(info.special_token_ids) | set(self.stop_token_ids)
+        self._token_bytes = frozenset(text for index, text in enumerate(info.decoded_vocab)
+                                      if text and index not in special)
+        self._longest_token = max(map(len, self._token_bytes), default=0)
         self.json_bitmask = self._without_control_characters(tokenizer, vocab_size)
 
     def _without_control_characters(self, tokenizer: "Tokenizer", vocab_size: int) -> torch.Tensor:
@@ -120,6 +137,8 @@ class GrammarBackend:
             regex = spec.regex
             return self._checked("regex", lambda: compiler.compile_regex(regex))
         if spec.choice is not None:
+            for choice in spec.choice:
+                self.check_writable(choice)
             grammar = "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
             return self._checked("choice", lambda: compiler.compile_grammar(grammar))
         assert spec.grammar is not None
@@ -149,6 +168,23 @@ class GrammarBackend:
         if not bool(bits.flatten()[:self.vocab_size].any()):
             raise InvalidRequestError(f"invalid {what} for structured outputs: no token of this model's "
                                       "vocabulary can begin it")
+
+    def check_writable(self, choice: str) -> None:
+        """Refuse a choice that no sequence of this vocabulary's tokens spells (a character no
+        token holds, e.g. U+0016 in SmolLM2's): the model could start it and then be stuck."""
+        data = choice.encode()
+        if all(data[i:i + 1] in self._token_bytes for i in range(len(data))):
+            return   # every byte is a token of its own: the usual case, found in one pass
+        reached = [True] + [False] * len(data)   # reached[i]: tokens spell exactly data[:i]
+        for start in range(len(data)):
+            if reached[start]:
+                for end in range(start + 1, min(len(data), start + self._longest_token) + 1):
+                    reached[end] = reached[end] or data[start:end] in self._token_bytes
+        if not reached[-1]:
+            stuck = max(i for i, ok in enumerate(reached) if ok)
+            character = data[stuck:].decode(errors="replace")[:1]
+            raise InvalidRequestError(f"invalid choice for structured outputs: {choice!r} cannot be written "
+                                      f"with this model's vocabulary (no token spells {character!r} there)")
 
     def processor_factory(self, compiled: "xgrammar.CompiledGrammar", is_json: bool) -> ProcessorFactory:
         """Makes one matcher per sequence (n>1 siblings each follow their own tokens)."""
@@ -282,15 +318,26 @@ class GrammarProcessor(LogitsProcessor):
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
         for row, processor in zip(rows, grammars):
             processor.live_matcher().fill_next_token_bitmask(bitmask, row)
-            if processor.is_json:
-                bitmask[row] &= backend.json_bitmask
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
-        # min_tokens may have masked the grammar's only way out (its stop tokens): the grammar wins.
-        # A row's max is cheaper to find than a finite entry (isfinite + any wrote a bool per logit).
-        index = torch.tensor(rows, device=logits.device)
-        dead = ~(logits.amax(dim=1).index_select(0, index) > float("-inf"))
+        json_rows = [row for row, processor in zip(rows, grammars) if processor.is_json]
+        if json_rows:   # one op for all JSON rows
+            bitmask[json_rows] &= backend.json_bitmask
+        if fused_cpu.token_bitmask_available(logits):
+            # One vectorised pass that also says which rows kept a finite logit; xgrammar's
+            # CPU kernel tests bit by bit: 6.2 ms of a 37 ms step for 32 rows (issue 21).
+            dead = ~fused_cpu.apply_token_bitmask(logits, bitmask, rows)
+            index = torch.tensor(rows)
+        else:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+            # A row's max is cheaper to find than a finite entry (isfinite + any wrote a bool per logit).
+            index = torch.tensor(rows, device=logits.device)
+            dead = ~(logits.amax(dim=1).index_select(0, index) > float("-inf"))
         if bool(dead.any()):
             for row in index[dead].tolist():
+                if not bool(bitmask[row].any()):
+                    raise UnsatisfiableConstraint(
+                        "the structured output constraint cannot be completed: no token of this model's "
+                        "vocabulary can continue it from what was generated")
+                # min_tokens masked the grammar's only way out (its stop tokens): the grammar wins.
                 logits[row, backend.stop_token_ids] = 0.0
 
     def live_matcher(self) -> "xgrammar.GrammarMatcher":

@@ -126,6 +126,22 @@ def test_min_tokens_cannot_trap_a_finished_grammar(make_llm, random_prompts):
     assert output.outputs[0].text == "ok" and output.outputs[0].finish_reason == "stop"
 
 
+def test_a_constraint_stuck_midway_fails_alone_as_the_clients_error(make_llm, random_prompts):
+    """A JSON string whose pattern needs a raw control character: `"a` is written, then no token
+    may follow (JSON rows never write one raw). That request alone fails, as its own error (a
+    400 at the API), with nothing left behind; its free neighbour is token-identical to a run alone."""
+    llm = make_llm()
+    stuck = SamplingParams(temperature=0.0, max_tokens=10,
+                           structured_outputs=Structured(json={"type": "string", "pattern": "^a\u0016$"}))
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = random_prompts(2, 8, 8, seed=3)
+    failed, neighbour = llm.generate(prompts, [stuck, free])
+    assert failed.finished and failed.client_error
+    assert "cannot be completed" in failed.error and failed.outputs[0].finish_reason == "error"
+    assert _texts([neighbour]) == _texts(llm.generate(prompts[1:], free)) and len(neighbour.outputs[0].token_ids) == 6
+    assert not llm.engine.requests and llm.engine.stats().kv_cache_usage == 0.0
+
+
 def test_a_seeded_constrained_request_replays(make_llm, random_prompts):
     llm = make_llm()
     params = SamplingParams(temperature=1.0, max_tokens=60, seed=9, structured_outputs=Structured(json=PERSON))

@@ -115,3 +115,62 @@ def test_store_kv_matches_reference_and_skips_negative_slots(dtype):
     fused_cpu.store_kv(k, v, *caches, slots)
     store_kv_cache_ref(k, v, *want, slots)
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+
+
+def _bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bit j % 32 of word j // 32 set: token j allowed (xgrammar's layout)."""
+    vocab = logits.shape[1]
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    out = logits.clone()
+    alive = []
+    for row in rows:
+        out[row] = out[row].masked_fill(~allowed[row], float("-inf"))
+        alive.append(bool((out[row][allowed[row]] > float("-inf")).any()))
+    return out, torch.tensor(alive, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("vocab", [49152, 49157, 31, 64])
+def test_token_bitmask_matches_reference(vocab):
+    """Masks the listed rows only, whatever mix of all-clear, all-set and mixed words they
+    have, a vocabulary that ends inside a word included; the other rows keep their logits."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (6, words), dtype=torch.int32, generator=gen)
+    bitmask[0] = 0                        # nothing allowed
+    bitmask[1] = -1                       # everything allowed
+    bitmask[2, words // 2:] = 0           # a sparse row, as inside JSON punctuation
+    bitmask[3, ::3] = -1
+    bitmask[4] = 0
+    last = (vocab - 1) % 32
+    bitmask[4, -1] = 1 << last if last < 31 else -(1 << 31)   # only the last token (bit 31: the sign)
+    rows = [0, 1, 2, 4, 5]
+    want, want_alive = _bitmask_ref(logits, bitmask, rows)
+    alive = fused_cpu.apply_token_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, want)
+    assert alive.tolist() == want_alive.tolist()
+    assert want_alive.tolist()[:2] == [False, True] and want_alive[3]   # nothing, everything, the last token
+
+
+def test_token_bitmask_alive_only_where_an_allowed_logit_is_finite():
+    """-inf already in the allowed places (min_tokens masked the only way out) or NaN: not alive."""
+    logits = torch.zeros(3, 64)
+    bitmask = torch.zeros(3, 2, dtype=torch.int32)
+    bitmask[:, 0] = 0b101
+    logits[0, [0, 2]] = float("-inf")
+    logits[1, 0], logits[1, 2] = float("-inf"), float("nan")
+    logits[2, 0] = float("-inf")
+    alive = fused_cpu.apply_token_bitmask(logits, bitmask, [0, 1, 2])
+    assert alive.tolist() == [False, False, True]
+    assert torch.isinf(logits[:, 3:]).all() and logits[2, 2] == 0
+
+
+def test_token_bitmask_refuses_what_it_cannot_read():
+    logits = torch.zeros(2, 64)
+    with pytest.raises(ValueError):
+        fused_cpu.apply_token_bitmask(logits, torch.zeros(2, 1, dtype=torch.int32), [0])   # covers 32 of 64
+    with pytest.raises(ValueError):
+        fused_cpu.apply_token_bitmask(logits, torch.zeros(2, 2, dtype=torch.int32), [2])
+    with pytest.raises(ValueError):
+        fused_cpu.apply_token_bitmask(logits.to(torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32), [0])

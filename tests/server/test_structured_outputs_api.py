@@ -191,6 +191,8 @@ def test_a_tool_result_turn_is_answered(client, model) -> None:
      "tool_choice", "'launch', which is not in 'tools'"),
     # SmolLM2's vocabulary has no token for U+0016 (schemathesis found the 500 it used to give)
     ({"guided_choice": ["\x16"]}, "guided_choice", "no token of this model's vocabulary can begin it"),
+    # ... nor any choice it could start but not finish
+    ({"guided_choice": ["yes", "a\x16"]}, "guided_choice", "'a\\x16' cannot be written with this model's vocabulary"),
 ])
 def test_bad_constraints_are_openai_400s(server, body, param, words) -> None:
     response = httpx.post(server[0] + "/v1/chat/completions", timeout=120,
@@ -198,6 +200,24 @@ def test_bad_constraints_are_openai_400s(server, body, param, words) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"]
+
+
+def test_a_constraint_the_vocabulary_cannot_finish_is_the_clients_error(server, model) -> None:
+    """SmolLM2 writes the 'a' of the regex 'a\\x16' but has no token for U+0016: the request ends
+    with OpenAI's 400 (an error frame once streaming), never a 500, and the server goes on."""
+    url = server[0]
+    body = {"model": model, "prompt": "Say a.", "max_tokens": 8, "temperature": 0, "guided_regex": "a\x16"}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "cannot be completed" in error["message"]
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as streamed:
+        assert streamed.status_code == 200
+        frames = [line[len("data: "):] for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    assert json.loads(frames[-2])["error"]["type"] == "invalid_request_error"
+    ok = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4}, timeout=120)
+    assert ok.status_code == 200
 
 
 def test_mixed_batch_keeps_free_rows_token_identical(server, model) -> None:
