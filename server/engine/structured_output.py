@@ -331,13 +331,10 @@ class GrammarProcessor(LogitsProcessor):
             # A row's max is cheaper to find than a finite entry (isfinite + any wrote a bool per logit).
             index = torch.tensor(rows, device=logits.device)
             dead = ~(logits.amax(dim=1).index_select(0, index) > float("-inf"))
+        # min_tokens may have masked the grammar's only way out (its stop tokens): the grammar wins.
+        # (A row whose grammar allows no token at all is stuck: its stop token fails in `accept`.)
         if bool(dead.any()):
             for row in index[dead].tolist():
-                if not bool(bitmask[row].any()):
-                    raise UnsatisfiableConstraint(
-                        "the structured output constraint cannot be completed: no token of this model's "
-                        "vocabulary can continue it from what was generated")
-                # min_tokens masked the grammar's only way out (its stop tokens): the grammar wins.
                 logits[row, backend.stop_token_ids] = 0.0
 
     def live_matcher(self) -> "xgrammar.GrammarMatcher":
@@ -360,7 +357,20 @@ class GrammarProcessor(LogitsProcessor):
             return
         self._position(())
         if not matcher.accept_token(token_id):
+            if self._stuck(matcher):
+                raise UnsatisfiableConstraint(
+                    "the structured output constraint cannot be completed: no token of this model's "
+                    "vocabulary can continue it from what was generated")
             raise GrammarViolation(f"token {token_id} does not match the grammar")
+
+    def _stuck(self, matcher: "xgrammar.GrammarMatcher") -> bool:
+        """Whether the grammar allows no token here (the vocabulary cannot write what it needs
+        next, e.g. a raw control character in JSON): the request's constraint, not a fault."""
+        bitmask = self.backend._xgr.allocate_token_bitmask(1, self.backend.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if self.is_json:
+            bitmask &= self.backend.json_bitmask
+        return not bool(bitmask.any())
 
     def release(self) -> None:
         self.matcher = None
