@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -242,7 +243,8 @@ def test_a_grammar_checks_drafts_masks_each_draft_position_and_rolls_back():
     vocab = ["a", "b", "c", "</s>", "x"]
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=5, stop_token_ids=[eos])
     grammar = xgr.GrammarCompiler(info).compile_grammar('root ::= ("a" | "b")* "c"')
-    processor = GrammarProcessor(None, xgr.GrammarMatcher(grammar), is_json=False)   # type: ignore[arg-type]
+    backend = SimpleNamespace(_xgr=xgr, vocab_size=5)   # what a processor reads of its GrammarBackend
+    processor = GrammarProcessor(backend, xgr.GrammarMatcher(grammar), is_json=False)   # type: ignore[arg-type]
     assert processor.validate_drafts([a, b, a, c, eos, a]) == 5   # nothing follows the stop token
     assert processor.validate_drafts([a, x, b]) == 1
     assert processor.validate_drafts([]) == 0
@@ -258,7 +260,7 @@ def test_a_grammar_checks_drafts_masks_each_draft_position_and_rolls_back():
     processor.accept(eos)
     assert processor.live_matcher().is_terminated()
     # a draft refused by the grammar is never what the engine accepts: a wrong token still raises
-    fresh = GrammarProcessor(None, xgr.GrammarMatcher(grammar), is_json=False)   # type: ignore[arg-type]
+    fresh = GrammarProcessor(backend, xgr.GrammarMatcher(grammar), is_json=False)   # type: ignore[arg-type]
     fresh.validate_drafts([a, b])
     with pytest.raises(GrammarViolation):
         fresh.accept(x)
