@@ -137,10 +137,11 @@ class GrammarBackend:
             regex = spec.regex
             return self._checked("regex", lambda: compiler.compile_regex(regex))
         if spec.choice is not None:
+            grammar = "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
+            compiled = self._checked("choice", lambda: compiler.compile_grammar(grammar))
             for choice in spec.choice:
                 self.check_writable(choice)
-            grammar = "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
-            return self._checked("choice", lambda: compiler.compile_grammar(grammar))
+            return compiled
         assert spec.grammar is not None
         text = spec.grammar
         return self._checked("grammar", lambda: compiler.compile_grammar(text))
