@@ -15,9 +15,7 @@ class Event:
 
 
 def transition_events(before: list[Condition], after: list[Condition]) -> list[Event]:
-    """One Event per condition that changed status (or, while Degraded, changed reason, or,
-    while a rollout is in flight, a newer generation started rolling out: an edit made before
-    the last rollout finished is announced too).
+    """One Event per condition that changed status (or, while Degraded, changed reason).
 
     The first status ever written only reports what is worth knowing: a rollout starting or
     a problem; "not ready yet" and "not degraded" are the expected start.
@@ -30,9 +28,7 @@ def transition_events(before: list[Condition], after: list[Condition]) -> list[E
             events += adapter_events(prev, cond)
             continue
         if prev is not None and prev.status == cond.status and \
-                not (cond.type == "Degraded" and is_true and prev.reason != cond.reason) and \
-                not (cond.type == "Progressing" and is_true and cond.reason == "RollingOut"
-                     and cond.observed_generation != prev.observed_generation):
+                not (cond.type == "Degraded" and is_true and prev.reason != cond.reason):
             continue
         if cond.type == "Degraded" and is_true:
             events.append(Event("Warning", cond.reason, cond.message))

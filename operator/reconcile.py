@@ -58,6 +58,8 @@ class Reconciler:
         # The status we last wrote, by uid: a queued call's body predates the call before it,
         # and transition times and Events must build on what was really written last.
         self._written: dict[str, InferenceServiceStatus] = {}
+        # The engine Deployment's pod template as last applied, by uid: a change is a rollout.
+        self._templates: dict[str, dict[str, Any] | None] = {}
 
     def reconcile(self, body: Mapping[str, Any], trigger: str, apply: bool = True) -> list[Event]:
         """Bring one InferenceService's children and status in line; returns Events to post."""
@@ -81,12 +83,10 @@ class Reconciler:
             isvc = InferenceService.from_body(body)
         except ValidationError as exc:  # the CRD schema let it by, the models did not
             return self._write_invalid(body, previous, spec_error(exc))
+        rolling_out = False
         if apply:
             try:
-                for child in desired_children(isvc, self.config):
-                    self.kube.apply(child)
-                for kind, name in stale_children(isvc):
-                    self.kube.delete(kind, isvc.namespace, name)
+                rolling_out = self._apply_children(isvc)
                 applied = isvc.generation
             except KubeError as exc:
                 error = f"applying children failed: {exc.message}"
@@ -102,7 +102,35 @@ class Reconciler:
                         keda_installed=self._keda_installed(isvc), adapters=adapters)
         status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
         self._write(isvc.uid, isvc.namespace, isvc.name, status)
-        return action_events(adapters) + transition_events(previous.conditions, status.conditions)
+        events = action_events(adapters) + transition_events(previous.conditions, status.conditions)
+        if rolling_out and not any(e.reason == "RollingOut" for e in events):
+            # A rollout can finish before it is observed (simulated pods, a fast start), and one
+            # begun while another was in flight keeps Progressing True: announce it either way.
+            events.append(Event("Normal", "RollingOut", f"generation {isvc.generation} changed the "
+                                "engine's pod template; the Deployment rolls it out"))
+        log.info("%s/%s generation %d applied %d: %s; events %s", isvc.namespace, isvc.name,
+                 isvc.generation, applied, ", ".join(f"{c.type}={c.status}/{c.reason}" for c in status.conditions),
+                 [e.reason for e in events] or "none")
+        return events
+
+    def _apply_children(self, isvc: InferenceService) -> bool:
+        """Apply every child, delete stale ones; True when the engine Deployment already existed
+        and this apply changed its pod template, i.e. a rollout began."""
+        if isvc.uid in self._templates:
+            before = self._templates[isvc.uid]
+        else:   # first reconcile since the operator started: what is live is the baseline
+            live = self.kube.get("Deployment", isvc.namespace, isvc.name)
+            before = live["spec"]["template"] if live else None
+        rolling_out = False
+        for child in desired_children(isvc, self.config):
+            result = self.kube.apply(child)
+            if child["kind"] == "Deployment" and child["metadata"]["name"] == isvc.name and result:
+                after = result["spec"]["template"]
+                rolling_out = before is not None and after != before
+                self._templates[isvc.uid] = after
+        for kind, name in stale_children(isvc):
+            self.kube.delete(kind, isvc.namespace, name)
+        return rolling_out
 
     def _sync_adapters(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> AdapterReport:
         """Load and unload adapters in the Ready engines; with spec.auth, as a client holding

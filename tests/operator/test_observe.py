@@ -110,18 +110,6 @@ def test_transition_time_kept_while_status_holds() -> None:
     assert transition_events(first.conditions, later.conditions) == []
 
 
-def test_an_edit_during_a_rollout_announces_the_new_rollout() -> None:
-    """`kubectl describe` tells each generation's rollout, even one started before the last
-    had finished (Progressing stays True across both)."""
-    rolling = status_of(None, Observed(deployment_with(1, 0), [], applied_generation=1))
-    assert conds(rolling)["Progressing"] == ("True", "RollingOut")
-    again = observe(make_isvc(generation=2), Observed(deployment_with(1, 0), [], applied_generation=2),
-                    CONFIG, rolling, NOW)
-    assert [(e.type, e.reason) for e in transition_events(rolling.conditions, again.conditions)] == \
-        [("Normal", "RollingOut")]
-    assert transition_events(again.conditions, again.conditions) == []
-
-
 def test_events_on_transitions() -> None:
     creating = status_of(None, Observed(None, [], applied_generation=1))
     ready = status_of(None, Observed(deployment_with(1, 1), [], applied_generation=1), creating)

@@ -111,6 +111,24 @@ def test_a_stale_body_does_not_repeat_events() -> None:
     assert [e.reason for e in first] == ["RollingOut"] and second == []
 
 
+def test_a_pod_template_change_is_announced_even_when_progressing_never_flips() -> None:
+    """A rollout that finished before it was observed (simulated pods), or began while another
+    was in flight, still gets its RollingOut Event; a scale or a no-op apply does not."""
+    kube = MemoryKube()
+    reconciler = Reconciler(kube, CONFIG)
+    first = reconciler.reconcile(body(), trigger="create")  # type: ignore[arg-type]
+    assert [e.reason for e in first] == ["RollingOut"]   # Progressing stays True: nothing reports status
+    edited = reconciler.reconcile(body({"engine": {"maxNumSeqs": 7}}, generation=2), trigger="update")  # type: ignore[arg-type]
+    assert [e.reason for e in edited] == ["RollingOut"] and "generation 2" in edited[0].message
+    again = reconciler.reconcile(body({"engine": {"maxNumSeqs": 7}}, generation=2), trigger="pod")  # type: ignore[arg-type]
+    scaled = reconciler.reconcile(body({"engine": {"maxNumSeqs": 7}, "replicas": 2}, generation=3),  # type: ignore[arg-type]
+                                  trigger="update")
+    assert again == [] and "RollingOut" not in [e.reason for e in scaled]
+    restarted = Reconciler(kube, CONFIG)   # a new operator process takes the live template as its baseline
+    assert restarted.reconcile(body({"engine": {"maxNumSeqs": 8}}, generation=4), trigger="resume") \
+        [-1].reason == "RollingOut"  # type: ignore[arg-type]
+
+
 def test_reconciles_are_counted_by_trigger_and_result() -> None:
     from prometheus_client import REGISTRY
 
