@@ -376,6 +376,38 @@ def test_grammar_constrained_requests_are_drafted_and_greedy_output_is_unchanged
     _no_leaks(llm.engine)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampled_constrained_requests_replay_and_stay_in_their_grammar(method, spec_config, make_llm,
+                                                                             random_prompts):
+    """Sampled (n=2, seeded) requests under a grammar: with deterministic drafts the output is
+    the one without speculation, with a draft model's (rejection sampling against the masked
+    distribution) it replays exactly; every finished output matches its grammar."""
+    import json
+    import re
+
+    from kubeinfer.server.engine.sampling_params import StructuredOutputsParams
+
+    prompts = _repetitive_prompts(random_prompts, 2, seed=41)
+    sampled = dict(temperature=0.8, top_k=20, max_tokens=48, n=2, seed=11)
+    params = [SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(**_GRAMMARS[1])),
+              SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(**_GRAMMARS[0]))]
+    llm = make_llm(speculative_config=spec_config(method))
+    outputs = llm.generate(prompts, params)
+    tokens = [[c.token_ids for c in o.outputs] for o in outputs]
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)] == tokens
+    if method != "draft_model":
+        assert [[c.token_ids for c in o.outputs] for o in make_llm().generate(prompts, params)] == tokens
+    for completion in outputs[0].outputs:
+        if completion.finish_reason == "stop":
+            assert re.fullmatch(_GRAMMARS[1]["regex"], completion.text)
+    for completion in outputs[1].outputs:
+        if completion.finish_reason == "stop":
+            assert json.loads(completion.text)["role"] in ("admin", "user")
+    if method != "draft_model":   # the draft model samples without the grammar: few of its drafts fit it
+        assert _accepted(llm.engine) > 0
+    _no_leaks(llm.engine)
+
+
 class _FailsMidVerify:
     """A grammar matcher that raises once it has taken a draft: while a draft position's mask
     is filled ("fill"), or while it takes a second draft ("accept": checking or positioning)."""
