@@ -94,6 +94,12 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = read_checkpoint(config.model)
     method = resolve_for_checkpoint(checkpoint, config.quantization)   # refuses a bad format before spawning
+    if method is not None and checkpoint.gguf:
+        # NOTE: a rank un-permutes llama.cpp's q/k rows for its own heads only, so it cannot read
+        # them whole to quantize per channel before its cut
+        raise ValueError(f"--quantization {config.quantization} re-quantizes a GGUF file's weights at load, which "
+                         "is not supported with tensor parallelism yet; use --quantization auto or "
+                         "--tensor-parallel-size 1")
     plan = ShardPlan(checkpoint.config, 0, size)   # validates the split before anything starts
     architecture = checkpoint.config.architecture
     family = model_family(architecture)

@@ -210,3 +210,9 @@ def test_quantization_at_load_tp2_matches_tp1(kind, tmp_path, make_tp_llm):
         assert mine.token_ids[0] in ref_top and ref.token_ids[0] in our_top
         for token in our_top.keys() & ref_top.keys():
             assert abs(our_top[token].logprob - ref_top[token].logprob) < AT_LOAD_TOL[kind]
+
+
+def test_quantization_at_load_of_a_gguf_file_is_refused_with_tensor_parallelism():
+    with pytest.raises(ValueError, match="--quantization int8 re-quantizes a GGUF file's weights at load, which is "
+                                         "not supported with tensor parallelism yet"):
+        load_tensor_parallel(EngineConfig(model="embedded", device="cpu", tensor_parallel_size=3, quantization="int8"))
