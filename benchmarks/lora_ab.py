@@ -10,6 +10,7 @@ and to fill its device slot.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import tempfile
@@ -66,9 +67,12 @@ def main() -> None:
     vocab = [t for t in range(config.vocab_size) if t not in special]
     prompts = [[rng.choice(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     spread = [names[i % 4] for i in range(args.num_prompts)]
-    run(engine, prompts[:4], spread[:4], 4, "warmup")   # fills the 4 slots, warms the kernels
+    # fills the 4 slots and warms both arms at full batch (the first large batch after start is slower)
+    run(engine, prompts, spread, 8, "warmup-lora")
+    run(engine, prompts, [None] * len(prompts), 8, "warmup-base")
     print(f"dtype {engine.loaded.dtype}, {args.num_prompts} prompts {args.input_len}/{args.output_len}, "
           f"adapters rank {args.rank} on all 7 projections")
+    ratios = []
     for round_ in range(args.rounds):
         order = ("base", "lora") if round_ % 2 == 0 else ("lora", "base")
         figures = {}
@@ -77,7 +81,10 @@ def main() -> None:
             figures[kind] = run(engine, prompts, [None] * len(prompts) if kind == "base" else spread, args.output_len,
                                 f"{round_}-{kind}")
             print(f"round {round_ + 1} {kind:4s}: {figures[kind]:7.1f} output tok/s  (load {before})", flush=True)
-        print(f"round {round_ + 1} lora/base: {figures['lora'] / figures['base']:.3f}", flush=True)
+        ratios.append(figures["lora"] / figures["base"])
+        print(f"round {round_ + 1} lora/base: {ratios[-1]:.3f}", flush=True)
+    print(f"lora/base over {len(ratios)} rounds: geometric mean {math.prod(ratios) ** (1 / len(ratios)):.3f}, "
+          f"min {min(ratios):.3f}, max {max(ratios):.3f}", flush=True)
     module = LoRAModuleSpec(names[4], str(root / names[4]))
     start = time.perf_counter()
     weights = engine.adapters.read(module)
