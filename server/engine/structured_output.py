@@ -197,6 +197,10 @@ _UNSUPPORTED = ("not", "if", "then", "else", "dependentRequired", "dependentSche
                 "uniqueItems", "unevaluatedItems")
 
 
+# Maps from names to schemas: a property called "if" or "not" is no keyword.
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
+
+
 def unsupported_feature(schema: Any, path: str = "") -> str | None:
     """Where `schema` uses a keyword the grammar cannot enforce, e.g. "'not' at /properties/a"."""
     if isinstance(schema, list):
@@ -213,10 +217,15 @@ def unsupported_feature(schema: Any, path: str = "") -> str | None:
     if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
         return f"'pattern' together with 'minLength'/'maxLength' at {where} (bound the pattern instead)"
     for key, value in schema.items():
-        if key not in ("enum", "const", "default", "examples") and isinstance(value, (dict, list)):
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):   # keys are names, not keywords
+            found = next((found for name, sub in value.items()
+                          if (found := unsupported_feature(sub, f"{path}/{key}/{name}"))), None)
+        elif key not in ("enum", "const", "default", "examples") and isinstance(value, (dict, list)):
             found = unsupported_feature(value, f"{path}/{key}")
-            if found:
-                return found
+        else:
+            found = None
+        if found:
+            return found
     return None
 
 

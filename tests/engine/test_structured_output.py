@@ -166,6 +166,17 @@ def test_bad_specs_are_refused_with_a_reason(make_llm, spec, message):
     assert not llm.engine.requests
 
 
+def test_properties_named_like_keywords_are_names():
+    """A property called "if" or "not" is data, not the keyword (hypothesis found "if" refused);
+    the keyword inside such a property is still found."""
+    from kubeinfer.server.engine.structured_output import unsupported_feature
+    named = {"type": "object", "properties": {"if": {"type": "string"}, "not": {"type": "integer"}},
+             "$defs": {"contains": {"type": "boolean"}}}
+    assert unsupported_feature(named) is None
+    assert unsupported_feature({"type": "object", "properties": {"if": {"not": {"type": "string"}}}}) \
+        == "'not' at /properties/if"
+
+
 def test_ignore_eos_is_refused_with_a_grammar(make_llm):
     with pytest.raises(InvalidRequestError, match="ignore_eos"):
         make_llm().engine.make_request("x", [5, 6], SamplingParams(
