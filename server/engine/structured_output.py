@@ -162,13 +162,17 @@ class GrammarBackend:
         """Refuse a constraint that no token of this vocabulary can start (e.g. a choice of a
         control character the tokenizer has no token for): generating it could only end in a
         grammar violation, so it is the request's error, answered before it is queued."""
-        matcher = self._xgr.GrammarMatcher(compiled)
-        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        bits = (bitmask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
-        if not bool(bits.flatten()[:self.vocab_size].any()):
+        if not self.allows_some_token(self._xgr.GrammarMatcher(compiled)):
             raise InvalidRequestError(f"invalid {what} for structured outputs: no token of this model's "
                                       "vocabulary can begin it")
+
+    def allows_some_token(self, matcher: "xgrammar.GrammarMatcher", is_json: bool = False) -> bool:
+        """Whether the grammar, where `matcher` stands, lets any token of this vocabulary come next."""
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if is_json:
+            bitmask &= self.json_bitmask
+        return bool(bitmask.any())
 
     def check_writable(self, choice: str) -> None:
         """Refuse a choice that no sequence of this vocabulary's tokens spells (a character no
@@ -367,20 +371,11 @@ class GrammarProcessor(LogitsProcessor):
             return
         self._position(())
         if not matcher.accept_token(token_id):
-            if self._stuck(matcher):
+            if not self.backend.allows_some_token(matcher, self.is_json):   # stuck: the request's constraint
                 raise UnsatisfiableConstraint(
                     "the structured output constraint cannot be completed: no token of this model's "
                     "vocabulary can continue it from what was generated")
             raise GrammarViolation(f"token {token_id} does not match the grammar")
-
-    def _stuck(self, matcher: "xgrammar.GrammarMatcher") -> bool:
-        """Whether the grammar allows no token here (the vocabulary cannot write what it needs
-        next, e.g. a raw control character in JSON): the request's constraint, not a fault."""
-        bitmask = self.backend._xgr.allocate_token_bitmask(1, self.backend.vocab_size)
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        if self.is_json:
-            bitmask &= self.backend.json_bitmask
-        return not bool(bitmask.any())
 
     def release(self) -> None:
         self.matcher = None

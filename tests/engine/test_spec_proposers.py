@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -237,13 +238,14 @@ def test_a_grammar_checks_drafts_masks_each_draft_position_and_rolls_back():
     would."""
     import xgrammar as xgr
 
-    from kubeinfer.server.engine.structured_output import GrammarProcessor, GrammarViolation
+    from kubeinfer.server.engine.structured_output import GrammarBackend, GrammarProcessor, GrammarViolation
 
     a, b, c, eos, x = range(5)
     vocab = ["a", "b", "c", "</s>", "x"]
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=5, stop_token_ids=[eos])
     grammar = xgr.GrammarCompiler(info).compile_grammar('root ::= ("a" | "b")* "c"')
     backend = SimpleNamespace(_xgr=xgr, vocab_size=5)   # what a processor reads of its GrammarBackend
+    backend.allows_some_token = partial(GrammarBackend.allows_some_token, backend)
     processor = GrammarProcessor(backend, xgr.GrammarMatcher(grammar), is_json=False)   # type: ignore[arg-type]
     assert processor.validate_drafts([a, b, a, c, eos, a]) == 5   # nothing follows the stop token
     assert processor.validate_drafts([a, x, b]) == 1
