@@ -68,6 +68,10 @@ class AdapterSync:
         self._reported[isvc.uid] = failed
         return AdapterReport(done)
 
+    def forget(self, uid: str) -> None:
+        """The InferenceService `uid` was deleted: its logged failures go with it."""
+        self._reported.pop(uid, None)
+
     def _one(self, pod: str, url: str | None, desired: Mapping[str, str], headers: Mapping[str, str],
              reported: Mapping[tuple[str, str], str], failed: dict[tuple[str, str], str]) -> PodAdapters:
         """One pod: read, plan, apply. `reported`: failures logged at the last sync (a retry that

@@ -2,7 +2,8 @@
 
 Triggers: create / update (spec) / resume of an InferenceService, a drift timer, and events of
 the children it owns (a deleted or edited Deployment is re-applied at once; pod changes only
-refresh status). No finalizer: owner references make Kubernetes delete the children.
+refresh status). No finalizer: owner references make Kubernetes delete the children; the
+InferenceService's own DELETED event makes the reconciler forget what it kept for it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
     @kopf.on.update(*ISVC, id="reconcile", field="spec", registry=registry)
     def on_spec(body: kopf.Body, reason: str, **_: Any) -> None:
         post(body, reconciler.reconcile(body, trigger=str(reason)))
+
+    @kopf.on.event(*ISVC, id="forget", registry=registry)
+    def on_isvc_event(event: kopf.RawEvent, **_: Any) -> None:
+        if event["type"] == "DELETED":
+            meta = event["object"]["metadata"]
+            reconciler.forget(meta["uid"], meta["namespace"], meta["name"])
 
     @kopf.timer(*ISVC, id="drift", interval=drift_seconds, initial_delay=drift_seconds,
                  registry=registry)

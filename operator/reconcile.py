@@ -61,6 +61,16 @@ class Reconciler:
         # The engine Deployment's pod template as last applied, by uid: a change is a rollout.
         self._templates: dict[str, dict[str, Any] | None] = {}
 
+    def forget(self, uid: str, namespace: str, name: str) -> None:
+        """Drop what is kept per InferenceService once it is deleted (else one entry per deleted
+        object would stay for the operator's lifetime); a lock in use stays with its holder."""
+        self._written.pop(uid, None)
+        self._templates.pop(uid, None)
+        self.adapters.forget(uid)
+        lock = self._locks.get((namespace, name))
+        if lock is not None and not lock.locked():
+            self._locks.pop((namespace, name), None)
+
     def reconcile(self, body: Mapping[str, Any], trigger: str, apply: bool = True) -> list[Event]:
         """Bring one InferenceService's children and status in line; returns Events to post."""
         meta = body["metadata"]

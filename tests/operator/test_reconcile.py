@@ -189,3 +189,27 @@ def test_stuck_cuda_pods_count_the_gpus_nodes_advertise() -> None:
                    "Node": [{"metadata": {"labels": {}}, "status": {"allocatable": {"cpu": "4"}}}]}
     Reconciler(kube, CONFIG).reconcile(body({"engine": {"device": "cuda"}}), trigger="create")  # type: ignore[arg-type]
     assert conditions(kube.statuses[-1])["Degraded"] == "True/GPUUnavailable"
+
+
+def test_a_deleted_service_is_forgotten_through_its_deleted_event() -> None:
+    """The per-uid memory (last status written, last pod template, adapter failures, the lock)
+    goes when kopf reports the InferenceService DELETED; another service's stays."""
+    import kopf
+
+    from kubeinfer.operator import handlers
+
+    kube = MemoryKube()
+    reconciler = Reconciler(kube, CONFIG)
+    other = body(name="other")
+    other["metadata"]["uid"] = "uid-2"
+    for item in (body(), other):
+        reconciler.reconcile(item, trigger="create")  # type: ignore[arg-type]
+    reconciler.adapters._reported["uid-1"] = {("pod", "adapter"): "HTTP 400"}
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, reconciler, drift_seconds=60)
+    forget = next(h for h in registry._watching.get_all_handlers() if h.id == "forget")
+    forget.fn(event={"type": "MODIFIED", "object": body()})
+    assert "uid-1" in reconciler._written and "uid-1" in reconciler._templates
+    forget.fn(event={"type": "DELETED", "object": body()})
+    assert set(reconciler._written) == set(reconciler._templates) == {"uid-2"}
+    assert "uid-1" not in reconciler.adapters._reported and set(reconciler._locks) == {("team-a", "other")}
