@@ -6,7 +6,7 @@ n * max_rank] for a layer that stacks n checkpoint matrices (q|k|v, gate|up): sh
 rows are block i of the rank axis and its B lives in its own output rows, so a merged layer
 costs one shrink and one expand per slot, whatever its adapters target. Ranks below the
 maximum are zero-padded. Every step, `LoRABatch.set` turns `ForwardBatch.adapter_indices`
-into the rows of each slot once, shared by all layers; a batch of base-model tokens only
+into the tokens of each slot once, shared by all layers; a batch of base-model tokens only
 (`adapter_indices` None) does no LoRA work at all.
 
 Tensor parallelism slices A and B like the weight they patch (`weight_slices`): a column
@@ -14,10 +14,10 @@ layer's B by output rows, a row layer's A by input columns, its delta added befo
 all-reduce (`RowParallelLinear`), which sums the partial shrinks.
 
 On CUDA the per-slot matmuls are the Triton SGMV kernel (`kubeinfer.kernels.lora`). On the
-CPU a step with one adapter runs its rows as one torch matmul pair; a step with several runs
-one shrink over all slots' A, masks each token's other-slot ranks and runs one expand over all
-slots' B (a few large ops beat a loop of small ones on a busy CPU). Should that raise, the
-slots are computed one by one inside a guard: a slot whose delta raises is recorded in
+CPU the C kernel `kubeinfer.kernels.lora_cpu` adds every token's delta in one call a layer,
+reading each slot's A and B (kept transposed and compacted, `bt`) once for all its tokens and
+only the ranks each adapter has. Should that raise (or the kernel not be built yet), the slots
+are computed one by one in torch inside a guard: a slot whose delta raises is recorded in
 `LoRABatch.failed`, and the engine fails only that adapter's requests.
 """
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kubeinfer.kernels import ops
+from kubeinfer.kernels import lora_cpu, ops
 
 from .forward_batch import ForwardBatch
 from .linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight
@@ -47,20 +47,32 @@ class LoRABatch:
     def __init__(self, num_slots: int, dtype: torch.dtype) -> None:
         self.num_slots, self.dtype = num_slots, dtype
         self.active = False
-        self.rows: list[tuple[int, slice | torch.Tensor]] = []   # torch path: (slot, its token rows)
-        self.token_mask: torch.Tensor | None = None   # torch path, several slots: [T, slots] one-hot (0 = base)
+        self.indices: torch.Tensor | None = None                  # [T] slot per token, -1 = base
+        self.order: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU kernel: tokens by slot, slot bounds
         self.segments: tuple[torch.Tensor, torch.Tensor, int] | None = None  # Triton: starts, slots, longest
+        self._rows: list[tuple[int, slice | torch.Tensor]] | None = None
         self.failed: dict[int, BaseException] = {}               # slot -> what its delta raised
 
     def set(self, batch: ForwardBatch) -> None:
         indices = batch.adapter_indices
-        self.failed = {}
+        self.failed, self._rows, self.order, self.segments = {}, None, None, None
         self.active = indices is not None and bool(indices.numel())
         if not self.active:
             return
         assert indices is not None
-        host = indices.tolist()
-        # runs of equal slot in token order (a sequence's tokens are contiguous)
+        self.indices = indices
+        if ops.uses_triton(indices):
+            starts, slots = self._runs()
+            longest = max(b - a for a, b in zip(starts, starts[1:]))
+            self.segments = (torch.tensor(starts, dtype=torch.int32, device=indices.device),
+                             torch.tensor(slots, dtype=torch.int32, device=indices.device), longest)
+        elif indices.device.type == "cpu" and not lora_cpu.building() and lora_cpu.available(self.dtype):
+            self.order = lora_cpu.token_order(indices, self.num_slots)
+
+    def _runs(self) -> tuple[list[int], list[int]]:
+        """Runs of equal slot in token order (a sequence's tokens are contiguous): starts + end, slots."""
+        assert self.indices is not None
+        host = self.indices.tolist()
         starts, slots = [0], []
         for i, slot in enumerate(host):
             if i and slot != host[i - 1]:
@@ -68,28 +80,25 @@ class LoRABatch:
             if i == 0 or slot != host[i - 1]:
                 slots.append(slot)
         starts.append(len(host))
-        if ops.uses_triton(indices):
-            longest = max(b - a for a, b in zip(starts, starts[1:]))
-            self.segments = (torch.tensor(starts, dtype=torch.int32, device=indices.device),
-                             torch.tensor(slots, dtype=torch.int32, device=indices.device), longest)
-            self.rows = []
-            return
-        self.segments = None
-        self.token_mask = None
-        runs: dict[int, list[tuple[int, int]]] = {}
-        for slot, a, b in zip(slots, starts, starts[1:]):
-            if slot >= 0:
-                runs.setdefault(slot, []).append((a, b))
-        self.rows = []
-        for slot, spans in runs.items():
-            if len(spans) == 1:
-                self.rows.append((slot, slice(*spans[0])))
-            else:
-                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(indices.device)
-                self.rows.append((slot, rows))
-        if len(self.rows) > 1:
-            self.token_mask = torch.zeros(len(host), self.num_slots, dtype=self.dtype, device=indices.device)
-            self.token_mask[indices >= 0, indices[indices >= 0].long()] = 1
+        return starts, slots
+
+    @property
+    def rows(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """(slot, its token rows) for the slot-by-slot torch path, built the first time it is needed."""
+        if self._rows is None:
+            starts, slots = self._runs()
+            runs: dict[int, list[tuple[int, int]]] = {}
+            for slot, a, b in zip(slots, starts, starts[1:]):
+                if slot >= 0:
+                    runs.setdefault(slot, []).append((a, b))
+            self._rows = []
+            for slot, spans in runs.items():
+                if len(spans) == 1:
+                    self._rows.append((slot, slice(*spans[0])))
+                else:
+                    rows = torch.cat([torch.arange(a, b) for a, b in spans])
+                    self._rows.append((slot, rows.to(self.indices.device)))
+        return self._rows
 
 
 class LoRALayer:
@@ -103,18 +112,20 @@ class LoRALayer:
         self.sizes, self.max_rank = sizes, max_rank
         self.a = torch.zeros(max_loras, len(sizes) * max_rank, module.in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, module.out_features, len(sizes) * max_rank, dtype=dtype, device=device)
-        # the CPU path's form of all slots at once: A rows [slots * R, in] (a view) and B [out, slots * R]
-        self.a_all = self.a.view(-1, module.in_features)
-        self.b_all = torch.zeros(module.out_features, max_loras * len(sizes) * max_rank, dtype=dtype,
-                                 device=device) if device.type == "cpu" else None
+        # the CPU kernel's form: B transposed and compacted [slots, R, out] (shards share the rank
+        # rows, their columns are disjoint), each slot's rank per shard, the shards' first columns
+        on_cpu = device.type == "cpu"
+        self.bt = torch.zeros(max_loras, max_rank, module.out_features, dtype=dtype) if on_cpu else None
+        self.ranks = torch.zeros(max_loras, len(sizes), dtype=torch.int32)
+        self.bounds = torch.tensor([*self.row_starts, module.out_features], dtype=torch.int64)
         # oneDNN-prepacked copies (CPU bf16, as the base weights: see linear.py), refreshed on write
         self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.packed_all: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def write(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Fill `slot` with one (A [r, in], B [rows, r]) per shard, None = not targeted."""
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.ranks[slot].zero_()
         for i, pair in enumerate(shards):
             if pair is None:
                 continue
@@ -122,13 +133,11 @@ class LoRALayer:
             rank, start = a.shape[0], i * self.max_rank
             self.a[slot, start:start + rank].copy_(a)
             self.b[slot, self.row_starts[i]:self.row_starts[i] + self.sizes[i], start:start + rank].copy_(b)
-        if self.b_all is not None:
-            width = self.b.shape[2]
-            self.b_all[:, slot * width:(slot + 1) * width].copy_(self.b[slot])
+            self.ranks[slot, i] = rank
+        if self.bt is not None:
+            self.bt[slot] = lora_cpu.compact_b(self.b[slot:slot + 1], self.bounds.tolist(), self.max_rank)[0]
         if can_pack(self.a):
             self.packed[slot] = (pack_weight(self.a[slot]), pack_weight(self.b[slot]))
-            assert self.b_all is not None
-            self.packed_all = (pack_weight(self.a_all), pack_weight(self.b_all))
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each token's delta (in place; `out` is the layer's fresh output)."""
@@ -139,11 +148,9 @@ class LoRALayer:
             starts, slots, longest = batch.segments
             ops.lora_shrink_expand(x, out, self.a, self.b, starts, slots, longest)
             return
-        if batch.token_mask is not None and self.b_all is not None and not batch.failed:
-            # several adapters: one shrink over every slot's A, the other slots' ranks masked to
-            # zero per token, one expand (3 ops for the layer instead of ~5 per slot)
-            try:
-                out += lora_delta_all(x, self.a_all, self.b_all, batch.token_mask, self.packed_all).to(out.dtype)
+        if batch.order is not None and self.bt is not None and not batch.failed:
+            try:   # every slot's tokens in one kernel call; it writes `out` only once it cannot fail
+                lora_add_all(x, out, self, *batch.order)
                 return
             except Exception:  # noqa: BLE001 - slot by slot below, to find whose delta fails
                 pass
@@ -170,13 +177,12 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, packed: Packed
     return linear(linear(x.to(a.dtype), a, a_packed), b, b_packed)
 
 
-def lora_delta_all(x: torch.Tensor, a_all: torch.Tensor, b_all: torch.Tensor, token_mask: torch.Tensor,
-                   packed: Packed = None) -> torch.Tensor:
-    """Every token's delta with all slots' A [S * R, in] and B [out, S * R] at once: the shrink's
-    other-slot ranks zeroed by `token_mask` [T, S] before the expand."""
-    a_packed, b_packed = packed or (None, None)
-    shrunk = linear(x.to(a_all.dtype), a_all, a_packed).view(x.shape[0], token_mask.shape[1], -1)
-    return linear((shrunk * token_mask[:, :, None]).view(x.shape[0], -1), b_all, b_packed)
+def lora_add_all(x: torch.Tensor, out: torch.Tensor, layer: LoRALayer, order: torch.Tensor,
+                 slot_starts: torch.Tensor) -> None:
+    """out += every token's delta at once (the CPU kernel): the seam tests replace to make the
+    batch of a failing adapter fall back to the slot-by-slot path."""
+    assert layer.bt is not None
+    lora_cpu.lora_add(x, out, layer.a, layer.bt, order, slot_starts, layer.ranks, layer.bounds)
 
 
 class LoRAModel:

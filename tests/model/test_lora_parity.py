@@ -168,20 +168,20 @@ def test_a_failing_adapter_fails_only_its_requests(tiny_llama_lora, monkeypatch)
     clean = llm.generate(prompts, params, adapter=adapters)
     broken_slot = llm.engine.adapters.manager.slot_of("all16")
     broken_a = llm.engine.adapters.lora_model.targets["model.layers.1.mlp.down_proj"][0].a[broken_slot]
-    real_delta, real_delta_all = lora_layers.lora_delta, lora_layers.lora_delta_all
+    real_delta, real_add_all = lora_layers.lora_delta, lora_layers.lora_add_all
 
     def delta(x, a, b, packed=None):
         if a.data_ptr() == broken_a.data_ptr():
             raise RuntimeError("injected adapter failure")
         return real_delta(x, a, b, packed)
 
-    def delta_all(x, a_all, b_all, token_mask, packed=None):   # all slots at once: fails when the broken one is in
-        if token_mask[:, broken_slot].any():
+    def add_all(x, out, layer, order, slot_starts):   # all slots at once: fails when the broken one is in
+        if slot_starts[broken_slot + 1] > slot_starts[broken_slot]:
             raise RuntimeError("injected adapter failure")
-        return real_delta_all(x, a_all, b_all, token_mask, packed)
+        return real_add_all(x, out, layer, order, slot_starts)
 
     monkeypatch.setattr(lora_layers, "lora_delta", delta)
-    monkeypatch.setattr(lora_layers, "lora_delta_all", delta_all)
+    monkeypatch.setattr(lora_layers, "lora_add_all", add_all)
     faulty = llm.generate(prompts, params, adapter=adapters)
     for adapter, before, after in zip(adapters, clean, faulty):
         if adapter == "all16":
@@ -191,7 +191,7 @@ def test_a_failing_adapter_fails_only_its_requests(tiny_llama_lora, monkeypatch)
     kv = llm.engine.kv
     assert kv.pool.num_free + kv.num_evictable_blocks == kv.pool.num_blocks
     monkeypatch.setattr(lora_layers, "lora_delta", real_delta)
-    monkeypatch.setattr(lora_layers, "lora_delta_all", real_delta_all)
+    monkeypatch.setattr(lora_layers, "lora_add_all", real_add_all)
     assert llm.generate([PROMPT[3:]], params, adapter="all16")[0].outputs[0].token_ids == clean[1].outputs[0].token_ids
 
 
