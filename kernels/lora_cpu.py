@@ -3,7 +3,7 @@ token's adapter delta to a layer's output in one call, reading each slot's matri
 of its tokens and only the ranks each adapter has (see the C file for the layouts).
 
 `compact_b` turns the usual B [S, N, n * R] (shard i's rank block in its own output rows, as
-`lora_ref` and the Triton SGMV take it) into the kernel's B transposed [S, R, N]; `token_order`
+`lora_ref` and the Triton SGMV take it) into the kernel's blocked B transposed; `token_order`
 turns per-token slots into the kernel's token order and per-slot bounds.
 """
 
@@ -25,7 +25,7 @@ def _function(dtype: torch.dtype):
 
 
 def available(dtype: torch.dtype) -> bool:
-    """Whether `lora_add` runs for CPU tensors of `dtype` (builds the kernel on first call)."""
+    """Whether `LoRASlots.add` runs for CPU tensors of `dtype` (builds the kernel on first call)."""
     return _function(dtype) is not None
 
 
@@ -35,13 +35,15 @@ def building() -> bool:
 
 
 def compact_b(b: torch.Tensor, bounds: list[int], max_rank: int) -> torch.Tensor:
-    """B [S, N, n * R] -> [S, R, N]: column c of shard i (bounds[i] <= c < bounds[i + 1]) takes
-    its rank block i (the blocks of other shards are zero in B, so nothing is lost)."""
-    out = b.new_zeros(b.shape[0], max_rank, b.shape[1])
+    """B [S, N, n * R] -> the kernel's [S, ceil(N / 32), R, 32]: column c of shard i (bounds[i]
+    <= c < bounds[i + 1]) takes its rank block i (the blocks of other shards are zero in B, so
+    nothing is lost), stored at lane c % 32 of block c // 32; the padding columns are zero."""
+    num_slots, n = b.shape[0], b.shape[1]
+    blocks = -(-n // 32)
+    rows = b.new_zeros(num_slots, max_rank, blocks * 32)
     for shard, (start, stop) in enumerate(zip(bounds, bounds[1:])):
-        block = b[:, start:stop, shard * max_rank:(shard + 1) * max_rank]
-        out[:, :, start:stop] = block.transpose(1, 2)
-    return out
+        rows[:, :, start:stop] = b[:, start:stop, shard * max_rank:(shard + 1) * max_rank].transpose(1, 2)
+    return rows.view(num_slots, max_rank, blocks, 32).transpose(1, 2).contiguous()
 
 
 def token_order(slots_per_token: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,27 +55,38 @@ def token_order(slots_per_token: torch.Tensor, num_slots: int) -> tuple[torch.Te
     return order[int(counts[0]):].to(torch.int32), bounds[:num_slots + 1].contiguous()
 
 
-def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, order: torch.Tensor,
-             slot_starts: torch.Tensor, ranks: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """out[t] += (x[t] @ a[s].T) restricted per shard to its rank, @ B[s].T, in place, for every
-    token t of slot s in `order`; returns out.
+class LoRASlots:
+    """One layer's adapter slots in the kernel's layout, checked once (the engine calls `add`
+    for every LoRA layer of every step, so a call checks only what changes: x and out).
 
-    x [T, K] and out [T, N] with unit column stride; a [S, n * R, K], bt [S, R, N] contiguous, of
-    x's dtype; order int32 (token indices, grouped by slot), slot_starts int64 [S + 1], ranks int32
-    [S, n], bounds int64 [n + 1] (the shards' first output columns, then N)."""
-    num_slots, width, k = a.shape
-    num_shards, max_rank, n = ranks.shape[1], bt.shape[1], bt.shape[2]
-    if not (x.device.type == out.device.type == "cpu" and x.dtype == out.dtype == a.dtype == bt.dtype
-            and x.stride(1) == 1 and out.stride(1) == 1 and a.is_contiguous() and bt.is_contiguous()
-            and x.shape[1] == k and out.shape[1] == n and width == num_shards * max_rank
-            and bt.shape[0] == num_slots and ranks.shape[0] == num_slots and ranks.is_contiguous()
-            and ranks.dtype == order.dtype == torch.int32 and slot_starts.dtype == bounds.dtype == torch.int64
-            and slot_starts.shape[0] == num_slots + 1 and bounds.shape[0] == num_shards + 1
-            and order.is_contiguous() and slot_starts.is_contiguous() and bounds.is_contiguous()):
-        raise ValueError("lora_add: tensors do not have the layout of kernels/lora_cpu.c")
-    status = _function(x.dtype)(x.data_ptr(), out.data_ptr(), a.data_ptr(), bt.data_ptr(), order.data_ptr(),
-                                slot_starts.data_ptr(), ranks.data_ptr(), bounds.data_ptr(), num_slots, num_shards,
-                                max_rank, k, n, x.stride(0), out.stride(0))
-    if status:
-        raise MemoryError("lora_add: no memory for the shrink")
-    return out
+    a [S, n * R, K] and bt [S, ceil(N / 32), R, 32] (`compact_b`) contiguous, of one dtype;
+    ranks int32 [S, n]; bounds int64 [n + 1] (the shards' first output columns, then N). The
+    tensors are written in place afterwards (a slot filled), never replaced."""
+
+    def __init__(self, a: torch.Tensor, bt: torch.Tensor, ranks: torch.Tensor, bounds: torch.Tensor) -> None:
+        num_slots, width, k = a.shape
+        num_shards, max_rank, n = ranks.shape[1], bt.shape[2], int(bounds[-1])
+        if not (a.device.type == bt.device.type == "cpu" and a.dtype == bt.dtype and a.is_contiguous()
+                and bt.is_contiguous() and bt.dim() == 4 and bt.shape[:2] == (num_slots, -(-n // 32))
+                and bt.shape[3] == 32 and width == num_shards * max_rank and ranks.shape[0] == num_slots
+                and ranks.dtype == torch.int32 and ranks.is_contiguous() and bounds.dtype == torch.int64
+                and bounds.shape == (num_shards + 1,) and bounds.is_contiguous()):
+            raise ValueError("LoRASlots: tensors do not have the layout of kernels/lora_cpu.c")
+        self.dtype, self.k, self.n, self.num_slots = a.dtype, k, n, num_slots
+        self._tensors = (a, bt, ranks, bounds)   # the pointers below stay valid while these live
+        self._weights = (a.data_ptr(), bt.data_ptr())
+        self._shape = (ranks.data_ptr(), bounds.data_ptr(), num_slots, num_shards, max_rank, k, n)
+
+    def add(self, x: torch.Tensor, out: torch.Tensor, order: torch.Tensor, slot_starts: torch.Tensor) -> torch.Tensor:
+        """out[t] += (x[t] @ A[s].T, each shard's block cut to its rank) @ B[s].T in place, for every
+        token t of slot s: `order`, `slot_starts` from `token_order` (S + 1 bounds); returns out.
+        x [T, K] and out [T, N] CPU tensors of the slots' dtype with unit column stride."""
+        if not (x.dtype == out.dtype == self.dtype and x.device.type == out.device.type == "cpu"
+                and x.dim() == out.dim() == 2 and x.shape[1] == self.k and out.shape[1] == self.n
+                and x.stride(1) == 1 and out.stride(1) == 1 and slot_starts.shape[0] == self.num_slots + 1):
+            raise ValueError("LoRASlots.add: x and out must be [T, K] and [T, N] rows of the slots' dtype")
+        status = _function(self.dtype)(x.data_ptr(), out.data_ptr(), *self._weights, order.data_ptr(),
+                                       slot_starts.data_ptr(), *self._shape, x.stride(0), out.stride(0))
+        if status:
+            raise MemoryError("LoRASlots.add: no memory for the shrink")
+        return out

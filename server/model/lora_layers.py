@@ -112,12 +112,14 @@ class LoRALayer:
         self.sizes, self.max_rank = sizes, max_rank
         self.a = torch.zeros(max_loras, len(sizes) * max_rank, module.in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, module.out_features, len(sizes) * max_rank, dtype=dtype, device=device)
-        # the CPU kernel's form: B transposed and compacted [slots, R, out] (shards share the rank
-        # rows, their columns are disjoint), each slot's rank per shard, the shards' first columns
-        on_cpu = device.type == "cpu"
-        self.bt = torch.zeros(max_loras, max_rank, module.out_features, dtype=dtype) if on_cpu else None
+        # the CPU kernel's form: B transposed, compacted (shards share the rank rows, their columns
+        # are disjoint) and blocked by 32 columns (`lora_cpu.compact_b`), each slot's rank per
+        # shard, the shards' first columns
+        blocks = -(-module.out_features // 32)
+        self.bt = torch.zeros(max_loras, blocks, max_rank, 32, dtype=dtype) if device.type == "cpu" else None
         self.ranks = torch.zeros(max_loras, len(sizes), dtype=torch.int32)
         self.bounds = torch.tensor([*self.row_starts, module.out_features], dtype=torch.int64)
+        self.kernel = lora_cpu.LoRASlots(self.a, self.bt, self.ranks, self.bounds) if self.bt is not None else None
         # oneDNN-prepacked copies (CPU bf16, as the base weights: see linear.py), refreshed on write
         self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -148,7 +150,7 @@ class LoRALayer:
             starts, slots, longest = batch.segments
             ops.lora_shrink_expand(x, out, self.a, self.b, starts, slots, longest)
             return
-        if batch.order is not None and self.bt is not None and not batch.failed:
+        if batch.order is not None and self.kernel is not None and not batch.failed:
             try:   # every slot's tokens in one kernel call; it writes `out` only once it cannot fail
                 lora_add_all(x, out, self, *batch.order)
                 return
@@ -181,8 +183,8 @@ def lora_add_all(x: torch.Tensor, out: torch.Tensor, layer: LoRALayer, order: to
                  slot_starts: torch.Tensor) -> None:
     """out += every token's delta at once (the CPU kernel): the seam tests replace to make the
     batch of a failing adapter fall back to the slot-by-slot path."""
-    assert layer.bt is not None
-    lora_cpu.lora_add(x, out, layer.a, layer.bt, order, slot_starts, layer.ranks, layer.bounds)
+    assert layer.kernel is not None
+    layer.kernel.add(x, out, order, slot_starts)
 
 
 class LoRAModel:

@@ -58,8 +58,8 @@ def test_lora_add_matches_per_token_loop(cpu_isa, k, sizes, ranks, slots_per_tok
     indices = torch.tensor(slots_per_token, dtype=torch.int32)
     order, slot_starts = lora_cpu.token_order(indices, num_slots)
     bt = lora_cpu.compact_b(b, bounds, max_rank)
-    got = lora_cpu.lora_add(x, out.clone(), a, bt, order, slot_starts, rank_tensor,
-                            torch.tensor(bounds, dtype=torch.int64))
+    slots = lora_cpu.LoRASlots(a, bt, rank_tensor, torch.tensor(bounds, dtype=torch.int64))
+    got = slots.add(x, out.clone(), order, slot_starts)
     torch.testing.assert_close(got.float(), expected, atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
     base_rows = [t for t, slot in enumerate(slots_per_token) if slot < 0]
     assert torch.equal(got[base_rows], out[base_rows])
@@ -80,14 +80,23 @@ def test_compact_b_keeps_each_shards_own_block():
     b = torch.zeros(1, 5, 4)   # shards of 3 and 2 rows, rank 2: shard 0 in columns 0-1, shard 1 in 2-3
     b[0, :3, :2] = torch.arange(6.).view(3, 2)
     b[0, 3:, 2:] = torch.arange(10., 14.).view(2, 2)
-    assert lora_cpu.compact_b(b, [0, 3, 5], 2)[0].tolist() == [[0., 2., 4., 10., 12.], [1., 3., 5., 11., 13.]]
+    blocked = lora_cpu.compact_b(b, [0, 3, 5], 2)
+    assert blocked.shape == (1, 1, 2, 32) and not blocked[..., 5:].any()
+    assert blocked[0, 0, :, :5].tolist() == [[0., 2., 4., 10., 12.], [1., 3., 5., 11., 13.]]
 
 
 def test_a_layout_the_kernel_does_not_take_is_refused_before_anything_is_written(cpu_isa):
     a, b, ranks, bounds = _weights(torch.Generator().manual_seed(0), 2, 8, [4], 4, [[4], [4]], torch.float32)
+    bt = lora_cpu.compact_b(b, bounds, 4)
+    with pytest.raises(ValueError, match="layout of kernels/lora_cpu.c"):
+        lora_cpu.LoRASlots(a, bt.to(torch.bfloat16), ranks, torch.tensor(bounds))
+    with pytest.raises(ValueError, match="layout of kernels/lora_cpu.c"):
+        lora_cpu.LoRASlots(a, bt[:, :, :2], ranks, torch.tensor(bounds))   # rank 2 rows, A has 4
+    slots = lora_cpu.LoRASlots(a, bt, ranks, torch.tensor(bounds))
     order, starts = lora_cpu.token_order(torch.tensor([0, 1], dtype=torch.int32), 2)
     out = torch.zeros(2, 4)
-    with pytest.raises(ValueError, match="layout of kernels/lora_cpu.c"):
-        lora_cpu.lora_add(torch.zeros(2, 8, dtype=torch.bfloat16), out, a, lora_cpu.compact_b(b, bounds, 4), order,
-                          starts, ranks, torch.tensor(bounds))
+    for x, into in ((torch.zeros(2, 8, dtype=torch.bfloat16), out), (torch.zeros(2, 8), out.t()),
+                    (torch.zeros(2, 7), out)):
+        with pytest.raises(ValueError, match="rows of the slots' dtype"):
+            slots.add(x, into, order, starts)
     assert not out.any()
