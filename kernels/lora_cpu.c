@@ -10,18 +10,20 @@
  *
  * Layouts (a layer stacking n checkpoint matrices, q|k|v or gate|up, at rank R = max rank):
  *   a  [S, n * R, K]  shard i's A rows are block i of the rank axis (zero-padded past its rank)
- *   bt [S, N / 32, R, 32]  B transposed, compacted and blocked: column c of shard i holds
- *                     B[c, i * R + j] at row j of block c / 32, lane c % 32, so the shards share
- *                     the R rows (their columns are disjoint) and a block of 32 columns is R * 32
- *                     contiguous values (N padded to whole blocks)
+ *   bt [S, N / 32, R / 2, 32, 2]  B transposed, compacted and blocked: column c of shard i
+ *                     holds B[c, i * R + j] in block c / 32, pair j / 2, lane c % 32, element j % 2,
+ *                     so the shards share the rank rows (their columns are disjoint), a block of
+ *                     32 columns is R * 32 contiguous values, and a lane holds two ranks' values
+ *                     side by side, as vdpbf16ps takes them (N padded to whole blocks, R to even)
  *   ranks [S, n]      each slot's rank in each shard, 0 = the adapter leaves that shard alone
  *   bounds [n + 1]    the shards' first output columns, then N
  * The shrink and the expand accumulate in float32; each output element is rounded once, from
  * out + delta. Two phases in one parallel region: the shrink fills s [tokens, n * R] per (slot,
  * tile of TOKEN_TILE tokens), then the expand adds s @ bt into out per (slot, tile, shard,
  * COLUMN_CHUNK columns). With AVX512-BF16 both phases of the bf16 kernel are register-blocked
- * (vdpbf16ps shrink over 4 rows x 4 tokens, fp32 expand over 8 tokens x 32 columns); elsewhere
- * plain loops the compiler vectorises. In the engine the matrices come from memory each call
+ * (vdpbf16ps over 4 rows x 4 tokens for the shrink, over 8 tokens x 32 columns x 2 ranks for
+ * the expand, whose s is then rounded to bf16 as torch's bf16 matmul rounds its shrink);
+ * elsewhere plain loops the compiler vectorises. In the engine the matrices come from memory each call
  * (the base weights evicted them), so both phases also prefetch the rows they read next.
  * Built by kernels/cpu_build.py, called by lora_cpu.py.
  */
@@ -63,7 +65,7 @@ static void shrink_##SUFFIX(const T *x, int64_t x_stride, const int32_t *tokens,
 }                                                                                               \
 /* expand: out[tokens[t]][c0 : c0 + cols] += s[t][0 : rank] @ bt's rows 0 : rank of those columns */ \
 static void expand_##SUFFIX(T *out, int64_t out_stride, const int32_t *tokens, int64_t count,  \
-                            const float *s, int64_t width, const T *bt, int64_t max_rank,      \
+                            const float *s, int64_t width, const T *bt, int64_t pairs,         \
                             int64_t rank, int64_t c0, int64_t cols) {                          \
     float acc[TOKEN_TILE][COLUMN_CHUNK];                                                        \
     for (int64_t t = 0; t < count; t++)                                                         \
@@ -73,7 +75,7 @@ static void expand_##SUFFIX(T *out, int64_t out_stride, const int32_t *tokens, i
             const float v = s[t * width + j];                                                   \
             for (int64_t c = 0; c < cols; c++) {                                                \
                 const int64_t column = c0 + c;                                                  \
-                acc[t][c] += v * LOAD(bt[((column >> 5) * max_rank + j) * 32 + (column & 31)]); \
+                acc[t][c] += v * LOAD(bt[(((column >> 5) * pairs + (j >> 1)) * 32 + (column & 31)) * 2 + (j & 1)]); \
             }                                                                                   \
         }                                                                                       \
     for (int64_t t = 0; t < count; t++) {                                                       \
@@ -128,34 +130,43 @@ static void shrink_bf16(const uint16_t *x, int64_t x_stride, const int32_t *toke
     }
 }
 
-/* expand, bf16: 8 tokens x one block of 32 columns of float32 sums in registers; each row of
- * the block is loaded once (two 16-lane conversions) and each s value broadcast once, and the
- * block PREFETCH_BLOCKS ahead is prefetched. Lanes outside c0 : c0 + cols are masked (a block can straddle two
- * shards or chunks). Missing tokens of a short tile repeat the first (computed, not stored). */
+/* expand, bf16: 8 tokens x one block of 32 columns of float32 sums in registers, two ranks a
+ * vdpbf16ps (each lane's pair of B values against the token's pair of s values rounded to bf16);
+ * each pair row of the block is loaded once, and the block PREFETCH_BLOCKS ahead is prefetched.
+ * Lanes outside c0 : c0 + cols are masked (a block can straddle two shards or chunks). Missing
+ * tokens of a short tile repeat the first (computed, not stored). */
 static void expand_bf16(uint16_t *out, int64_t out_stride, const int32_t *tokens, int64_t count,
-                        const float *s, int64_t width, const uint16_t *bt, int64_t max_rank,
+                        const float *s, int64_t width, const uint16_t *bt, int64_t pairs,
                         int64_t rank, int64_t c0, int64_t cols) {
-    const float *srow[TOKEN_TILE];
-    for (int t = 0; t < TOKEN_TILE; t++) srow[t] = s + (t < count ? t : 0) * width;
+    const int64_t used = (rank + 1) / 2;
+    uint32_t spair[TOKEN_TILE][used];   /* s[t][2p], s[t][2p + 1] as bf16, low half first; 0 past rank */
+    for (int t = 0; t < TOKEN_TILE; t++) {
+        const float *row = s + (t < count ? t : 0) * width;
+        for (int64_t p = 0; p < used; p++)
+            spair[t][p] = (uint32_t)float_to_bf16(row[2 * p])
+                          | (uint32_t)(2 * p + 1 < rank ? float_to_bf16(row[2 * p + 1]) : 0) << 16;
+    }
+    const int64_t block_values = pairs * 64;
     for (int64_t block = c0 >> 5; block * 32 < c0 + cols; block++) {
         const int64_t base = block * 32;
         const int64_t from = c0 > base ? c0 - base : 0, to = c0 + cols < base + 32 ? c0 + cols - base : 32;
         const uint32_t lanes = (uint32_t)((to == 32 ? 0xFFFFFFFFu : (1u << to) - 1) & ~((1u << from) - 1));
         const __mmask16 lo = (__mmask16)(lanes & 0xFFFF), hi = (__mmask16)(lanes >> 16);
-        const uint16_t *rows = bt + block * max_rank * 32;
+        const uint16_t *rows = bt + block * block_values;
         if (block == c0 >> 5)   /* a work item's first block: its next blocks are on their way */
-            for (int64_t ahead = 0; ahead < PREFETCH_BLOCKS * max_rank; ahead++)
-                _mm_prefetch((const char *)(rows + ahead * 32), _MM_HINT_T0);
-        for (int64_t j = 0; j < rank; j++)
-            _mm_prefetch((const char *)(rows + (PREFETCH_BLOCKS * max_rank + j) * 32), _MM_HINT_T0);
+            for (int64_t line = 0; line < PREFETCH_BLOCKS * block_values; line += 32)
+                _mm_prefetch((const char *)(rows + line), _MM_HINT_T0);
+        for (int64_t line = 0; line < used * 64; line += 32)
+            _mm_prefetch((const char *)(rows + PREFETCH_BLOCKS * block_values + line), _MM_HINT_T0);
         __m512 acc[TOKEN_TILE][2];
         for (int t = 0; t < TOKEN_TILE; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < rank; j++) {
-            const __m512 b0 = bf16x16_load(rows + j * 32, lo), b1 = bf16x16_load(rows + j * 32 + 16, hi);
+        for (int64_t p = 0; p < used; p++) {
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(rows + p * 64);
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512(rows + p * 64 + 32);
             for (int t = 0; t < TOKEN_TILE; t++) {
-                const __m512 v = _mm512_set1_ps(srow[t][j]);
-                acc[t][0] = _mm512_fmadd_ps(v, b0, acc[t][0]);
-                acc[t][1] = _mm512_fmadd_ps(v, b1, acc[t][1]);
+                const __m512bh v = (__m512bh)_mm512_set1_epi32((int)spair[t][p]);
+                acc[t][0] = _mm512_dpbf16_ps(acc[t][0], b0, v);
+                acc[t][1] = _mm512_dpbf16_ps(acc[t][1], b1, v);
             }
         }
         for (int64_t t = 0; t < count; t++) {
@@ -187,7 +198,7 @@ int lora_add_##SUFFIX(const T *x, T *out, const T *a, const T *bt, const int32_t
     const int64_t chunks = (n + COLUMN_CHUNK - 1) / COLUMN_CHUNK + num_shards;                   \
     const int64_t tiles = (tokens + TOKEN_TILE - 1) / TOKEN_TILE + num_slots;                   \
     const int64_t fmas = tokens * (k * width + n * max_rank);                                    \
-    const int64_t blocks = (n + 31) / 32;   /* of bt */                                          \
+    const int64_t blocks = (n + 31) / 32, pairs = (max_rank + 1) / 2;   /* of bt */              \
     _Pragma("omp parallel if(fmas >= PARALLEL_FMAS)")                                          \
     {                                                                                            \
         float *xs = s + tokens * width + omp_get_thread_num() * TOKEN_TILE * k;                 \
@@ -222,7 +233,7 @@ int lora_add_##SUFFIX(const T *x, T *out, const T *a, const T *bt, const int32_t
                                  ? bounds[shard + 1] - c0 : COLUMN_CHUNK;                        \
             expand_##SUFFIX(out, out_stride, order + first, count,                               \
                             s + (first - slot_starts[0]) * width + shard * max_rank, width,     \
-                            bt + slot * blocks * max_rank * 32, max_rank,                        \
+                            bt + slot * blocks * pairs * 64, pairs,                              \
                             ranks[slot * num_shards + shard], c0, cols);                         \
         }                                                                                        \
     }                                                                                            \

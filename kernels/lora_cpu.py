@@ -35,15 +35,16 @@ def building() -> bool:
 
 
 def compact_b(b: torch.Tensor, bounds: list[int], max_rank: int) -> torch.Tensor:
-    """B [S, N, n * R] -> the kernel's [S, ceil(N / 32), R, 32]: column c of shard i (bounds[i]
-    <= c < bounds[i + 1]) takes its rank block i (the blocks of other shards are zero in B, so
-    nothing is lost), stored at lane c % 32 of block c // 32; the padding columns are zero."""
+    """B [S, N, n * R] -> the kernel's [S, ceil(N / 32), ceil(R / 2), 32, 2]: column c of shard i
+    (bounds[i] <= c < bounds[i + 1]) takes its rank block i (the blocks of other shards are zero
+    in B, so nothing is lost); rank j of column c sits in block c // 32, pair j // 2, lane c % 32,
+    element j % 2. Padding columns and ranks are zero."""
     num_slots, n = b.shape[0], b.shape[1]
-    blocks = -(-n // 32)
-    rows = b.new_zeros(num_slots, max_rank, blocks * 32)
+    blocks, pairs = -(-n // 32), -(-max_rank // 2)
+    rows = b.new_zeros(num_slots, 2 * pairs, blocks * 32)
     for shard, (start, stop) in enumerate(zip(bounds, bounds[1:])):
-        rows[:, :, start:stop] = b[:, start:stop, shard * max_rank:(shard + 1) * max_rank].transpose(1, 2)
-    return rows.view(num_slots, max_rank, blocks, 32).transpose(1, 2).contiguous()
+        rows[:, :max_rank, start:stop] = b[:, start:stop, shard * max_rank:(shard + 1) * max_rank].transpose(1, 2)
+    return rows.view(num_slots, pairs, 2, blocks, 32).permute(0, 3, 1, 4, 2).contiguous()
 
 
 def token_order(slots_per_token: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,16 +60,17 @@ class LoRASlots:
     """One layer's adapter slots in the kernel's layout, checked once (the engine calls `add`
     for every LoRA layer of every step, so a call checks only what changes: x and out).
 
-    a [S, n * R, K] and bt [S, ceil(N / 32), R, 32] (`compact_b`) contiguous, of one dtype;
+    a [S, n * R, K] and bt [S, ceil(N / 32), ceil(R / 2), 32, 2] (`compact_b`) contiguous, of one dtype;
     ranks int32 [S, n]; bounds int64 [n + 1] (the shards' first output columns, then N). The
     tensors are written in place afterwards (a slot filled), never replaced."""
 
     def __init__(self, a: torch.Tensor, bt: torch.Tensor, ranks: torch.Tensor, bounds: torch.Tensor) -> None:
         num_slots, width, k = a.shape
-        num_shards, max_rank, n = ranks.shape[1], bt.shape[2], int(bounds[-1])
+        num_shards, n = ranks.shape[1], int(bounds[-1])
+        max_rank = width // num_shards
         if not (a.device.type == bt.device.type == "cpu" and a.dtype == bt.dtype and a.is_contiguous()
-                and bt.is_contiguous() and bt.dim() == 4 and bt.shape[:2] == (num_slots, -(-n // 32))
-                and bt.shape[3] == 32 and width == num_shards * max_rank and ranks.shape[0] == num_slots
+                and bt.is_contiguous() and bt.shape == (num_slots, -(-n // 32), -(-max_rank // 2), 32, 2)
+                and width == num_shards * max_rank and ranks.shape[0] == num_slots
                 and ranks.dtype == torch.int32 and ranks.is_contiguous() and bounds.dtype == torch.int64
                 and bounds.shape == (num_shards + 1,) and bounds.is_contiguous()):
             raise ValueError("LoRASlots: tensors do not have the layout of kernels/lora_cpu.c")

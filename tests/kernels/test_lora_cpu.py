@@ -8,7 +8,8 @@ import torch
 from kubeinfer.kernels import lora_cpu
 from kubeinfer.kernels.lora_ref import lora_shrink_expand_ref
 
-# float32: op order only; bfloat16: the kernel rounds out + delta once, the loop in float32
+# float32: op order only; bfloat16: the kernel rounds the shrink to bf16 for the expand (as torch's
+# bf16 matmul does) and out + delta once, the loop stays in float32
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -46,10 +47,12 @@ def _per_token(x, out, a, b, slots_per_token) -> torch.Tensor:
     pytest.param(40, [17], [[3], [5]], [-1] * 9, id="base-only"),
     pytest.param(200, [33, 7], [[16, 1], [2, 16], [16, 16], [1, 1]], [3, 3, -1, -1, 3, 1, 0, 2] * 20,
                  id="odd-sizes-many-tokens-per-slot"),
+    pytest.param(48, [40, 24], [[5, 5], [3, 0]], [0, 1, 1, 0, 0], id="odd-max-rank"),
 ])
 def test_lora_add_matches_per_token_loop(cpu_isa, k, sizes, ranks, slots_per_token, dtype):
     generator = torch.Generator().manual_seed(len(slots_per_token))
-    num_slots, tokens, max_rank = len(ranks), len(slots_per_token), 16
+    num_slots, tokens = len(ranks), len(slots_per_token)
+    max_rank = 5 if max(map(max, ranks)) == 5 else 16
     a, b, rank_tensor, bounds = _weights(generator, num_slots, k, sizes, max_rank, ranks, dtype)
     # x a column slice of a wider tensor (row stride != K), as a view of a fused output would be
     x = torch.randn(tokens, k + 5, generator=generator).to(dtype)[:, 2:k + 2]
@@ -81,8 +84,8 @@ def test_compact_b_keeps_each_shards_own_block():
     b[0, :3, :2] = torch.arange(6.).view(3, 2)
     b[0, 3:, 2:] = torch.arange(10., 14.).view(2, 2)
     blocked = lora_cpu.compact_b(b, [0, 3, 5], 2)
-    assert blocked.shape == (1, 1, 2, 32) and not blocked[..., 5:].any()
-    assert blocked[0, 0, :, :5].tolist() == [[0., 2., 4., 10., 12.], [1., 3., 5., 11., 13.]]
+    assert blocked.shape == (1, 1, 1, 32, 2) and not blocked[..., 5:, :].any()
+    assert blocked[0, 0, 0, :5].T.tolist() == [[0., 2., 4., 10., 12.], [1., 3., 5., 11., 13.]]
 
 
 def test_a_layout_the_kernel_does_not_take_is_refused_before_anything_is_written(cpu_isa):
@@ -91,7 +94,7 @@ def test_a_layout_the_kernel_does_not_take_is_refused_before_anything_is_written
     with pytest.raises(ValueError, match="layout of kernels/lora_cpu.c"):
         lora_cpu.LoRASlots(a, bt.to(torch.bfloat16), ranks, torch.tensor(bounds))
     with pytest.raises(ValueError, match="layout of kernels/lora_cpu.c"):
-        lora_cpu.LoRASlots(a, bt[:, :, :2], ranks, torch.tensor(bounds))   # rank 2 rows, A has 4
+        lora_cpu.LoRASlots(a, bt[:, :, :1].contiguous(), ranks, torch.tensor(bounds))   # rank 2, A has 4
     slots = lora_cpu.LoRASlots(a, bt, ranks, torch.tensor(bounds))
     order, starts = lora_cpu.token_order(torch.tensor([0, 1], dtype=torch.int32), 2)
     out = torch.zeros(2, 4)
