@@ -36,7 +36,7 @@ from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("quant_linear_cpu", "fused_cpu", "paged_decode_cpu", "paged_prefill_cpu", "lora_cpu")
+KERNELS = ("quant_linear_cpu", "fused_cpu", "paged_decode_cpu", "paged_prefill_cpu", "lora_cpu", "int8_linear_cpu")
 # What a starting server needs before its first token: quant_pack and the GGUF dequantization
 # while weights load, the fused ops at the first forward. The attention kernels come later.
 LOADING_KERNELS = ("quant_linear_cpu", "fused_cpu")

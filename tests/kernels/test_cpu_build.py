@@ -77,8 +77,8 @@ def test_background_builds_run_one_at_a_time_in_order_and_report_when_done(monke
     monkeypatch.setattr(cpu_build, "compiled", fake_compiled)
     monkeypatch.setattr(cpu_build, "_BACKGROUND", {})
     cpu_build.start_building(cpu_build.LOADING_KERNELS)
-    assert [cpu_build.building(name) for name in cpu_build.KERNELS] == [True, True, False, False, False]
-    cpu_build.start_building()   # the rest: only the attention and LoRA kernels are new
+    assert [cpu_build.building(name) for name in cpu_build.KERNELS] == [True, True, False, False, False, False]
+    cpu_build.start_building()   # the rest: only the attention, LoRA and int8 kernels are new
     assert all(cpu_build.building(name) for name in cpu_build.KERNELS)
     release.set()
     for future in list(cpu_build._BACKGROUND.values()):

@@ -20,12 +20,12 @@ Dynamic per-token scales are amax/127 (int8) and amax/448 (e4m3), vLLM's convent
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
 
-from kubeinfer.kernels import ops
+from kubeinfer.kernels import int8_linear_cpu, ops
 from kubeinfer.kernels.w4a16_ref import dequantize_kn, pack_rows, unpack_rows
 
 __all__ = ["Fp8Weight", "Int8Weight", "PackedIntWeight", "pack_rows", "quantize_per_channel", "unpack_rows"]
@@ -125,9 +125,30 @@ class ScaledWeight:
 
 @dataclass
 class Int8Weight(ScaledWeight):
-    """int8 weights; dynamic or static activations run as an int8 x int8 matmul (`torch._int_mm`)."""
+    """int8 weights; dynamic or static activations run as an int8 x int8 matmul: on the CPU the
+    fused kernel of `kernels/int8_linear_cpu.c` (quantize, VNNI, rescale in one call; same
+    numbers), else `torch._int_mm` between torch passes (`forward_torch`)."""
+
+    _packed: tuple[int, int8_linear_cpu.PackedInt8] | None = field(default=None, init=False, repr=False,
+                                                                   compare=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if (self.activations is not None and rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32)
+                and rows.stride(1) == 1 and not int8_linear_cpu.building() and int8_linear_cpu.available()):
+            static = self.input_scale if self.activations == "static" else None
+            out = int8_linear_cpu.linear(rows, self.packed(), bias, static)
+            return out.view(*x.shape[:-1], self.out_features)
+        return self.forward_torch(x, bias)
+
+    def packed(self) -> int8_linear_cpu.PackedInt8:
+        """The weight in the CPU kernel's panels, made at the first forward (again if the weight
+        tensor was replaced, as tensor parallelism's slicing does)."""
+        if self._packed is None or self._packed[0] != self.weight.data_ptr():
+            self._packed = (self.weight.data_ptr(), int8_linear_cpu.pack(self.weight, self.scale))
+        return self._packed[1]
+
+    def forward_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.activations is None:
             out = F.linear(rows, self.dequantize(x.dtype))

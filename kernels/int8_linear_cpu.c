@@ -1,0 +1,183 @@
+/* W8A8 int8 linear on the CPU: y = (x quantized to int8 per token) @ W_int8^T, rescaled, in one
+ * call: quantize, VNNI multiply, rescale (+ bias), with no int32 or float32 [M, N] temporaries.
+ *
+ * Why: the torch form (per-token amax, divide, round, clamp, cast; torch._int_mm; int32 ->
+ * float32, two scale products, the cast to bf16) makes five passes over [M, K] or [M, N] around
+ * the GEMM, and ran the embedded model's c=32 decode at 0.76-0.94x of its own bf16 weights,
+ * although int8 halves the weights' bytes and VNNI doubles the multiply-adds per instruction.
+ *
+ * Same numbers as that torch form, bit for bit: activations q = round-half-even(x / s) clamped
+ * to [-128, 127], s = max(amax(|x|), 1e-10) / 127 per row (dynamic) or the checkpoint's scale
+ * (static); the int32 sums are exact; y = bf16(float(sum) * s * w_scale[n]), then + bias rounded
+ * again as torch adds a bf16 bias.
+ *
+ * vpdpbusd multiplies unsigned by signed bytes, so x goes in as q + 128 and each column's
+ * 128 * sum(W[n]) is taken off the int32 sum. Packed weights (`int8_pack`): panels of 32 output
+ * columns, [N/32][K/4][32][4] int8 (4 consecutive k of a column in one 32-bit lane), zero-padded;
+ * `colsum` [N padded] int32. The microkernel keeps 8 rows x 32 columns of int32 sums in registers
+ * over all of K; threads take (64-row chunk, panel) items, the next panel rows prefetched.
+ * Without AVX512-VNNI every entry point returns UNSUPPORTED and the caller keeps torch.
+ * Built by kernels/cpu_build.py, called by kernels/int8_linear_cpu.py.
+ */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_math.h"
+
+enum { OK = 0, UNSUPPORTED = 2, NO_MEMORY = 3 };
+#define PANEL 32          /* output columns of a packed panel (two zmm of int32 sums) */
+#define ROWS 8            /* rows of x a microkernel call keeps in registers */
+#define CHUNK_ROWS 64     /* rows of a work item: its quantized x stays in L2 across panels */
+#define EPS 1e-10f        /* the smallest scale, as quantization/weights.py's _INT8_EPS */
+
+/* Pack W int8 [n, k] (row stride k) into panels, and each column's sum. */
+int int8_pack(const int8_t *w, int8_t *packed, int32_t *colsum, int64_t n, int64_t k) {
+    const int64_t kp = (k + 3) / 4 * 4, panels = (n + PANEL - 1) / PANEL;
+    memset(packed, 0, (size_t)(panels * PANEL * kp));
+    memset(colsum, 0, (size_t)(panels * PANEL) * sizeof(int32_t));
+    for (int64_t col = 0; col < n; col++) {
+        int8_t *panel = packed + (col / PANEL) * PANEL * kp;
+        const int64_t lane = col % PANEL;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < k; i++) {
+            panel[(i / 4) * PANEL * 4 + lane * 4 + i % 4] = w[col * k + i];
+            sum += w[col * k + i];
+        }
+        colsum[col] = sum;
+    }
+    return OK;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+int int8_supported(void) { return 1; }
+
+/* One row of x as q + 128 (uint8, kp bytes, padding 128 = q 0); returns its scale. */
+static float quantize_row(const float *row, int64_t k, int64_t kp, const float *static_scale, uint8_t *q) {
+    float scale;
+    if (static_scale) {
+        scale = *static_scale;
+    } else {
+        __m512 amax = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+        float m = _mm512_reduce_max_ps(amax);
+        for (; i < k; i++) m = fabsf(row[i]) > m ? fabsf(row[i]) : m;
+        scale = (m > EPS ? m : EPS) / 127.0f;
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    int64_t i = 0;
+    for (; i < k; i += 16) {
+        const __mmask16 lanes = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, row + i), s),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-128.f)), _mm512_set1_ps(127.f));
+        const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+        _mm_mask_storeu_epi8(q + i, lanes, _mm512_cvtepi32_epi8(shifted));
+    }
+    for (int64_t j = k; j < kp; j++) q[j] = 128;
+    return scale;
+}
+
+/* sums[r][0..1] = the int32 dot products of rows `xq[r]` with the panel's 32 columns. */
+static inline void multiply_rows(const uint8_t *const xq[ROWS], const int8_t *panel, int64_t kp,
+                                 __m512i sums[ROWS][2]) {
+    for (int r = 0; r < ROWS; r++) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < kp; i += 4) {
+        const __m512i w0 = _mm512_loadu_si512(panel + i * PANEL), w1 = _mm512_loadu_si512(panel + i * PANEL + 64);
+        _mm_prefetch((const char *)(panel + i * PANEL + 8 * 128), _MM_HINT_T0);
+        for (int r = 0; r < ROWS; r++) {
+            int32_t four;
+            memcpy(&four, xq[r] + i, sizeof four);
+            const __m512i x = _mm512_set1_epi32(four);
+            sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], x, w0);
+            sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], x, w1);
+        }
+    }
+}
+
+/* float(sum - 128 colsum) * xs, then * ws, for 16 columns: the explicitly rounded products keep
+ * torch's order (-fassociative-math may regroup plain ones, which moves the last bit). */
+#define NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline __m512 rescale(__m512i sum, __m512i correction, float x_scale, __m512 w_scale) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, correction));
+    return _mm512_mul_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(x_scale), NEAREST), w_scale, NEAREST);
+}
+
+#define DEFINE_INT8_LINEAR(NAME, T, TO_FLOAT_ROW, STORE16, LOAD16)                                 \
+int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w_scale,           \
+         const T *bias, T *out, const float *static_scale, int64_t m, int64_t k, int64_t n,      \
+         int64_t x_stride, int64_t out_stride) {                                                  \
+    const int64_t kp = (k + 3) / 4 * 4, panels = (n + PANEL - 1) / PANEL;                        \
+    const int64_t threads = omp_get_max_threads();                                               \
+    uint8_t *xq = malloc((size_t)(m * kp));                                                     \
+    float *xs = malloc((size_t)m * sizeof(float));                                               \
+    float *rows = malloc((size_t)(threads * k) * sizeof(float));                                 \
+    if (!xq || !xs || !rows) { free(xq); free(xs); free(rows); return NO_MEMORY; }               \
+    _Pragma("omp parallel if(m * k >= 16384)")                                                  \
+    {                                                                                            \
+        float *row = rows + omp_get_thread_num() * k;                                            \
+        _Pragma("omp for schedule(static)")                                                     \
+        for (int64_t r = 0; r < m; r++) {                                                        \
+            TO_FLOAT_ROW(x + r * x_stride, row, k);                                              \
+            xs[r] = quantize_row(row, k, kp, static_scale, xq + r * kp);                         \
+        }                                                                                        \
+    }                                                                                            \
+    const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;                                    \
+    _Pragma("omp parallel for schedule(dynamic) if(m * n >= 4096)")                             \
+    for (int64_t item = 0; item < chunks * panels; item++) {                                     \
+        const int64_t chunk = item / panels, p = item % panels;                                  \
+        const int8_t *panel = packed + p * PANEL * kp;                                           \
+        const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;                    \
+        const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);      \
+        const __mmask16 hi = cols >= 32 ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0; \
+        const __m512i corr0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + c0), 7);            \
+        const __m512i corr1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + c0 + 16), 7);       \
+        const __m512 ws0 = _mm512_maskz_loadu_ps(lo, w_scale + c0), ws1 = _mm512_maskz_loadu_ps(hi, w_scale + c0 + 16); \
+        const int64_t last = (chunk + 1) * CHUNK_ROWS < m ? (chunk + 1) * CHUNK_ROWS : m;        \
+        for (int64_t r0 = chunk * CHUNK_ROWS; r0 < last; r0 += ROWS) {                           \
+            const uint8_t *xrows[ROWS];                                                          \
+            for (int r = 0; r < ROWS; r++) xrows[r] = xq + (r0 + r < last ? r0 + r : r0) * kp;   \
+            __m512i sums[ROWS][2];                                                               \
+            multiply_rows(xrows, panel, kp, sums);                                               \
+            for (int r = 0; r < ROWS && r0 + r < last; r++) {                                    \
+                T *orow = out + (r0 + r) * out_stride + c0;                                      \
+                __m512 y0 = rescale(sums[r][0], corr0, xs[r0 + r], ws0);                         \
+                __m512 y1 = rescale(sums[r][1], corr1, xs[r0 + r], ws1);                         \
+                if (bias) {                                                                      \
+                    y0 = _mm512_add_ps(ROUND16(y0), LOAD16(bias + c0, lo));                      \
+                    y1 = _mm512_add_ps(ROUND16(y1), LOAD16(bias + c0 + 16, hi));                 \
+                }                                                                                \
+                STORE16(orow, lo, y0);                                                           \
+                STORE16(orow + 16, hi, y1);                                                      \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    free(xq); free(xs); free(rows);                                                              \
+    return OK;                                                                                   \
+}
+
+static inline void bf16_row_to_float(const uint16_t *src, float *dst, int64_t k) {
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 lanes = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+        _mm512_mask_storeu_ps(dst + i, lanes, bf16x16_load(src + i, lanes));
+    }
+}
+static inline void f32_row_copy(const float *src, float *dst, int64_t k) { memcpy(dst, src, (size_t)k * sizeof(float)); }
+static inline void bf16x16_store(uint16_t *p, __mmask16 lanes, __m512 v) {
+    _mm256_mask_storeu_epi16(p, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+}
+static inline void f32x16_store(float *p, __mmask16 lanes, __m512 v) { _mm512_mask_storeu_ps(p, lanes, v); }
+static inline __m512 f32x16_load(const float *p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+
+#define ROUND16 bf16x16_round
+DEFINE_INT8_LINEAR(int8_linear_bf16, uint16_t, bf16_row_to_float, bf16x16_store, bf16x16_load)
+#undef ROUND16
+#define ROUND16(v) (v)
+DEFINE_INT8_LINEAR(int8_linear_f32, float, f32_row_copy, f32x16_store, f32x16_load)
+#undef ROUND16
+#else
+int int8_supported(void) { return 0; }
+int int8_linear_bf16(void) { return UNSUPPORTED; }
+int int8_linear_f32(void) { return UNSUPPORTED; }
+#endif

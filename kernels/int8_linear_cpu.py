@@ -1,0 +1,85 @@
+"""W8A8 int8 linear layers on the CPU: the kernel of `int8_linear_cpu.c` (built by `cpu_build`),
+which quantizes each row of x to int8, multiplies with VNNI and rescales in one call, with the
+numbers of the torch form in `server/model/quantization/weights.py` (see the C file).
+
+`pack` lays an int8 weight [N, K] out in the kernel's panels once (at the first forward);
+`linear` then takes bf16 or float32 rows of x. Without AVX512-VNNI, `available` is False.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu_build
+
+_PANEL = 32
+_FUNCTIONS = {torch.bfloat16: "int8_linear_bf16", torch.float32: "int8_linear_f32"}
+
+
+@dataclass(frozen=True)
+class PackedInt8:
+    """An int8 weight [out_features, in_features] in the kernel's panels, its per-column sums
+    and float32 scales (padded to whole panels)."""
+
+    panels: torch.Tensor
+    colsum: torch.Tensor
+    scale: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+@cpu_build.per_isa
+def _functions() -> dict | None:
+    library = cpu_build.load("int8_linear_cpu")
+    if library is None or not cpu_build.bind(library, "int8_supported", pointers=0, ints=0)():
+        return None
+    functions = {dtype: cpu_build.bind(library, name, pointers=7, ints=5) for dtype, name in _FUNCTIONS.items()}
+    functions["pack"] = cpu_build.bind(library, "int8_pack", pointers=3, ints=2)
+    return functions
+
+
+def available() -> bool:
+    """Whether the kernel runs here (built, and the CPU has AVX512-VNNI and AVX512-BF16)."""
+    return _functions() is not None
+
+
+def building() -> bool:
+    """Whether the kernel is still compiling in the background (`cpu_build.start_building`)."""
+    return cpu_build.building("int8_linear_cpu")
+
+
+def pack(weight: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
+    """int8 weight [N, K] and its float32 scale (per output channel [N], or one for all) -> panels."""
+    if weight.dtype != torch.int8 or weight.dim() != 2:
+        raise ValueError(f"int8_linear_cpu.pack needs an int8 [N, K] weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    panels = -(-n // _PANEL)
+    packed = torch.empty(panels * _PANEL * (-(-k // 4) * 4), dtype=torch.int8)
+    colsum = torch.empty(panels * _PANEL, dtype=torch.int32)
+    weight = weight.contiguous()
+    _functions()["pack"](weight.data_ptr(), packed.data_ptr(), colsum.data_ptr(), n, k)
+    scales = torch.zeros(panels * _PANEL, dtype=torch.float32)
+    scales[:n] = scale.float().reshape(-1).expand(n)
+    return PackedInt8(packed, colsum, scales, n, k)
+
+
+def linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None = None,
+           input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 or float32 rows, unit column stride) @ the weight, per-token dynamic int8
+    activations (or the static `input_scale`), rescaled, + bias: [M, N] of x's dtype."""
+    if not (x.device.type == "cpu" and x.dtype in _FUNCTIONS and x.dim() == 2 and x.stride(1) == 1
+            and x.shape[1] == weight.in_features):
+        raise ValueError(f"int8_linear_cpu.linear needs CPU rows [M, {weight.in_features}] of bf16 or float32")
+    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    static = input_scale.float().reshape(1).contiguous() if input_scale is not None else None
+    status = _functions()[x.dtype](x.data_ptr(), weight.panels.data_ptr(), weight.colsum.data_ptr(),
+                                   weight.scale.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                   out.data_ptr(), static.data_ptr() if static is not None else None,
+                                   x.shape[0], weight.in_features, weight.out_features, x.stride(0), out.stride(0))
+    if status:
+        raise MemoryError("int8_linear_cpu: no memory for the quantized activations")
+    return out

@@ -1,0 +1,54 @@
+"""The W8A8 int8 CPU kernel (kernels/int8_linear_cpu.c) against the torch form it replaces
+(`Int8Weight.forward` without it: per-token int8 quantization, torch._int_mm, float32 rescale):
+the same numbers bit for bit, dynamic and static activations, with and without bias, odd sizes."""
+
+import pytest
+import torch
+
+from kubeinfer.kernels import int8_linear_cpu
+from kubeinfer.server.model.quantization.weights import Int8Weight
+
+
+def _case(m, k, n, dtype, seed, per_tensor=False):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    scale = torch.rand(1 if per_tensor else n, generator=generator) / 100 + 1e-4
+    x = (torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 4).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+    return weight, scale, x, bias
+
+
+@pytest.mark.cpu_isas("native", "avx512")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m, k, n", [(1, 64, 32), (32, 576, 960), (13, 100, 45), (70, 1536, 576), (9, 3, 5)])
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_int8_linear_equals_the_torch_form_bit_for_bit(cpu_isa, m, k, n, dtype, activations):
+    if not int8_linear_cpu.available():
+        pytest.skip("needs AVX512-VNNI and AVX512-BF16")
+    weight, scale, x, bias = _case(m, k, n, dtype, m * k + n, per_tensor=(m == 13))
+    input_scale = torch.tensor(0.02) if activations == "static" else None
+    layer = Int8Weight(weight, scale, activations, input_scale)
+    packed = int8_linear_cpu.pack(weight, scale)
+    for b in (None, bias):
+        expected = layer.forward_torch(x, b)
+        got = int8_linear_cpu.linear(x, packed, b, input_scale)
+        assert got.dtype == dtype and torch.equal(got, expected)
+    # a zero row (scale clamped to the epsilon) and a strided view of x
+    x = torch.cat([torch.zeros(1, k, dtype=dtype), x])[:, :]
+    wide = torch.cat([x, x], dim=1)[:, :k]
+    assert torch.equal(int8_linear_cpu.linear(wide, packed, bias, input_scale), layer.forward_torch(x, bias))
+
+
+@pytest.mark.cpu_isas("avx2")
+def test_without_avx512_vnni_the_kernel_is_not_offered(cpu_isa):
+    assert not int8_linear_cpu.available()
+
+
+def test_bad_inputs_are_refused():
+    if not int8_linear_cpu.available():
+        pytest.skip("needs AVX512-VNNI and AVX512-BF16")
+    packed = int8_linear_cpu.pack(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(ValueError, match=r"CPU rows \[M, 8\]"):
+        int8_linear_cpu.linear(torch.zeros(2, 7), packed)
+    with pytest.raises(ValueError, match="int8 \\[N, K\\] weight"):
+        int8_linear_cpu.pack(torch.zeros(4, 8), torch.ones(4))
