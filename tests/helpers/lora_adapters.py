@@ -32,3 +32,14 @@ def make_peft_adapter(base: Path | torch.nn.Module, out: Path, *, rank: int, tar
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     peft_model.save_pretrained(str(out))
     return out, peft_model.eval()
+
+
+def per_token_delta(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    slots_per_token: list[int]) -> torch.Tensor:
+    """out + each token's own adapter delta, x[t] @ A[slot].T @ B[slot].T in float32 (slot -1:
+    none): what the LoRA kernels (Triton SGMV, the CPU kernel) must compute."""
+    expected = out.float().clone()
+    for t, slot in enumerate(slots_per_token):
+        if slot >= 0:
+            expected[t] += (x[t].float() @ a[slot].float().T) @ b[slot].float().T
+    return expected

@@ -4,6 +4,7 @@ shards have their own ranks (0 = not targeted), under every ISA variant this CPU
 
 import pytest
 import torch
+from helpers.lora_adapters import per_token_delta
 
 from kubeinfer.kernels import lora_cpu
 from kubeinfer.kernels.lora_ref import lora_shrink_expand_ref
@@ -29,14 +30,6 @@ def _weights(generator, num_slots, k, sizes, max_rank, ranks, dtype):
     return a.to(dtype), b.to(dtype), torch.tensor(ranks, dtype=torch.int32), [*starts, n]
 
 
-def _per_token(x, out, a, b, slots_per_token) -> torch.Tensor:
-    expected = out.float().clone()
-    for t, slot in enumerate(slots_per_token):
-        if slot >= 0:
-            expected[t] += (x[t].float() @ a[slot].float().T) @ b[slot].float().T
-    return expected
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k, sizes, ranks, slots_per_token", [
     pytest.param(64, [96], [[8], [8], [8]], [0, 1, -1, 2, 1, 0], id="decode-mixed-with-base"),
@@ -57,7 +50,7 @@ def test_lora_add_matches_per_token_loop(cpu_isa, k, sizes, ranks, slots_per_tok
     # x a column slice of a wider tensor (row stride != K), as a view of a fused output would be
     x = torch.randn(tokens, k + 5, generator=generator).to(dtype)[:, 2:k + 2]
     out = torch.randn(tokens, sum(sizes), generator=generator).to(dtype)
-    expected = _per_token(x, out, a, b, slots_per_token)
+    expected = per_token_delta(x, out, a, b, slots_per_token)
     indices = torch.tensor(slots_per_token, dtype=torch.int32)
     order, slot_starts = lora_cpu.token_order(indices, num_slots)
     bt = lora_cpu.compact_b(b, bounds, max_rank)

@@ -3,6 +3,7 @@ plain per-token loop: out[t] += x[t] @ A[slot(t)].T @ B[slot(t)].T, slot -1 = no
 
 import pytest
 import torch
+from helpers.lora_adapters import per_token_delta
 
 from kubeinfer.kernels import ops
 from kubeinfer.kernels.lora import lora_shrink_expand
@@ -24,14 +25,6 @@ def _segments(slots_per_token: list[int]) -> tuple[torch.Tensor, torch.Tensor, i
     return torch.tensor(starts, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32), longest
 
 
-def _per_token(x, out, a, b, slots_per_token) -> torch.Tensor:
-    expected = out.float().clone()
-    for t, slot in enumerate(slots_per_token):
-        if slot >= 0:
-            expected[t] += (x[t].float() @ a[slot].float().T) @ b[slot].float().T
-    return expected
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hidden, out_features, rank, slots_per_token", [
     pytest.param(64, 96, 8, [0, 1, -1, 2, 1, 0], id="decode-bgmv-mixed-with-base"),
@@ -47,7 +40,7 @@ def test_sgmv_matches_per_token_loop(hidden, out_features, rank, slots_per_token
     a = (torch.randn(num_slots, rank, hidden, generator=generator) / hidden ** 0.5).to(dtype)
     b = (torch.randn(num_slots, out_features, rank, generator=generator) / rank ** 0.5).to(dtype)
     out = torch.randn(tokens, out_features, generator=generator).to(dtype)
-    expected = _per_token(x, out, a, b, slots_per_token)
+    expected = per_token_delta(x, out, a, b, slots_per_token)
     starts, slots, longest = _segments(slots_per_token)
     tol = TOLERANCES[dtype]
     for got in (lora_shrink_expand(x, out.clone(), a, b, starts, slots, longest),
@@ -63,4 +56,4 @@ def test_ops_dispatches_to_the_triton_kernel_when_forced(triton_backend):
     a, b = torch.randn(2, 8, 32), torch.randn(2, 16, 8)
     starts, slots, longest = _segments([1, 1, 0])
     got = ops.lora_shrink_expand(x, out.clone(), a, b, starts, slots, longest)
-    torch.testing.assert_close(got, _per_token(x, out, a, b, [1, 1, 0]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, per_token_delta(x, out, a, b, [1, 1, 0]), atol=1e-5, rtol=1e-5)
