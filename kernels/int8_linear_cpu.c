@@ -26,8 +26,13 @@
 #include "cpu_math.h"
 
 enum { OK = 0, UNSUPPORTED = 2, NO_MEMORY = 3 };
+#ifndef PANEL
 #define PANEL 32          /* output columns of a packed panel (two zmm of int32 sums) */
+#endif
+#ifndef ROWS
 #define ROWS 8            /* rows of x a microkernel call keeps in registers */
+#endif
+#define VECS (PANEL / 16) /* zmm of int32 sums a row */
 #define CHUNK_ROWS 64     /* rows of a work item: its quantized x stays in L2 across panels */
 #define EPS 1e-10f        /* the smallest scale, as quantization/weights.py's _INT8_EPS */
 
@@ -79,19 +84,20 @@ static float quantize_row(const float *row, int64_t k, int64_t kp, const float *
     return scale;
 }
 
-/* sums[r][0..1] = the int32 dot products of rows `xq[r]` with the panel's 32 columns. */
+/* sums[r][v] = the int32 dot products of rows `xq[r]` with the panel's columns 16 v .. 16 v + 15. */
 static inline void multiply_rows(const uint8_t *const xq[ROWS], const int8_t *panel, int64_t kp,
-                                 __m512i sums[ROWS][2]) {
-    for (int r = 0; r < ROWS; r++) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+                                 __m512i sums[ROWS][VECS]) {
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < VECS; v++) sums[r][v] = _mm512_setzero_si512();
     for (int64_t i = 0; i < kp; i += 4) {
-        const __m512i w0 = _mm512_loadu_si512(panel + i * PANEL), w1 = _mm512_loadu_si512(panel + i * PANEL + 64);
-        _mm_prefetch((const char *)(panel + i * PANEL + 8 * 128), _MM_HINT_T0);
+        __m512i w[VECS];
+        for (int v = 0; v < VECS; v++) w[v] = _mm512_loadu_si512(panel + i * PANEL + v * 64);
+        _mm_prefetch((const char *)(panel + i * PANEL + 1024), _MM_HINT_T0);
         for (int r = 0; r < ROWS; r++) {
             int32_t four;
             memcpy(&four, xq[r] + i, sizeof four);
             const __m512i x = _mm512_set1_epi32(four);
-            sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], x, w0);
-            sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], x, w1);
+            for (int v = 0; v < VECS; v++) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], x, w[v]);
         }
     }
 }
@@ -129,27 +135,28 @@ int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w
         const int64_t chunk = item / panels, p = item % panels;                                  \
         const int8_t *panel = packed + p * PANEL * kp;                                           \
         const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;                    \
-        const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);      \
-        const __mmask16 hi = cols >= 32 ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0; \
-        const __m512i corr0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + c0), 7);            \
-        const __m512i corr1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + c0 + 16), 7);       \
-        const __m512 ws0 = _mm512_maskz_loadu_ps(lo, w_scale + c0), ws1 = _mm512_maskz_loadu_ps(hi, w_scale + c0 + 16); \
+        __mmask16 lanes[VECS];                                                                   \
+        __m512i correction[VECS];                                                                \
+        __m512 ws[VECS];                                                                         \
+        for (int v = 0; v < VECS; v++) {                                                         \
+            const int64_t left = cols - 16 * v;                                                  \
+            lanes[v] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0; \
+            correction[v] = _mm512_slli_epi32(_mm512_loadu_si512(colsum + c0 + 16 * v), 7);    \
+            ws[v] = _mm512_maskz_loadu_ps(lanes[v], w_scale + c0 + 16 * v);                      \
+        }                                                                                        \
         const int64_t last = (chunk + 1) * CHUNK_ROWS < m ? (chunk + 1) * CHUNK_ROWS : m;        \
         for (int64_t r0 = chunk * CHUNK_ROWS; r0 < last; r0 += ROWS) {                           \
             const uint8_t *xrows[ROWS];                                                          \
             for (int r = 0; r < ROWS; r++) xrows[r] = xq + (r0 + r < last ? r0 + r : r0) * kp;   \
-            __m512i sums[ROWS][2];                                                               \
+            __m512i sums[ROWS][VECS];                                                            \
             multiply_rows(xrows, panel, kp, sums);                                               \
             for (int r = 0; r < ROWS && r0 + r < last; r++) {                                    \
                 T *orow = out + (r0 + r) * out_stride + c0;                                      \
-                __m512 y0 = rescale(sums[r][0], corr0, xs[r0 + r], ws0);                         \
-                __m512 y1 = rescale(sums[r][1], corr1, xs[r0 + r], ws1);                         \
-                if (bias) {                                                                      \
-                    y0 = _mm512_add_ps(ROUND16(y0), LOAD16(bias + c0, lo));                      \
-                    y1 = _mm512_add_ps(ROUND16(y1), LOAD16(bias + c0 + 16, hi));                 \
+                for (int v = 0; v < VECS; v++) {                                                 \
+                    __m512 y = rescale(sums[r][v], correction[v], xs[r0 + r], ws[v]);            \
+                    if (bias) y = _mm512_add_ps(ROUND16(y), LOAD16(bias + c0 + 16 * v, lanes[v])); \
+                    STORE16(orow + 16 * v, lanes[v], y);                                         \
                 }                                                                                \
-                STORE16(orow, lo, y0);                                                           \
-                STORE16(orow + 16, hi, y1);                                                      \
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \

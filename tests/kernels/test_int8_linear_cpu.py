@@ -52,3 +52,22 @@ def test_bad_inputs_are_refused():
         int8_linear_cpu.linear(torch.zeros(2, 7), packed)
     with pytest.raises(ValueError, match="int8 \\[N, K\\] weight"):
         int8_linear_cpu.pack(torch.zeros(4, 8), torch.ones(4))
+
+
+def test_int8_weight_takes_the_kernel_where_it_is_faster(monkeypatch):
+    """Decode-sized inputs and large outputs go to the kernel, the rows between to torch's
+    GEMM (BENCHMARKS.md, issue 23); both give the same numbers."""
+    if not int8_linear_cpu.available():
+        pytest.skip("needs AVX512-VNNI and AVX512-BF16")
+    weight, scale, x, bias = _case(4, 64, 48, torch.bfloat16, 7)
+    layer = Int8Weight(weight, scale, "dynamic")
+    calls = []
+    real = int8_linear_cpu.linear
+    monkeypatch.setattr(int8_linear_cpu, "linear", lambda *args: calls.append(args[0].shape[0]) or real(*args))
+    for rows in (4, 200):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert torch.equal(layer.forward(x, bias), layer.forward_torch(x, bias))
+    assert calls == [4]
+    big = Int8Weight(torch.ones(2048, 8, dtype=torch.int8), torch.ones(2048), "dynamic")
+    big.forward(torch.ones(1024, 8, dtype=torch.bfloat16), None)
+    assert calls == [4, 1024]

@@ -123,11 +123,23 @@ class ScaledWeight:
         return (self.weight.float() * self.scale[:, None]).to(dtype)
 
 
+# Where the fused CPU kernel beats quantize + torch._int_mm + rescale (measured on an AMD EPYC
+# with AVX512-VNNI, BENCHMARKS.md issue 23): few rows (decode, where the torch form's passes cost
+# more than its GEMM: 1.2-1.7x at 32 rows) and outputs of 2M+ elements (the torch form's float32
+# [M, N] temporaries then cost page faults: 2.5-3x at 2,048-4,096 rows); between them oneDNN's
+# GEMM is 10-30% faster than the kernel's.
+INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MIN_OUTPUTS = 64, 1 << 21
+
+
+def _int8_kernel_is_faster(rows: int, out_features: int) -> bool:
+    return rows <= INT8_KERNEL_MAX_ROWS or rows * out_features >= INT8_KERNEL_MIN_OUTPUTS
+
+
 @dataclass
 class Int8Weight(ScaledWeight):
     """int8 weights; dynamic or static activations run as an int8 x int8 matmul: on the CPU the
     fused kernel of `kernels/int8_linear_cpu.c` (quantize, VNNI, rescale in one call; same
-    numbers), else `torch._int_mm` between torch passes (`forward_torch`)."""
+    numbers) where it is faster, else `torch._int_mm` between torch passes (`forward_torch`)."""
 
     _packed: tuple[int, int8_linear_cpu.PackedInt8] | None = field(default=None, init=False, repr=False,
                                                                    compare=False)
@@ -135,7 +147,8 @@ class Int8Weight(ScaledWeight):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if (self.activations is not None and rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32)
-                and rows.stride(1) == 1 and not int8_linear_cpu.building() and int8_linear_cpu.available()):
+                and rows.stride(1) == 1 and _int8_kernel_is_faster(rows.shape[0], self.out_features)
+                and not int8_linear_cpu.building() and int8_linear_cpu.available()):
             static = self.input_scale if self.activations == "static" else None
             out = int8_linear_cpu.linear(rows, self.packed(), bias, static)
             return out.view(*x.shape[:-1], self.out_features)
