@@ -34,13 +34,17 @@ def building() -> bool:
     return cpu_build.building("lora_cpu")
 
 
+def blocked_b_shape(num_slots: int, out_features: int, max_rank: int) -> tuple[int, int, int, int, int]:
+    """The kernel's B: [slots, ceil(N / 32) blocks, ceil(R / 2) rank pairs, 32 columns, 2 ranks]."""
+    return num_slots, -(-out_features // 32), -(-max_rank // 2), 32, 2
+
+
 def compact_b(b: torch.Tensor, bounds: list[int], max_rank: int) -> torch.Tensor:
     """B [S, N, n * R] -> the kernel's [S, ceil(N / 32), ceil(R / 2), 32, 2]: column c of shard i
     (bounds[i] <= c < bounds[i + 1]) takes its rank block i (the blocks of other shards are zero
     in B, so nothing is lost); rank j of column c sits in block c // 32, pair j // 2, lane c % 32,
     element j % 2. Padding columns and ranks are zero."""
-    num_slots, n = b.shape[0], b.shape[1]
-    blocks, pairs = -(-n // 32), -(-max_rank // 2)
+    num_slots, blocks, pairs, _, _ = blocked_b_shape(b.shape[0], b.shape[1], max_rank)
     rows = b.new_zeros(num_slots, 2 * pairs, blocks * 32)
     for shard, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         rows[:, :max_rank, start:stop] = b[:, start:stop, shard * max_rank:(shard + 1) * max_rank].transpose(1, 2)
@@ -69,7 +73,7 @@ class LoRASlots:
         num_shards, n = ranks.shape[1], int(bounds[-1])
         max_rank = width // num_shards
         if not (a.device.type == bt.device.type == "cpu" and a.dtype == bt.dtype and a.is_contiguous()
-                and bt.is_contiguous() and bt.shape == (num_slots, -(-n // 32), -(-max_rank // 2), 32, 2)
+                and bt.is_contiguous() and bt.shape == blocked_b_shape(num_slots, n, max_rank)
                 and width == num_shards * max_rank and ranks.shape[0] == num_slots
                 and ranks.dtype == torch.int32 and ranks.is_contiguous() and bounds.dtype == torch.int64
                 and bounds.shape == (num_shards + 1,) and bounds.is_contiguous()):

@@ -115,8 +115,8 @@ class LoRALayer:
         # the CPU kernel's form: B transposed, compacted (shards share the rank rows, their columns
         # are disjoint) and blocked by 32 columns (`lora_cpu.compact_b`), each slot's rank per
         # shard, the shards' first columns
-        blocks, pairs = -(-module.out_features // 32), -(-max_rank // 2)
-        self.bt = torch.zeros(max_loras, blocks, pairs, 32, 2, dtype=dtype) if device.type == "cpu" else None
+        self.bt = torch.zeros(lora_cpu.blocked_b_shape(max_loras, module.out_features, max_rank),
+                              dtype=dtype) if device.type == "cpu" else None
         self.ranks = torch.zeros(max_loras, len(sizes), dtype=torch.int32)
         self.bounds = torch.tensor([*self.row_starts, module.out_features], dtype=torch.int64)
         self.kernel = lora_cpu.LoRASlots(self.a, self.bt, self.ranks, self.bounds) if self.bt is not None else None
