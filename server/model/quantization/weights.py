@@ -141,8 +141,7 @@ class Int8Weight(ScaledWeight):
     fused kernel of `kernels/int8_linear_cpu.c` (quantize, VNNI, rescale in one call; same
     numbers) where it is faster, else `torch._int_mm` between torch passes (`forward_torch`)."""
 
-    _packed: tuple[int, int8_linear_cpu.PackedInt8] | None = field(default=None, init=False, repr=False,
-                                                                   compare=False)
+    _packed: int8_linear_cpu.PackedInt8 | None = field(default=None, init=False, repr=False, compare=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -155,11 +154,11 @@ class Int8Weight(ScaledWeight):
         return self.forward_torch(x, bias)
 
     def packed(self) -> int8_linear_cpu.PackedInt8:
-        """The weight in the CPU kernel's panels, made at the first forward (again if the weight
-        tensor was replaced, as tensor parallelism's slicing does)."""
-        if self._packed is None or self._packed[0] != self.weight.data_ptr():
-            self._packed = (self.weight.data_ptr(), int8_linear_cpu.pack(self.weight, self.scale))
-        return self._packed[1]
+        """The weight in the CPU kernel's panels, made at the first forward (tensor parallelism's
+        slices are new objects, `dataclasses.replace`, so each packs its own)."""
+        if self._packed is None:
+            self._packed = int8_linear_cpu.pack(self.weight, self.scale)
+        return self._packed
 
     def forward_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
