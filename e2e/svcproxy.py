@@ -151,18 +151,19 @@ class Proxy:
         os.replace(tmp, self.table_path)
 
     async def forward(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Pipe one client connection to the next Ready pod; none Ready: close it at once."""
+        """Pipe one client connection to the next Ready pod; one that refuses it (gone since the
+        last sync, up to RESYNC_SECONDS ago) passes it to the next, as kube-proxy's userspace
+        mode did; none Ready or none accepting: close it at once."""
         service = self.services.get(key)
         targets = backends(service, self.pods) if service else []
-        if not targets:
-            writer.close()
-            return
-        turn = next(self.turns.setdefault(key, itertools.count()))
-        ip, port = targets[turn % len(targets)]
-        try:
-            up_reader, up_writer = await asyncio.open_connection(ip, port)
-        except OSError as err:
-            log.warning("%s: %s:%d refused the connection: %s", key, ip, port, err)
+        start = next(self.turns.setdefault(key, itertools.count())) % max(len(targets), 1)
+        for ip, port in targets[start:] + targets[:start]:
+            try:
+                up_reader, up_writer = await asyncio.open_connection(ip, port)
+                break
+            except OSError as err:
+                log.warning("%s: %s:%d refused the connection: %s", key, ip, port, err)
+        else:
             writer.close()
             return
         pipes = [asyncio.create_task(_pipe(reader, up_writer)), asyncio.create_task(_pipe(up_reader, writer))]

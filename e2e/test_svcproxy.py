@@ -123,3 +123,31 @@ def test_forwards_each_connection_to_the_next_ready_pod(tmp_path: Path) -> None:
             server.shutdown()
     assert sorted(answers) == ["one", "one", "two", "two"]
     assert answers[0] != answers[1]
+
+
+def test_a_pod_gone_since_the_last_sync_passes_the_connection_to_the_next(tmp_path: Path) -> None:
+    """A pod listed Ready whose process has exited (the list is up to RESYNC_SECONDS old)
+    refuses; the connection goes to the next Ready pod instead of failing the client."""
+    server = serve("127.0.0.1", "alive")
+    with socket.socket() as sock:   # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead_port = sock.getsockname()[1]
+    core = FakeCore([service("a", {"app": "a"})],
+                    [pod("dead", "127.0.0.1", port=dead_port), pod("alive", "127.0.0.1", port=server.server_address[1])])
+    table = tmp_path / "services.json"
+
+    async def scenario() -> list[str]:
+        proxy = svcproxy.Proxy(core, free_port_range(5), table)
+        await proxy.sync()
+        url = svcproxy.local_url(table, "ns", "a")
+        assert url is not None
+        async with httpx.AsyncClient(trust_env=False) as http:
+            answers = [(await http.get(url, headers={"Connection": "close"})).text for _ in range(4)]
+        for listening in proxy.servers.values():
+            listening.close()
+        return answers
+
+    try:
+        assert asyncio.run(scenario()) == ["alive"] * 4
+    finally:
+        server.shutdown()
