@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# What a lent CUDA machine runs, in one go, from a plain checkout (no install: the repo's folders
+# are mapped into the `kubeinfer` namespace on PYTHONPATH; torch, triton, transformers and
+# pytest(-xdist) must be there):
+#   1. tests/gpu: every Triton kernel and the engine on CUDA against the references, bf16 too;
+#   2. `kubeinfer bench-kernels` at Llama-3-8B shapes (bf16);
+#   3. `kubeinfer bench throughput` on a random-weight Llama of Llama-3.2-1B's shape, bf16.
+# Each step has its own time limit so the later ones still run. Results go to $1 (default $OUT).
+#   bash benchmarks/gpu_check.sh /tmp/gpu-results
+set -uo pipefail
+out="${1:-${OUT:?give a results folder}}"
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+mkdir -p "$out"
+shim="$(mktemp -d)"
+mkdir -p "$shim/kubeinfer"
+for part in server kernels operator; do ln -s "$repo/$part" "$shim/kubeinfer/$part"; done
+export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+cd "$repo"
+say() { echo "== $(date -u +%T) $*" | tee -a "$out/summary.log"; }
+
+say "machine"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
+  nproc; } 2>&1 | tee -a "$out/summary.log"
+
+say "tests/gpu"
+timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE tests/gpu \
+  > "$out/tests.log" 2>&1
+echo "rc=$?" >> "$out/tests.log"
+tail -n 40 "$out/tests.log" | tee -a "$out/summary.log"
+
+say "bench-kernels"
+timeout "${KERNEL_SECONDS:-150}" python3 -m kubeinfer.server.cli bench-kernels 2>&1 | tee "$out/bench-kernels.txt"
+
+say "engine throughput"
+model="$(mktemp -d)/llama-1b-random"
+python3 - "$model" <<'EOF'
+import json, sys
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+sys.path.insert(0, "tests")
+from helpers.tiny_models import tiny_tokenizer_json
+config = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True)
+with torch.device("cuda"):
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[1])
+Path(sys.argv[1], "tokenizer.json").write_text(tiny_tokenizer_json())
+print("params", sum(p.numel() for p in model.parameters()) / 1e9, "B")
+EOF
+bench() {   # name, then flags for `kubeinfer bench throughput`
+  local name="$1"; shift
+  timeout 120 python3 -m kubeinfer.server.cli bench throughput --model "$model" --device cuda --dtype bfloat16 \
+    --json "$out/throughput-$name.json" "$@" > "$out/throughput-$name.txt" 2>&1
+  echo "$name rc=$?: $(grep -E 'output_tokens_per_second|total_tokens_per_second|wall_seconds' "$out/throughput-$name.txt" | tr -s ' ' | tr '\n' ' ')" \
+    | tee -a "$out/summary.log"
+}
+bench warmup --num-prompts 16 --input-len 256 --output-len 16
+bench random-c256 --num-prompts 512 --input-len 512 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192
+bench random-c32 --num-prompts 128 --input-len 128 --output-len 128 --max-num-seqs 32
+bench shared-prefix-c64 --dataset shared-prefix --prefix-len 1024 --num-prompts 256 --input-len 64 --output-len 64 \
+  --max-num-seqs 64 --max-num-batched-tokens 8192
+say "done"
