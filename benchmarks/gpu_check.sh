@@ -4,9 +4,11 @@
 # pytest(-xdist) must be there):
 #   1. tests/gpu: every Triton kernel and the engine on CUDA against the references, bf16 too;
 #   2. `kubeinfer bench-kernels` at Llama-3-8B shapes (bf16);
-#   3. `kubeinfer bench throughput` on a random-weight Llama of Llama-3.2-1B's shape, bf16.
+#   3. `kubeinfer bench throughput` on a random-weight Llama of Llama-3.2-1B's shape, bf16;
+#   4. (tune) benchmarks/gpu_tune.py: the attention knobs swept, the engine's decode step profiled.
 # Each step has its own time limit so the later ones still run. Results go to $1 (default $OUT).
 #   bash benchmarks/gpu_check.sh /tmp/gpu-results
+#   STEPS="tests tune" TEST_ARGS="-k fp8" bash benchmarks/gpu_check.sh /tmp/gpu-results
 set -uo pipefail
 out="${1:-${OUT:?give a results folder}}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -24,33 +26,31 @@ say "machine"
 "transformers", transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
   nproc; } 2>&1 | tee -a "$out/summary.log"
 
-say "tests/gpu"
-timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE tests/gpu \
-  > "$out/tests.log" 2>&1
-echo "rc=$?" >> "$out/tests.log"
-tail -n 40 "$out/tests.log" | tee -a "$out/summary.log"
-
-say "bench-kernels"
-timeout "${KERNEL_SECONDS:-150}" python3 -m kubeinfer.server.cli bench-kernels 2>&1 | tee "$out/bench-kernels.txt"
-
-say "engine throughput"
+steps="${STEPS:-tests kernels throughput}"
 model="$(mktemp -d)/llama-1b-random"
-python3 - "$model" <<'EOF'
-import json, sys
-from pathlib import Path
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-sys.path.insert(0, "tests")
-from helpers.tiny_models import tiny_tokenizer_json
-config = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True)
-with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-model.save_pretrained(sys.argv[1])
-Path(sys.argv[1], "tokenizer.json").write_text(tiny_tokenizer_json())
-print("params", sum(p.numel() for p in model.parameters()) / 1e9, "B")
-EOF
+[[ " $steps " =~ " "(throughput|tune)" " ]] && python3 benchmarks/random_llama.py "$model"
+
+if [[ " $steps " == *" tests "* ]]; then
+  say "tests/gpu"
+  # shellcheck disable=SC2086
+  timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE tests/gpu \
+    ${TEST_ARGS:-} > "$out/tests.log" 2>&1
+  echo "rc=$?" >> "$out/tests.log"
+  tail -n 40 "$out/tests.log" | tee -a "$out/summary.log"
+fi
+
+if [[ " $steps " == *" kernels "* ]]; then
+  say "bench-kernels"
+  timeout "${KERNEL_SECONDS:-150}" python3 -m kubeinfer.server.cli bench-kernels 2>&1 | tee "$out/bench-kernels.txt"
+fi
+
+if [[ " $steps " == *" tune "* ]]; then
+  say "tune"
+  timeout "${TUNE_SECONDS:-240}" python3 benchmarks/gpu_tune.py --profile "$model" 2>&1 | tee "$out/tune.log"
+fi
+
+[[ " $steps " == *" throughput "* ]] || { say "done"; exit 0; }
+say "engine throughput"
 bench() {   # name, then flags for `kubeinfer bench throughput`
   local name="$1"; shift
   timeout 120 python3 -m kubeinfer.server.cli bench throughput --model "$model" --device cuda --dtype bfloat16 \

@@ -38,9 +38,17 @@ class AttentionGeometry:
         return triton.next_power_of_2(self.head_dim)
 
 
+# Query rows per tile when a step has prefill chunks. A decode tile is one token's GQA heads in
+# 16 rows (the smallest tensor-core tile); a prefill tile packs more tokens so that each K/V tile
+# it loads serves more rows.
+PREFILL_ROWS = 16
+
+
 def attention_geometry(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_tables: torch.Tensor, query_start_loc: torch.Tensor) -> AttentionGeometry:
-    """Validate the layout contract and derive the tile shape; raises ValueError on misuse."""
+                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                       max_query_len: int = 1) -> AttentionGeometry:
+    """Validate the layout contract and derive the tile shape (`max_query_len`, a host int, picks
+    the prefill tile); raises ValueError on misuse."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"expected q [T, H, D] and caches [blocks, block_size, kv_heads, D], "
                          f"got q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
@@ -64,5 +72,7 @@ def attention_geometry(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     queries_per_kv = num_heads // num_kv_heads
     # 16 rows is the smallest tensor-core tile; GQA groups wider than that take a tile each.
     block_m = 16 if queries_per_kv <= 16 else triton.next_power_of_2(queries_per_kv)
+    if max_query_len > 1:
+        block_m = max(block_m, min(PREFILL_ROWS, triton.next_power_of_2(max_query_len * queries_per_kv)))
     return AttentionGeometry(num_tokens, num_heads, num_kv_heads, head_dim, block_size, num_seqs,
                              queries_per_kv, block_m // queries_per_kv, block_m)

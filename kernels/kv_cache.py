@@ -30,7 +30,10 @@ def round_to_fp8(x, MANTISSA_BITS: tl.constexpr, SUBNORMAL_MAGIC: tl.constexpr, 
     # below MIN_NORMAL the values are multiples of the smallest subnormal: a float32 add of a
     # number whose last mantissa bit is worth exactly that rounds to them, ties to even
     r = tl.where(a < MIN_NORMAL, (a + SUBNORMAL_MAGIC) - SUBNORMAL_MAGIC, bits.to(tl.float32, bitcast=True))
-    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)
+    # the sign goes back as a bit: compiled `-r` is `0 - r`, which turns -0 (torch's byte 0x80 for
+    # tiny negatives) into +0 (seen on an H200)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -63,18 +63,24 @@ def _multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+# Split-KV decode: programs per SM to aim for, the fewest tokens a split covers, the most splits.
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_MIN_TOKENS = 512
+MAX_SPLITS = 16
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, max_query_len: int,
                       device: torch.device) -> int:
     """Split the context only for decode whose (sequence, KV head) programs leave SMs idle.
 
-    Aim for about two programs per SM, with each split still covering >= 512 tokens so
-    the merge stays cheap next to the KV reads it parallelises.
+    Aim for SPLIT_PROGRAMS_PER_SM programs per SM, each split still covering SPLIT_MIN_TOKENS
+    so the merge stays cheap next to the KV reads it parallelises.
     """
     if max_query_len != 1:
         return 1
     programs = num_seqs * num_kv_heads
-    wanted = -(-2 * _multiprocessor_count(device) // programs)
-    return max(1, min(wanted, max_seq_len // 512, 16))
+    wanted = -(-SPLIT_PROGRAMS_PER_SM * _multiprocessor_count(device) // programs)
+    return max(1, min(wanted, max_seq_len // SPLIT_MIN_TOKENS, MAX_SPLITS))
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -56,7 +56,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     partial_lse = torch.full((num_tokens, num_heads, num_splits), float("-inf"), dtype=torch.float32,
                              device=q.device)
     launch_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, partial_out,
-                           partial_lse, num_splits=num_splits, is_decode=True, sliding_window=sliding_window,
+                           partial_lse, num_splits=num_splits, max_query_len=1, sliding_window=sliding_window,
                            softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, partial_out, partial_lse, head_dim, out.stride(0), out.stride(1),

@@ -59,12 +59,12 @@ def _paged_attention_kernel(
 def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, out: torch.Tensor, lse: torch.Tensor | None, *, num_splits: int,
-                           is_decode: bool, sliding_window: int | None, softcap: float | None,
+                           max_query_len: int, sliding_window: int | None, softcap: float | None,
                            k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """One launch: final rows into `out` [T, H, D], or with `lse` [T, H, splits] per-split partial
     rows into float32 `out` [T, H, splits, D] and their log-sum-exps into `lse`. An fp8 cache
-    holds K / k_scale and V / v_scale."""
-    geo = attention_geometry(q, k_cache, v_cache, block_tables, query_start_loc)
+    holds K / k_scale and V / v_scale. `max_query_len` (host int) picks decode or prefill tiles."""
+    geo = attention_geometry(q, k_cache, v_cache, block_tables, query_start_loc, max_query_len)
     out_split_stride = out.stride(2) if lse is not None else 0
     write_lse, lse = lse is not None, out if lse is None else lse   # `out` stands in, never written
     _paged_attention_kernel[(geo.num_q_blocks, geo.num_kv_heads, num_splits)](
@@ -75,7 +75,8 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=geo.queries_per_kv, BLOCK_Q=geo.block_q, BLOCK_M=geo.block_m,
         HEAD_DIM_PADDED=geo.head_dim_padded, BLOCK_SIZE=geo.block_size, NUM_SPLITS=num_splits,
-        WRITE_LSE=write_lse, USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None, IS_DECODE=is_decode)
+        WRITE_LSE=write_lse, USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
+        IS_DECODE=max_query_len == 1)
 
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -90,6 +91,6 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """
     out = torch.empty_like(q) if out is None else out
     launch_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, None,
-                           num_splits=1, is_decode=max_query_len == 1, sliding_window=sliding_window,
+                           num_splits=1, max_query_len=max_query_len, sliding_window=sliding_window,
                            softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     return out
