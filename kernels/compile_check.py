@@ -32,18 +32,20 @@ def cases(dtype: str) -> Iterator[CompileCase]:
     """Every kernel at Llama-3-8B-like shapes (32 query / 8 KV heads, head_dim 128), every config."""
     from . import (activation, kv_cache, lora, moe, rms_norm, rotary, split_kv_attention, unified_attention,
                    w4a16)
+    from .attention_launch import PREFILL_ROWS
     from .tuning import ATTENTION_CONFIGS, MOE_CONFIGS, RMS_NORM_CONFIGS, W4A16_CONFIGS
 
     p = "*" + TYPES[dtype]
     attention = dict(lse_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32",
                      query_start_loc_ptr="*i32", seq_lens_ptr="*i32")
     for cfg in ATTENTION_CONFIGS:
-        for splits in (1, 4):   # unified GQA prefill; split-KV decode with window and soft-cap
-            constexprs = dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, HEAD_DIM_PADDED=128, BLOCK_SIZE=16,
-                              NUM_SPLITS=splits, WRITE_LSE=splits > 1, USE_SOFTCAP=splits > 1,
-                              USE_WINDOW=splits > 1, IS_DECODE=splits > 1, **cfg.kwargs)
+        # unified GQA decode and prefill tiles; split-KV decode with window and soft-cap
+        for splits, block_m in ((1, 16), (1, PREFILL_ROWS), (4, 16)):
+            constexprs = dict(QUERIES_PER_KV=4, BLOCK_Q=block_m // 4, BLOCK_M=block_m, HEAD_DIM_PADDED=128,
+                              BLOCK_SIZE=16, NUM_SPLITS=splits, WRITE_LSE=splits > 1, USE_SOFTCAP=splits > 1,
+                              USE_WINDOW=splits > 1, IS_DECODE=block_m == 16, **cfg.kwargs)
             yield CompileCase(f"attention {cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages} "
-                              f"splits={splits}", unified_attention._paged_attention_kernel.fn,
+                              f"splits={splits} rows={block_m}", unified_attention._paged_attention_kernel.fn,
                               dict(attention, out_ptr="*fp32" if splits > 1 else p), constexprs,
                               frozenset({"scale", "v_scale", "softcap"}),
                               {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
