@@ -8,7 +8,8 @@
 #   4. (tune) benchmarks/gpu_tune.py: the attention knobs swept, the engine's decode step profiled.
 # Each step has its own time limit so the later ones still run. Results go to $1 (default $OUT).
 #   bash benchmarks/gpu_check.sh /tmp/gpu-results
-#   STEPS="tests tune" TEST_ARGS="-k fp8" bash benchmarks/gpu_check.sh /tmp/gpu-results
+#   5. (graphs) engine throughput with decode CUDA graphs and with --enforce-eager, alternated.
+#   STEPS="tests tune" TESTS_MATCHING="fp8 or engine" bash benchmarks/gpu_check.sh /tmp/gpu-results
 set -uo pipefail
 out="${1:-${OUT:?give a results folder}}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -28,13 +29,13 @@ say "machine"
 
 steps="${STEPS:-tests kernels throughput}"
 model="$(mktemp -d)/llama-1b-random"
-[[ " $steps " =~ " "(throughput|tune)" " ]] && python3 benchmarks/random_llama.py "$model"
+[[ " $steps " =~ " "(throughput|tune|graphs)" " ]] && python3 benchmarks/random_llama.py "$model"
 
 if [[ " $steps " == *" tests "* ]]; then
   say "tests/gpu"
   # shellcheck disable=SC2086
   timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE tests/gpu \
-    ${TEST_ARGS:-} > "$out/tests.log" 2>&1
+    ${TESTS_MATCHING:+-k "$TESTS_MATCHING"} > "$out/tests.log" 2>&1
   echo "rc=$?" >> "$out/tests.log"
   tail -n 40 "$out/tests.log" | tee -a "$out/summary.log"
 fi
@@ -49,8 +50,6 @@ if [[ " $steps " == *" tune "* ]]; then
   timeout "${TUNE_SECONDS:-240}" python3 benchmarks/gpu_tune.py --profile "$model" 2>&1 | tee "$out/tune.log"
 fi
 
-[[ " $steps " == *" throughput "* ]] || { say "done"; exit 0; }
-say "engine throughput"
 bench() {   # name, then flags for `kubeinfer bench throughput`
   local name="$1"; shift
   timeout 120 python3 -m kubeinfer.server.cli bench throughput --model "$model" --device cuda --dtype bfloat16 \
@@ -58,6 +57,22 @@ bench() {   # name, then flags for `kubeinfer bench throughput`
   echo "$name rc=$?: $(grep -E 'output_tokens_per_second|total_tokens_per_second|wall_seconds' "$out/throughput-$name.txt" | tr -s ' ' | tr '\n' ' ')" \
     | tee -a "$out/summary.log"
 }
+
+if [[ " $steps " == *" graphs "* ]]; then
+  say "decode CUDA graphs against --enforce-eager"
+  bench warmup --num-prompts 16 --input-len 256 --output-len 16 --max-num-seqs 256
+  for round in $(seq "${ROUNDS:-2}"); do
+    for eager in true false; do
+      bench "c32-eager-$eager-$round" --num-prompts 128 --input-len 128 --output-len 128 --max-num-seqs 32 \
+        --enforce-eager $eager
+      bench "c256-eager-$eager-$round" --num-prompts 512 --input-len 512 --output-len 128 --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --enforce-eager $eager
+    done
+  done
+fi
+
+[[ " $steps " == *" throughput "* ]] || { say "done"; exit 0; }
+say "engine throughput"
 bench warmup --num-prompts 16 --input-len 256 --output-len 16
 bench random-c256 --num-prompts 512 --input-len 512 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192
 bench random-c32 --num-prompts 128 --input-len 128 --output-len 128 --max-num-seqs 32

@@ -216,6 +216,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "(architectures like MistralModel) or a GGUF with a pooling_type, else generate.", TASKS),
     Flag("runner", str, "auto", "vLLM's newer spelling of --task: pooling = embed, generate = generate.",
          RUNNERS),
+    Flag("enforce-eager", parse_bool, False,
+         "On CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs captured "
+         "at startup (per padded batch size up to --max-num-seqs, at most 256)."),
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (

@@ -37,6 +37,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None  # a dict or JSON text is parsed
     task: str = "auto"
     runner: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)

@@ -88,6 +88,8 @@ class LLMEngine:
         self._grammars = GrammarBackendHolder(self.tokenizer, self.model_config.vocab_size,
                                               sorted(self.eos_token_ids))
         self.counters = EngineStats(num_blocks_total=self.runner.num_blocks)
+        if self.task == "generate":
+            self.runner.capture_decode_graphs(config, self.max_model_len)
 
     def _adapters(self, config: EngineConfig) -> "EngineAdapters":
         """LoRA slots in the model, hooked into the scheduler (admission) and the runner (token slots)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,6 +15,7 @@ from ..parallel.plan import kv_heads_per_rank
 from .config import EngineConfig
 from .cpu_cache_memory import lazy_zeros, map_in_background
 from .cpu_threads import limit_torch_threads
+from .cuda_graphs import DecodeGraphs, why_not_graphed
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .sequence import DraftPosition, SamplingRow
 
@@ -30,6 +32,7 @@ class ModelRunner:
     def __init__(self, loaded: "LoadedModel", config: EngineConfig) -> None:
         self.model = loaded.model
         self.adapters: "EngineAdapters | None" = None   # set by the engine with --enable-lora
+        self.graphs: DecodeGraphs | None = None   # set by `capture_decode_graphs`
         self.device = loaded.device
         if self.device.type == "cpu":
             limit_torch_threads()
@@ -79,10 +82,10 @@ class ModelRunner:
             return int(free * config.gpu_memory_utilization)
         return CPU_DEFAULT_KV_CACHE_BYTES
 
-    def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[SamplingRow], list[int]]:
-        """Flatten the step into tensors (numpy, once per step); also return the sampling rows
-        (sequences, and draft positions in a speculative step) and, for each, its row among the
-        computed logits (n>1 siblings share a row)."""
+    def _host_step(self, out: SchedulerOutput) -> "HostStep":
+        """Flatten the step into numpy arrays (once per step), with its sampling rows (sequences,
+        and draft positions in a speculative step) and, for each, its row among the computed
+        logits (n>1 siblings share a row)."""
         items = out.scheduled
         query_lens = [item.num_new_tokens for item in items]
         starts = [item.seq.num_computed_tokens for item in items]
@@ -112,22 +115,28 @@ class ModelRunner:
             row_of[i] = len(row_of) + sum(items[j].num_drafts for j in row_of)
         seqs += [sibling for sibling, _ in out.forks]
         rows = list(range(len(logits_indices))) + [row_of[parent] for _, parent in out.forks]
-        adapter_slots = self.adapters.token_slots(items, query_lens) if self.adapters is not None else None
+        return HostStep(np.asarray(input_ids, dtype=np.int64), positions, slots, block_tables, query_start,
+                        seq_lens, np.asarray(logits_indices, dtype=np.int64), query_lens, seqs, rows)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[SamplingRow], list[int]]:
+        """The step as a ForwardBatch on the device, its sampling rows and their logits rows."""
+        host = self._host_step(out)
+        adapter_slots = self.adapters.token_slots(out.scheduled, host.query_lens) if self.adapters is not None else None
         batch = ForwardBatch(
-            input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64)),
-            positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor(block_tables),
-            query_start_loc=self._tensor(query_start.astype(np.int32)),
-            seq_lens=self._tensor(seq_lens.astype(np.int32)),
-            logits_indices=self._tensor(logits_indices),
-            max_query_len=max(query_lens),
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens.tolist(),
+            input_ids=self._tensor(host.input_ids),
+            positions=self._tensor(host.positions),
+            slot_mapping=self._tensor(host.slots),
+            block_tables=self._tensor(host.block_tables),
+            query_start_loc=self._tensor(host.query_start.astype(np.int32)),
+            seq_lens=self._tensor(host.seq_lens.astype(np.int32)),
+            logits_indices=self._tensor(host.logits_indices),
+            max_query_len=max(host.query_lens),
+            max_seq_len=int(host.seq_lens.max()),
+            query_lens_cpu=host.query_lens,
+            seq_lens_cpu=host.seq_lens.tolist(),
             adapter_indices=self._tensor(adapter_slots) if adapter_slots is not None else None,
         )
-        return batch, seqs, rows
+        return batch, host.seqs, host.rows
 
     @staticmethod
     def _verify_rows(items: list[ScheduledSeq], sampling: list[int], query_start: np.ndarray
@@ -153,14 +162,55 @@ class ModelRunner:
         batch.logits_indices = self._tensor(rows)
         return self.model.hidden_states(batch, self.kv_caches)
 
+    def capture_decode_graphs(self, config: EngineConfig, max_model_len: int) -> None:
+        """Capture the decode step in CUDA graphs (`cuda_graphs.py`) where the model allows it."""
+        reason = why_not_graphed(self.model, device=self.device, enforce_eager=config.enforce_eager,
+                                 enable_lora=config.enable_lora, calculate_kv_scales=config.calculate_kv_scales,
+                                 tensor_parallel_size=config.tensor_parallel_size)
+        if reason is not None:
+            if self.device.type == "cuda":
+                log.info("decode steps run eagerly (no CUDA graphs): %s", reason)
+            return
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs=config.max_num_seqs,
+                                   max_model_len=max_model_len, block_size=self.block_size,
+                                   num_blocks=self.num_blocks, device=self.device)
+        self.graphs.capture()
+
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[SamplingRow]]:
         """One forward pass; float32 logits, one row per sampling row (a sampling sequence, and
         each of its draft positions in a speculative step; None if none sample)."""
-        batch, seqs, rows = self.prepare(out)
-        logits = self.model(batch, self.kv_caches)
+        if (self.graphs is not None and not out.num_drafts and self.graphs.fits(
+                [item.num_new_tokens for item in out.scheduled],
+                max(len(item.seq.block_table) for item in out.scheduled))):
+            host = self._host_step(out)
+            logits = self.graphs.replay(host.input_ids, host.positions, host.slots, host.block_tables,
+                                        host.seq_lens)
+            if len(host.logits_indices) != len(out.scheduled):   # a sequence that does not sample
+                logits = logits.index_select(0, self._tensor(host.logits_indices))
+            seqs, rows = host.seqs, host.rows
+        else:
+            batch, seqs, rows = self.prepare(out)
+            logits = self.model(batch, self.kv_caches)
         if not seqs:
             return None, seqs
         if rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         return logits, seqs
+
+
+@dataclass
+class HostStep:
+    """A step flattened on the host: what `prepare` moves to the device, or a graph replay copies
+    into its static buffers."""
+
+    input_ids: np.ndarray      # [T] int64
+    positions: np.ndarray      # [T] int64
+    slots: np.ndarray          # [T] int64
+    block_tables: np.ndarray   # [S, width] int32
+    query_start: np.ndarray    # [S + 1] int64
+    seq_lens: np.ndarray       # [S] int64
+    logits_indices: np.ndarray  # [L] int64
+    query_lens: list[int]
+    seqs: list[SamplingRow]
+    rows: list[int]

@@ -309,3 +309,35 @@ def test_engine_on_cuda_generates_the_cpu_engines_tokens(tmp_path):
     assert stats.prefix_cache_hits == cpu_engine.stats().prefix_cache_hits > 0
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
     assert stats.num_blocks_free + stats.num_blocks_evictable == stats.num_blocks_total
+
+
+def test_decode_cuda_graphs_replay_the_eager_steps(tmp_path):
+    """Decode steps replayed from the captured graphs (padded batch sizes, sequences finishing at
+    different steps, prefill steps between replays) give the eager engine's tokens (float32: the
+    graphs split long decodes for `max_model_len`, eager steps for the step's longest context)."""
+    from kubeinfer.server.engine.config import EngineConfig
+    from kubeinfer.server.engine.llm_engine import LLMEngine
+    from kubeinfer.server.engine.sampling_params import SamplingParams
+
+    path = str(make_tiny_llama(tmp_path))
+    prompts = [list(range(3 + i, 20 + 7 * i)) for i in range(11)]
+
+    def generate(eager: bool) -> tuple[list[list[int]], LLMEngine]:
+        engine = LLMEngine(EngineConfig(model=path, device="cuda", dtype="float32", kv_cache_memory=16 << 20,
+                                        max_num_seqs=6, enforce_eager=eager))
+        outputs: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    assert out.error is None, out.error
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+        return [outputs[str(i)] for i in range(len(prompts))], engine
+
+    want, eager = generate(True)
+    got, graphed = generate(False)
+    assert eager.runner.graphs is None and graphed.runner.graphs.sizes == [1, 2, 4, 6]
+    assert got == want
+    stats = graphed.stats()
+    assert stats.kv_cache_usage == 0.0 and stats.num_blocks_free + stats.num_blocks_evictable == stats.num_blocks_total
