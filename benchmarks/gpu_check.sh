@@ -63,10 +63,10 @@ if [[ " $steps " == *" graphs "* ]]; then
   bench warmup --num-prompts 16 --input-len 256 --output-len 16 --max-num-seqs 256
   for round in $(seq "${ROUNDS:-2}"); do
     for eager in true false; do
-      bench "c32-eager-$eager-$round" --num-prompts 128 --input-len 128 --output-len 128 --max-num-seqs 32 \
-        --enforce-eager $eager
+      flag=$([[ $eager == true ]] && echo --enforce-eager || echo --no-enforce-eager)
+      bench "c32-eager-$eager-$round" --num-prompts 128 --input-len 128 --output-len 128 --max-num-seqs 32 "$flag"
       bench "c256-eager-$eager-$round" --num-prompts 512 --input-len 512 --output-len 128 --max-num-seqs 256 \
-        --max-num-batched-tokens 8192 --enforce-eager $eager
+        --max-num-batched-tokens 8192 "$flag"
     done
   done
 fi
