@@ -1,4 +1,4 @@
-/* Paged-attention prefill for CPUs with AMX: the query tokens of each sequence (a fresh prompt
+/* Paged-attention prefill for CPUs with AMX or AVX512-BF16: the query tokens of each sequence (a fresh prompt
  * or a chunk after its cached prefix) against all the sequence's keys in the paged cache, causal,
  * as flash attention (online softmax; the score matrix is never whole). bf16 in and out, float32
  * sums, head_dim 64 or 128.
@@ -15,8 +15,9 @@
  * Layouts: q [T, q_row_stride] with head h at h * head_dim; out [T, H, D] contiguous; caches
  * [NB, BS, KH, D]; block_tables [S, max_blocks] int32; seq_lens, query_lens, query_starts [S]
  * int32 (a sequence's queries are its last query_lens[s] positions, rows from query_starts[s]).
- * Built by kernels/cpu_build.py, called by paged_prefill_cpu.py; the caller must hold the
- * process's AMX permission (quant_linear_cpu.amx_available()). An fp8 cache (paged_prefill_bf16_fp8)
+ * Without AMX (an AMD EPYC, or the avx512 build) the same walk runs its products on vdpbf16ps
+ * (see the second attend_block). Built by kernels/cpu_build.py, called by paged_prefill_cpu.py;
+ * an AMX build's caller must hold the process's AMX permission (quant_linear_cpu.amx_available()). An fp8 cache (paged_prefill_bf16_fp8)
  * is packed as bf16 (every fp8 value is exact in bf16), its scales folded into the scores and the output.
  */
 #include <omp.h>
@@ -27,10 +28,15 @@
 
 enum { OK = 0, BAD_SHAPE = 1, UNSUPPORTED = 2, NO_MEMORY = 3 };
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
 #define MAX_HEAD_DIM 128
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
 #include "amx_tiles.h"
+#else
+#define HAVE_AMX 0
+#endif
 
 /* How the cache holds values: bf16, or fp8 (e4m3fn / e5m2) whose values, exact in bf16, are
  * packed as fp8_row_to_float reads them (the scales are folded into the scores and the output). */
@@ -103,6 +109,45 @@ static void pack_block(const uint8_t *k_cache, const uint8_t *v_cache, const int
  * e^88 too: its range reduction does not depend on the sign. */
 #define RESCALE_MARGIN 8.f
 
+/* The online softmax over one 32-key block kb of a task's 16 query rows (`rows` real ones, from
+ * position first_pos): raw scores [16][32] in, bf16 probabilities [16][32] out; keys later than a
+ * row's query are masked. Updates the rows' running maximum (`best`), sum (`total`) and the factor
+ * their output must be scaled by (`correction`); returns whether any row needs it. */
+static inline int softmax_block(const float *scores, uint16_t *probs, float *best, float *total, float *correction,
+                                int kb, int first_pos, int last_pos, int rows, float scale) {
+    const __m512 scale16 = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int masked = kb * 32 + 31 > first_pos;  /* some key here is later than some query */
+    int rescale = 0;
+    for (int r = 0; r < 16; r++) {
+        const int pos = r < rows ? first_pos + r : last_pos;
+        __m512 low = _mm512_mul_ps(_mm512_load_ps(scores + 32 * r), scale16);
+        __m512 high = _mm512_mul_ps(_mm512_load_ps(scores + 32 * r + 16), scale16);
+        __mmask16 see_low = 0xFFFF, see_high = 0xFFFF;
+        if (masked) {
+            const __m512i visible = _mm512_set1_epi32(pos - kb * 32);
+            see_low = _mm512_cmple_epi32_mask(lane, visible);
+            see_high = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), visible);
+            low = _mm512_mask_mov_ps(minus_inf, see_low, low);
+            high = _mm512_mask_mov_ps(minus_inf, see_high, high);
+        }
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(low, high));
+        correction[r] = 1.f;
+        if (top > best[r] + RESCALE_MARGIN) {   /* first block (best -inf, key 0 seen) or a jump */
+            correction[r] = best[r] == -INFINITY ? 0.f : exp_nonpositive(best[r] - top);
+            rescale |= best[r] != -INFINITY;
+            best[r] = top;
+        }
+        const __m512 shift = _mm512_set1_ps(best[r]);
+        const __m512 p_low = _mm512_maskz_mov_ps(see_low, exp_nonpositive16(_mm512_sub_ps(low, shift)));
+        const __m512 p_high = _mm512_maskz_mov_ps(see_high, exp_nonpositive16(_mm512_sub_ps(high, shift)));
+        total[r] = total[r] * correction[r] + _mm512_reduce_add_ps(_mm512_add_ps(p_low, p_high));
+        _mm512_store_si512((__m512i *)(probs + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(p_high, p_low));
+    }
+    return rescale;
+}
+
+#if HAVE_AMX
 /* Tiles: 0-1 scores (keys 0-15, 16-31 of a block), 2 queries / probabilities, 3 keys / values,
  * 4-7 O += P V for 4 blocks of 16 dims. With head_dim 64 those four hold all of O for the whole
  * walk (stored only to rescale and at the end); with 128, each key block's P V is added to O in
@@ -155,8 +200,6 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
     }
     const int first_pos = len - q_len + i0;           /* position of the task's first query */
     const int last_pos = first_pos + rows - 1;
-    const __m512 scale16 = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int kb = 0; kb * 32 <= last_pos; kb++) {
         _tile_zero(0);
         _tile_zero(1);
@@ -170,33 +213,7 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
         }
         _tile_stored(0, scores, 128);
         _tile_stored(1, scores + 16, 128);
-        const int masked = kb * 32 + 31 > first_pos;  /* some key here is later than some query */
-        int rescale = 0;
-        for (int r = 0; r < 16; r++) {
-            const int pos = r < rows ? first_pos + r : last_pos;
-            __m512 low = _mm512_mul_ps(_mm512_load_ps(scores + 32 * r), scale16);
-            __m512 high = _mm512_mul_ps(_mm512_load_ps(scores + 32 * r + 16), scale16);
-            __mmask16 see_low = 0xFFFF, see_high = 0xFFFF;
-            if (masked) {
-                const __m512i visible = _mm512_set1_epi32(pos - kb * 32);
-                see_low = _mm512_cmple_epi32_mask(lane, visible);
-                see_high = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), visible);
-                low = _mm512_mask_mov_ps(minus_inf, see_low, low);
-                high = _mm512_mask_mov_ps(minus_inf, see_high, high);
-            }
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(low, high));
-            correction[r] = 1.f;
-            if (top > best[r] + RESCALE_MARGIN) {   /* first block (best -inf, key 0 seen) or a jump */
-                correction[r] = best[r] == -INFINITY ? 0.f : exp_nonpositive(best[r] - top);
-                rescale |= best[r] != -INFINITY;
-                best[r] = top;
-            }
-            const __m512 shift = _mm512_set1_ps(best[r]);
-            const __m512 p_low = _mm512_maskz_mov_ps(see_low, exp_nonpositive16(_mm512_sub_ps(low, shift)));
-            const __m512 p_high = _mm512_maskz_mov_ps(see_high, exp_nonpositive16(_mm512_sub_ps(high, shift)));
-            total[r] = total[r] * correction[r] + _mm512_reduce_add_ps(_mm512_add_ps(p_low, p_high));
-            _mm512_store_si512((__m512i *)(probs + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(p_high, p_low));
-        }
+        const int rescale = softmax_block(scores, probs, best, total, correction, kb, first_pos, last_pos, rows, scale);
         if (rescale && resident) store_value_tiles(acc[0], MAX_HEAD_DIM * 4);
         if (rescale)
             for (int r = 0; r < 16; r++) {
@@ -237,6 +254,90 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
             _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv)));
     }
 }
+#else
+/* One task without AMX: the same walk, with the products on AVX512-BF16's vdpbf16ps, which takes
+ * the packed layouts as they are: a K row of the packed block is one dim pair of 16 keys (S for 8
+ * queries x 32 keys stays in 16 registers over the dims), a V row one key pair of 16 dims (O += P V
+ * for 4 queries x 16 dims in 4 registers over the block's 16 key pairs). O lives in `acc`. */
+static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_packed,
+                         const uint16_t *v_packed, const int64_t *block_at, uint16_t *out, int64_t num_heads,
+                         int64_t head, int64_t head_dim, int len, int q_len, int i0, float scale, float out_factor) {
+    const int64_t chunks = head_dim / 32, dim_blocks = head_dim / 16;
+    uint16_t queries[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    uint16_t probs[16 * 32] __attribute__((aligned(64)));
+    float scores[16 * 32] __attribute__((aligned(64)));
+    float acc[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float best[16], total[16], correction[16];
+    const int rows = q_len - i0 < 16 ? q_len - i0 : 16;
+    const int groups8 = (rows + 7) / 8, groups4 = (rows + 3) / 4;   /* query rows computed: 8 or 4 at a time */
+    memset(queries, 0, sizeof queries);
+    memset(scores, 0, sizeof scores);   /* rows past groups8 * 8 are never computed */
+    for (int r = 0; r < rows; r++)
+        memcpy(queries + r * head_dim, q + (int64_t)(i0 + r) * q_row_stride + head * head_dim, head_dim * 2);
+    for (int r = 0; r < 16; r++) {
+        best[r] = -INFINITY;
+        total[r] = 0.f;
+        for (int64_t d = 0; d < head_dim; d++) acc[r][d] = 0.f;
+    }
+    const uint32_t *query_pairs = (const uint32_t *)queries, *prob_pairs = (const uint32_t *)probs;
+    const int64_t pairs_per_row = head_dim / 2;
+    const int first_pos = len - q_len + i0;
+    const int last_pos = first_pos + rows - 1;
+    for (int kb = 0; kb * 32 <= last_pos; kb++) {
+        const uint16_t *k_block = k_packed + block_at[kb];
+        for (int g = 0; g < groups8; g++) {
+            __m512 s[8][2];
+            for (int r = 0; r < 8; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+            for (int64_t pair = 0; pair < pairs_per_row; pair++) {
+                const int64_t c = pair / 16, in_chunk = pair % 16;
+                const __m512bh k0 = (__m512bh)_mm512_load_si512(k_block + (c * 16 + in_chunk) * 32);
+                const __m512bh k1 = (__m512bh)_mm512_load_si512(k_block + ((chunks + c) * 16 + in_chunk) * 32);
+                for (int r = 0; r < 8; r++) {
+                    const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)query_pairs[(g * 8 + r) * pairs_per_row + pair]);
+                    s[r][0] = _mm512_dpbf16_ps(s[r][0], qq, k0);
+                    s[r][1] = _mm512_dpbf16_ps(s[r][1], qq, k1);
+                }
+            }
+            for (int r = 0; r < 8; r++) {
+                _mm512_store_ps(scores + 32 * (g * 8 + r), s[r][0]);
+                _mm512_store_ps(scores + 32 * (g * 8 + r) + 16, s[r][1]);
+            }
+        }
+        const int rescale = softmax_block(scores, probs, best, total, correction, kb, first_pos, last_pos, rows, scale);
+        if (rescale)
+            for (int r = 0; r < rows; r++) {
+                const __m512 factor = _mm512_set1_ps(correction[r]);
+                for (int64_t d = 0; d < head_dim; d += 16)
+                    _mm512_store_ps(acc[r] + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), factor));
+            }
+        const uint16_t *v_block = v_packed + block_at[kb];
+        for (int64_t db = 0; db < dim_blocks; db++)
+            for (int g = 0; g < groups4; g++) {
+                float *o_rows = acc[g * 4] + db * 16;
+                __m512 o0 = _mm512_load_ps(o_rows), o1 = _mm512_load_ps(o_rows + MAX_HEAD_DIM),
+                       o2 = _mm512_load_ps(o_rows + 2 * MAX_HEAD_DIM), o3 = _mm512_load_ps(o_rows + 3 * MAX_HEAD_DIM);
+                const uint32_t *p = prob_pairs + g * 4 * 16;
+                for (int kp = 0; kp < 16; kp++) {
+                    const __m512bh v = (__m512bh)_mm512_load_si512(v_block + (db * 16 + kp) * 32);
+                    o0 = _mm512_dpbf16_ps(o0, (__m512bh)_mm512_set1_epi32((int)p[kp]), v);
+                    o1 = _mm512_dpbf16_ps(o1, (__m512bh)_mm512_set1_epi32((int)p[16 + kp]), v);
+                    o2 = _mm512_dpbf16_ps(o2, (__m512bh)_mm512_set1_epi32((int)p[32 + kp]), v);
+                    o3 = _mm512_dpbf16_ps(o3, (__m512bh)_mm512_set1_epi32((int)p[48 + kp]), v);
+                }
+                _mm512_store_ps(o_rows, o0);
+                _mm512_store_ps(o_rows + MAX_HEAD_DIM, o1);
+                _mm512_store_ps(o_rows + 2 * MAX_HEAD_DIM, o2);
+                _mm512_store_ps(o_rows + 3 * MAX_HEAD_DIM, o3);
+            }
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(out_factor / total[r]);
+        uint16_t *row = out + ((int64_t)(i0 + r) * num_heads + head) * head_dim;
+        for (int64_t d = 0; d < head_dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv)));
+    }
+}
+#endif
 
 /* For each sequence s and 32-key block kb, the sequence whose packing of that block s reads
  * (`source[first_block[s] + kb]`): an earlier one whose block table maps those 32 keys to the same
@@ -323,7 +424,9 @@ static int prefill(const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_c
                 pack_block(k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s], (int)kb, kv_head, head_dim,
                            block_size, row_elements, format, k_packed + at, v_packed + at);
             }
+#if HAVE_AMX
             _tile_loadconfig(&TILES_16x64);
+#endif
             #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < tasks_at[num_seqs]; task++) {   /* (sequence, head, 16 queries) */
                 int64_t s = 0;
@@ -335,7 +438,9 @@ static int prefill(const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_c
                              out + (int64_t)query_starts[s] * num_heads * head_dim, num_heads, head, head_dim,
                              seq_lens[s], query_lens[s], (int)(local % per_head * 16), scale, out_factor);
             }
+#if HAVE_AMX
             _tile_release();
+#endif
         }
     }
     free(k_packed);
@@ -347,6 +452,9 @@ static int prefill(const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_c
     free(tasks_at);
     return status;
 }
+
+/* What this build runs: 2 AMX tiles (the caller must hold the process's AMX permission), 1 AVX512-BF16. */
+int paged_prefill_kind(void) { return HAVE_AMX ? 2 : 1; }
 
 int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
@@ -369,6 +477,8 @@ int paged_prefill_bf16_fp8(const uint16_t *q, const uint8_t *k_cache, const uint
                    scale * k_scale * fp8_factor((int)e5m2), v_scale * fp8_factor((int)e5m2));
 }
 #else
+int paged_prefill_kind(void) { return 0; }   /* no AVX512-BF16: every call says UNSUPPORTED */
+
 int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_lens,
                        const int32_t *query_starts, uint16_t *out, int64_t q_row_stride, int64_t max_blocks,

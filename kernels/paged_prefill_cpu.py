@@ -1,8 +1,9 @@
-"""CPU paged-attention prefill on AMX: the C kernel of `paged_prefill_cpu.c` (built by `cpu_build`).
+"""CPU paged-attention prefill on AMX or AVX512-BF16: the C kernel of `paged_prefill_cpu.c` (built by `cpu_build`).
 
 Why not torch: its CPU SDPA reaches ~160 GFLOP/s on prompts of a few hundred tokens, and a chunk
 after a cached prefix needs a gathered, padded copy of the sequence's K/V plus a mask first. The
-kernel reads K/V through the block tables and computes only the causal half, with AMX tiles.
+kernel reads K/V through the block tables and computes only the causal half, with AMX tiles or
+AVX512-BF16 dot products.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ HEAD_DIMS = (64, 128)
 @cpu_build.per_isa
 def _function(fp8: bool = False):
     library = cpu_build.load("paged_prefill_cpu")
-    if library is None or not quant_linear_cpu.amx_available():   # the process's AMX permission
+    if library is None:
+        return None
+    kind = cpu_build.bind(library, "paged_prefill_kind", pointers=0, ints=0)()   # 0 none, 1 AVX512-BF16, 2 AMX
+    if kind == 0 or (kind == 2 and not quant_linear_cpu.amx_available()):   # the process's AMX permission
         return None
     if fp8:
         return cpu_build.bind(library, "paged_prefill_bf16_fp8", pointers=8, ints=8, floats=3)
@@ -28,7 +32,8 @@ def _function(fp8: bool = False):
 
 def available(dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
     """Whether `paged_prefill` runs here for CPU queries of this dtype and head size over caches
-    of `kv_dtype` (default: the same; or fp8) (builds the kernel on first call; needs AMX)."""
+    of `kv_dtype` (default: the same; or fp8) (builds the kernel on first call; needs AMX or
+    AVX512-BF16)."""
     return (dtype == torch.bfloat16 and head_dim in HEAD_DIMS and kv_dtype in (None, dtype, *FP8_MAX)
             and _function(kv_dtype in FP8_MAX) is not None)
 

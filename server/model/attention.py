@@ -261,7 +261,7 @@ class TorchAttention:
     `decode_kernel`: send single-query sequences to the C decode kernel (default: when it is
     available for the cache's dtype on this machine). While a starting server still compiles
     it, decodes take the torch path: a fresh pod's first tokens do not wait 5-8 s for gcc.
-    `prefill_kernel`: likewise for every other sequence and the AMX prefill kernel (default:
+    `prefill_kernel`: likewise for every other sequence and the C prefill kernel (default:
     when it is available for the cache's dtype and head size).
     `softcap`: scores become `softcap * tanh(score / softcap)` (Gemma 2); neither SDPA nor the C
     kernels can, so every sequence then takes the padded path with explicit scores.

@@ -8,9 +8,9 @@ from kubeinfer.kernels import cpu_build, fused_cpu, paged_decode_cpu, paged_pref
 
 
 @pytest.mark.cpu_isas("avx512", "avx2")
-def test_without_amx_nothing_uses_tiles_and_prefill_stays_in_torch(cpu_isa):
+def test_without_amx_nothing_uses_tiles_and_prefill_needs_avx512_bf16(cpu_isa):
     assert not quant_linear_cpu.amx_available()
-    assert not paged_prefill_cpu.available(torch.bfloat16, 64)
+    assert paged_prefill_cpu.available(torch.bfloat16, 64) == (cpu_isa == "avx512")   # else torch's SDPA
     assert quant_linear_cpu.available() == (cpu_isa == "avx512")   # the kernel needs AVX512-BF16
     assert not quant_linear_cpu.faster_than_dense(quant_linear_cpu.MAX_ROWS_AVX512 + 1)
     assert fused_cpu.available(torch.zeros(1, dtype=torch.bfloat16)) and paged_decode_cpu.available(torch.bfloat16)

@@ -81,8 +81,8 @@ def test_cpu_decode_reads_fp8(dtype, kv_dtype, heads, head_dim, block_size):
     torch.testing.assert_close(windowed, _reference(batch, scale, sliding_window=10), atol=tol, rtol=tol)
 
 
-@pytest.mark.usefixtures("cpu_isa", "amx")
-@pytest.mark.cpu_isas("native")
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.cpu_isas("native", "avx512")   # AMX tiles where the CPU has them, and vdpbf16ps
 @pytest.mark.parametrize("kv_dtype", FP8, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128)])
 def test_cpu_prefill_reads_fp8(kv_dtype, heads, kv_heads, head_dim):

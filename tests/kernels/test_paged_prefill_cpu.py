@@ -1,4 +1,4 @@
-"""The CPU prefill kernel (C with AMX, via ctypes) against the torch reference on the same paged
+"""The CPU prefill kernel (C with AMX or AVX512-BF16, via ctypes) against the torch reference on the same paged
 cache: fresh prompts, chunks after a cached prefix, single queries, lengths off the 16/32 grid.
 
 Unowned cache slots hold NaN (see paged_batches.py), so a read past a sequence's end or through a
@@ -12,8 +12,9 @@ from paged_batches import BATCH_KINDS, make_paged_batch
 from kubeinfer.kernels import paged_prefill_cpu
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 
-# AMX is the kernel's only path (test_cpu_isa.py: without it the engine keeps torch)
-pytestmark = [pytest.mark.usefixtures("cpu_isa", "amx"), pytest.mark.cpu_isas("native")]
+# native: AMX tiles where the CPU has them; avx512: the vdpbf16ps path (an AVX2-only CPU keeps
+# torch's SDPA: test_cpu_isa.py)
+pytestmark = [pytest.mark.usefixtures("cpu_isa"), pytest.mark.cpu_isas("native", "avx512")]
 TOLERANCE = 2e-2   # bf16 probabilities and output, float32 sums
 
 CASES = {
