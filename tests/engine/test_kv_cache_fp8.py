@@ -32,6 +32,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 NEW_TOKENS = 16
 MEMORY = 32 << 20
 TOP1_AGREEMENT, LOGPROB_TOL, MEAN_LOGPROB_TOL = 0.93, 0.5, 0.08
+# fp8 against a bf16 cache, both with bf16 activations (their own rounding on top of fp8's): 89 and
+# 90 of 96 on an AMD EPYC, with the C prefill kernel and with torch's SDPA
+BF16_TOP1_AGREEMENT = 0.9
 
 
 class TeacherForcing(LogitsProcessor):
@@ -119,11 +122,14 @@ def test_fp8_holds_twice_the_blocks_of_bf16_and_reports_them():
     assert fp8.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     assert fp8.engine.runner.cache_config()["cache_dtype"] == "fp8"
     assert fp8.engine.runner.cache_config()["num_gpu_blocks"] == str(fp8.engine.runner.num_blocks)
-    # the bf16 kernels serve an fp8 cache: decode (C), prefill (AMX where present) and the store
-    out = fp8.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=8))
-    want = plain.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=8))
-    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out, want))
-    assert same >= 3, [(a.outputs[0].text, b.outputs[0].text) for a, b in zip(out, want)]
+    # the bf16 kernels serve an fp8 cache: decode (C), prefill (C where built) and the store; its
+    # greedy choices agree with the bf16 cache's, teacher-forced on them (free-running greedy
+    # outputs part at the first near tie and say little after it)
+    tokens, _ = _run(plain, PROMPTS)
+    forced, logits = _run(fp8, PROMPTS, tokens)
+    assert forced == tokens
+    agree = sum(int((steps.argmax(-1) == torch.tensor(seq)).sum()) for steps, seq in zip(logits, tokens))
+    assert agree / (len(PROMPTS) * NEW_TOKENS) >= BF16_TOP1_AGREEMENT, f"{agree} of {len(PROMPTS) * NEW_TOKENS}"
     _no_leak(fp8)
 
 
