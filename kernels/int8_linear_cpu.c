@@ -57,8 +57,10 @@ int int8_pack(const int8_t *w, int8_t *packed, int32_t *colsum, int64_t n, int64
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 int int8_supported(void) { return 1; }
 
-/* One row of x as q + 128 (uint8, kp bytes, padding 128 = q 0); returns its scale. */
-static float quantize_row(const float *row, int64_t k, int64_t kp, const float *static_scale, uint8_t *q) {
+/* One row of x as q + offset (128: uint8 for VNNI, padding 128 = q 0 up to kp bytes; 0: int8);
+ * returns its scale. */
+static float quantize_row(const float *row, int64_t k, int64_t kp, const float *static_scale, uint8_t *q,
+                          int offset) {
     float scale;
     if (static_scale) {
         scale = *static_scale;
@@ -77,7 +79,7 @@ static float quantize_row(const float *row, int64_t k, int64_t kp, const float *
         __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, row + i), s),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-128.f)), _mm512_set1_ps(127.f));
-        const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+        const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(offset));
         _mm_mask_storeu_epi8(q + i, lanes, _mm512_cvtepi32_epi8(shifted));
     }
     for (int64_t j = k; j < kp; j++) q[j] = 128;
@@ -126,7 +128,7 @@ int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w
         _Pragma("omp for schedule(static)")                                                     \
         for (int64_t r = 0; r < m; r++) {                                                        \
             TO_FLOAT_ROW(x + r * x_stride, row, k);                                              \
-            xs[r] = quantize_row(row, k, kp, static_scale, xq + r * kp);                         \
+            xs[r] = quantize_row(row, k, kp, static_scale, xq + r * kp, 128);                    \
         }                                                                                        \
     }                                                                                            \
     const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;                                    \
@@ -183,8 +185,57 @@ DEFINE_INT8_LINEAR(int8_linear_bf16, uint16_t, bf16_row_to_float, bf16x16_store,
 #define ROUND16(v) (v)
 DEFINE_INT8_LINEAR(int8_linear_f32, float, f32_row_copy, f32x16_store, f32x16_load)
 #undef ROUND16
+
+/* The passes around torch._int_mm, where oneDNN's GEMM beats the panels above (mid-size M): x's
+ * rows quantized as the torch form does (weights.py quantize_int8_per_token, or every row with
+ * `static_scale`) into int8 q [m, k] and float32 scales [m], one pass instead of six. */
+#define DEFINE_INT8_QUANTIZE(NAME, T, TO_FLOAT_ROW)                                                 \
+int NAME(const T *x, int8_t *q, float *scales, const float *static_scale, int64_t m, int64_t k,    \
+         int64_t x_stride) {                                                                      \
+    float *rows = malloc((size_t)(omp_get_max_threads() * k) * sizeof(float));                   \
+    if (!rows) return NO_MEMORY;                                                                 \
+    _Pragma("omp parallel if(m * k >= 16384)")                                                  \
+    {                                                                                            \
+        float *row = rows + omp_get_thread_num() * k;                                            \
+        _Pragma("omp for schedule(static)")                                                     \
+        for (int64_t r = 0; r < m; r++) {                                                        \
+            TO_FLOAT_ROW(x + r * x_stride, row, k);                                              \
+            scales[r] = quantize_row(row, k, k, static_scale, (uint8_t *)(q + r * k), 0);        \
+        }                                                                                        \
+    }                                                                                            \
+    free(rows);                                                                                  \
+    return OK;                                                                                   \
+}
+DEFINE_INT8_QUANTIZE(int8_quantize_bf16, uint16_t, bf16_row_to_float)
+DEFINE_INT8_QUANTIZE(int8_quantize_f32, float, f32_row_copy)
+
+/* out [m, n] = float(acc) * x_scales[r] * w_scale[c] in out's dtype, in torch's order and roundings
+ * (`.float().mul_(x_scale).mul_(scale).to(dtype)`), one pass instead of four. A scale step of 0
+ * broadcasts its first value (a static or per-tensor scale). */
+#define DEFINE_INT8_RESCALE(NAME, T, STORE16)                                                       \
+int NAME(const int32_t *acc, const float *x_scales, const float *w_scale, T *out, int64_t m, int64_t n, \
+         int64_t x_scale_step, int64_t w_scale_step) {                                            \
+    _Pragma("omp parallel for schedule(static) if(m * n >= 65536)")                             \
+    for (int64_t r = 0; r < m; r++) {                                                            \
+        const __m512 xs = _mm512_set1_ps(x_scales[r * x_scale_step]);                            \
+        for (int64_t c = 0; c < n; c += 16) {                                                    \
+            const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1); \
+            const __m512 ws = w_scale_step ? _mm512_maskz_loadu_ps(lanes, w_scale + c)          \
+                                           : _mm512_set1_ps(w_scale[0]);                         \
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, acc + r * n + c)); \
+            STORE16(out + r * n + c, lanes, _mm512_mul_round_ps(_mm512_mul_round_ps(v, xs, NEAREST), ws, NEAREST)); \
+        }                                                                                        \
+    }                                                                                            \
+    return OK;                                                                                   \
+}
+DEFINE_INT8_RESCALE(int8_rescale_bf16, uint16_t, bf16x16_store)
+DEFINE_INT8_RESCALE(int8_rescale_f32, float, f32x16_store)
 #else
 int int8_supported(void) { return 0; }
 int int8_linear_bf16(void) { return UNSUPPORTED; }
 int int8_linear_f32(void) { return UNSUPPORTED; }
+int int8_quantize_bf16(void) { return UNSUPPORTED; }
+int int8_quantize_f32(void) { return UNSUPPORTED; }
+int int8_rescale_bf16(void) { return UNSUPPORTED; }
+int int8_rescale_f32(void) { return UNSUPPORTED; }
 #endif

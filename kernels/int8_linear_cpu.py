@@ -37,6 +37,9 @@ def _functions() -> dict | None:
         return None
     functions = {dtype: cpu_build.bind(library, name, pointers=7, ints=5) for dtype, name in _FUNCTIONS.items()}
     functions["pack"] = cpu_build.bind(library, "int8_pack", pointers=3, ints=2)
+    for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+        functions["quantize", dtype] = cpu_build.bind(library, f"int8_quantize_{suffix}", pointers=4, ints=3)
+        functions["rescale", dtype] = cpu_build.bind(library, f"int8_rescale_{suffix}", pointers=4, ints=4)
     return functions
 
 
@@ -82,4 +85,32 @@ def linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None = None
                                    x.shape[0], weight.in_features, weight.out_features, x.stride(0), out.stride(0))
     if status:
         raise MemoryError("int8_linear_cpu: no memory for the quantized activations")
+    return out
+
+
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16 or float32 rows, unit column stride) -> (int8 [M, K], float32 scales [M, 1]),
+    the numbers of `quantize_int8_per_token` (or of `quantize_int8_static` with `input_scale`) in
+    one pass: for `torch._int_mm` at the sizes where it beats `linear`."""
+    if not (x.device.type == "cpu" and x.dtype in _FUNCTIONS and x.dim() == 2 and x.stride(1) == 1):
+        raise ValueError("int8_linear_cpu.quantize_rows needs CPU rows [M, K] of bf16 or float32")
+    q = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(x.shape[0], 1, dtype=torch.float32)
+    static = input_scale.float().reshape(1).contiguous() if input_scale is not None else None
+    if _functions()["quantize", x.dtype](x.data_ptr(), q.data_ptr(), scales.data_ptr(),
+                                          static.data_ptr() if static is not None else None,
+                                          x.shape[0], x.shape[1], x.stride(0)):
+        raise MemoryError("int8_linear_cpu: no memory to quantize the activations")
+    return q, scales
+
+
+def rescale(products: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int32 products [M, N] -> `products.float().mul_(x_scale).mul_(w_scale).to(dtype)`, bit for
+    bit, in one pass; `x_scale` [M, 1] or one value, `w_scale` [N] or one value."""
+    products = products.contiguous()
+    x_scale, w_scale = x_scale.float().contiguous(), w_scale.float().contiguous()
+    m, n = products.shape
+    out = torch.empty(m, n, dtype=dtype)
+    _functions()["rescale", dtype](products.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(), out.data_ptr(), m, n,
+                                   int(x_scale.numel() != 1), int(w_scale.numel() != 1))
     return out

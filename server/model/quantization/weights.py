@@ -124,11 +124,12 @@ class ScaledWeight:
 
 
 # Where the fused CPU kernel beats quantize + torch._int_mm + rescale (measured on an AMD EPYC
-# with AVX512-VNNI, BENCHMARKS.md issue 23): few rows (decode, where the torch form's passes cost
-# more than its GEMM: 1.2-1.7x at 32 rows) and outputs of 2M+ elements (the torch form's float32
-# [M, N] temporaries then cost page faults: 2.5-3x at 2,048-4,096 rows); between them oneDNN's
-# GEMM is 10-30% faster than the kernel's.
-INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MIN_OUTPUTS = 64, 1 << 21
+# with AVX512-VNNI, BENCHMARKS.md issue 23): few rows (decode, where even one-pass quantize and
+# rescale cost more than they save: 1.2-1.7x at 32 rows) and outputs of 8M+ elements (the int32
+# [M, N] products then cost page faults). Between them oneDNN's GEMM is 10-30% faster than the
+# kernel's: a 2,048-token prefill step of SmolLM2 W8A8 took 519-594 ms that way against 614-762
+# with the kernel for outputs of 2M+; at 4,096 tokens the two were level.
+INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MIN_OUTPUTS = 64, 1 << 23
 
 
 def _int8_kernel_is_faster(rows: int, out_features: int) -> bool:
@@ -138,18 +139,24 @@ def _int8_kernel_is_faster(rows: int, out_features: int) -> bool:
 @dataclass
 class Int8Weight(ScaledWeight):
     """int8 weights; dynamic or static activations run as an int8 x int8 matmul: on the CPU the
-    fused kernel of `kernels/int8_linear_cpu.c` (quantize, VNNI, rescale in one call; same
-    numbers) where it is faster, else `torch._int_mm` between torch passes (`forward_torch`)."""
+    fused kernel of `kernels/int8_linear_cpu.c` (quantize, VNNI, rescale in one call) where it is
+    faster, else `torch._int_mm` between that file's one-pass quantize and rescale; elsewhere
+    `torch._int_mm` between torch passes (`forward_torch`, the numbers all of them give)."""
 
     _packed: int8_linear_cpu.PackedInt8 | None = field(default=None, init=False, repr=False, compare=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if (self.activations is not None and rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32)
-                and rows.stride(1) == 1 and _int8_kernel_is_faster(rows.shape[0], self.out_features)
-                and not int8_linear_cpu.building() and int8_linear_cpu.available()):
+                and rows.stride(1) == 1 and not int8_linear_cpu.building() and int8_linear_cpu.available()):
             static = self.input_scale if self.activations == "static" else None
-            out = int8_linear_cpu.linear(rows, self.packed(), bias, static)
+            if _int8_kernel_is_faster(rows.shape[0], self.out_features):
+                out = int8_linear_cpu.linear(rows, self.packed(), bias, static)
+            else:   # oneDNN's GEMM between the kernel's one-pass quantize and rescale
+                xq, x_scale = int8_linear_cpu.quantize_rows(rows, static)
+                out = int8_linear_cpu.rescale(_int_mm(xq, self.weight.t()), x_scale, self.scale, rows.dtype)
+                if bias is not None:
+                    out = out + bias
             return out.view(*x.shape[:-1], self.out_features)
         return self.forward_torch(x, bias)
 
