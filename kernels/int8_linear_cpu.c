@@ -112,24 +112,34 @@ static inline __m512 rescale(__m512i sum, __m512i correction, float x_scale, __m
     return _mm512_mul_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(x_scale), NEAREST), w_scale, NEAREST);
 }
 
-#define DEFINE_INT8_LINEAR(NAME, T, TO_FLOAT_ROW, STORE16, LOAD16)                                 \
-int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w_scale,           \
-         const T *bias, T *out, const float *static_scale, int64_t m, int64_t k, int64_t n,      \
-         int64_t x_stride, int64_t out_stride) {                                                  \
-    const int64_t kp = (k + 3) / 4 * 4, panels = (n + PANEL - 1) / PANEL;                        \
-    const int64_t threads = omp_get_max_threads();                                               \
-    uint8_t *xq = malloc((size_t)(m * kp));                                                     \
-    float *xs = malloc((size_t)m * sizeof(float));                                               \
-    float *rows = malloc((size_t)(threads * k) * sizeof(float));                                 \
-    if (!xq || !xs || !rows) { free(xq); free(xs); free(rows); return NO_MEMORY; }               \
+/* Every row of x quantized (quantize_row, rows of kp bytes) with its scale into scales[r]. */
+#define DEFINE_QUANTIZE_ROWS(NAME, T, TO_FLOAT_ROW)                                                 \
+static int NAME(const T *x, uint8_t *q, float *scales, const float *static_scale, int64_t m, int64_t k, \
+                int64_t kp, int64_t x_stride, int offset) {                                       \
+    float *rows = malloc((size_t)(omp_get_max_threads() * k) * sizeof(float));                   \
+    if (!rows) return NO_MEMORY;                                                                 \
     _Pragma("omp parallel if(m * k >= 16384)")                                                  \
     {                                                                                            \
         float *row = rows + omp_get_thread_num() * k;                                            \
         _Pragma("omp for schedule(static)")                                                     \
         for (int64_t r = 0; r < m; r++) {                                                        \
             TO_FLOAT_ROW(x + r * x_stride, row, k);                                              \
-            xs[r] = quantize_row(row, k, kp, static_scale, xq + r * kp, 128);                    \
+            scales[r] = quantize_row(row, k, kp, static_scale, q + r * kp, offset);              \
         }                                                                                        \
+    }                                                                                            \
+    free(rows);                                                                                  \
+    return OK;                                                                                   \
+}
+
+#define DEFINE_INT8_LINEAR(NAME, T, QUANTIZE_ROWS, STORE16, LOAD16)                                \
+int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w_scale,           \
+         const T *bias, T *out, const float *static_scale, int64_t m, int64_t k, int64_t n,      \
+         int64_t x_stride, int64_t out_stride) {                                                  \
+    const int64_t kp = (k + 3) / 4 * 4, panels = (n + PANEL - 1) / PANEL;                        \
+    uint8_t *xq = malloc((size_t)(m * kp));                                                     \
+    float *xs = malloc((size_t)m * sizeof(float));                                               \
+    if (!xq || !xs || QUANTIZE_ROWS(x, xq, xs, static_scale, m, k, kp, x_stride, 128)) {         \
+        free(xq); free(xs); return NO_MEMORY;                                                    \
     }                                                                                            \
     const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;                                    \
     _Pragma("omp parallel for schedule(dynamic) if(m * n >= 4096)")                             \
@@ -162,7 +172,7 @@ int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
-    free(xq); free(xs); free(rows);                                                              \
+    free(xq); free(xs);                                                                          \
     return OK;                                                                                   \
 }
 
@@ -179,35 +189,26 @@ static inline void bf16x16_store(uint16_t *p, __mmask16 lanes, __m512 v) {
 static inline void f32x16_store(float *p, __mmask16 lanes, __m512 v) { _mm512_mask_storeu_ps(p, lanes, v); }
 static inline __m512 f32x16_load(const float *p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 
+DEFINE_QUANTIZE_ROWS(quantize_rows_bf16, uint16_t, bf16_row_to_float)
+DEFINE_QUANTIZE_ROWS(quantize_rows_f32, float, f32_row_copy)
 #define ROUND16 bf16x16_round
-DEFINE_INT8_LINEAR(int8_linear_bf16, uint16_t, bf16_row_to_float, bf16x16_store, bf16x16_load)
+DEFINE_INT8_LINEAR(int8_linear_bf16, uint16_t, quantize_rows_bf16, bf16x16_store, bf16x16_load)
 #undef ROUND16
 #define ROUND16(v) (v)
-DEFINE_INT8_LINEAR(int8_linear_f32, float, f32_row_copy, f32x16_store, f32x16_load)
+DEFINE_INT8_LINEAR(int8_linear_f32, float, quantize_rows_f32, f32x16_store, f32x16_load)
 #undef ROUND16
 
 /* The passes around torch._int_mm, where oneDNN's GEMM beats the panels above (mid-size M): x's
  * rows quantized as the torch form does (weights.py quantize_int8_per_token, or every row with
  * `static_scale`) into int8 q [m, k] and float32 scales [m], one pass instead of six. */
-#define DEFINE_INT8_QUANTIZE(NAME, T, TO_FLOAT_ROW)                                                 \
-int NAME(const T *x, int8_t *q, float *scales, const float *static_scale, int64_t m, int64_t k,    \
-         int64_t x_stride) {                                                                      \
-    float *rows = malloc((size_t)(omp_get_max_threads() * k) * sizeof(float));                   \
-    if (!rows) return NO_MEMORY;                                                                 \
-    _Pragma("omp parallel if(m * k >= 16384)")                                                  \
-    {                                                                                            \
-        float *row = rows + omp_get_thread_num() * k;                                            \
-        _Pragma("omp for schedule(static)")                                                     \
-        for (int64_t r = 0; r < m; r++) {                                                        \
-            TO_FLOAT_ROW(x + r * x_stride, row, k);                                              \
-            scales[r] = quantize_row(row, k, k, static_scale, (uint8_t *)(q + r * k), 0);        \
-        }                                                                                        \
-    }                                                                                            \
-    free(rows);                                                                                  \
-    return OK;                                                                                   \
+int int8_quantize_bf16(const uint16_t *x, int8_t *q, float *scales, const float *static_scale, int64_t m, int64_t k,
+                       int64_t x_stride) {
+    return quantize_rows_bf16(x, (uint8_t *)q, scales, static_scale, m, k, k, x_stride, 0);
 }
-DEFINE_INT8_QUANTIZE(int8_quantize_bf16, uint16_t, bf16_row_to_float)
-DEFINE_INT8_QUANTIZE(int8_quantize_f32, float, f32_row_copy)
+int int8_quantize_f32(const float *x, int8_t *q, float *scales, const float *static_scale, int64_t m, int64_t k,
+                      int64_t x_stride) {
+    return quantize_rows_f32(x, (uint8_t *)q, scales, static_scale, m, k, k, x_stride, 0);
+}
 
 /* out [m, n] = float(acc) * x_scales[r] * w_scale[c] in out's dtype, in torch's order and roundings
  * (`.float().mul_(x_scale).mul_(scale).to(dtype)`), one pass instead of four. A scale step of 0

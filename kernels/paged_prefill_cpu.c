@@ -147,6 +147,30 @@ static inline int softmax_block(const float *scores, uint16_t *probs, float *bes
     return rescale;
 }
 
+/* A task's start: its query rows (zeros past `rows`), no maximum, sum or output yet. */
+static inline void start_task(const uint16_t *q, int64_t q_row_stride, int64_t head, int64_t head_dim, int i0, int rows,
+                              uint16_t *queries, float *best, float *total, float acc[16][MAX_HEAD_DIM]) {
+    memset(queries, 0, 16 * MAX_HEAD_DIM * sizeof(uint16_t));
+    for (int r = 0; r < rows; r++)
+        memcpy(queries + r * head_dim, q + (int64_t)(i0 + r) * q_row_stride + head * head_dim, head_dim * 2);
+    for (int r = 0; r < 16; r++) {
+        best[r] = -INFINITY;
+        total[r] = 0.f;
+        for (int64_t d = 0; d < head_dim; d++) acc[r][d] = 0.f;
+    }
+}
+
+/* A task's end: each row's output divided by its softmax sum (and scaled by `out_factor`), in bf16. */
+static inline void finish_task(float acc[16][MAX_HEAD_DIM], const float *total, uint16_t *out, int64_t num_heads,
+                               int64_t head, int64_t head_dim, int i0, int rows, float out_factor) {
+    for (int r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(out_factor / total[r]);
+        uint16_t *row = out + ((int64_t)(i0 + r) * num_heads + head) * head_dim;
+        for (int64_t d = 0; d < head_dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv)));
+    }
+}
+
 #if HAVE_AMX
 /* Tiles: 0-1 scores (keys 0-15, 16-31 of a block), 2 queries / probabilities, 3 keys / values,
  * 4-7 O += P V for 4 blocks of 16 dims. With head_dim 64 those four hold all of O for the whole
@@ -184,14 +208,7 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
     float acc[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float best[16], total[16], correction[16];
     const int rows = q_len - i0 < 16 ? q_len - i0 : 16;
-    memset(queries, 0, sizeof queries);
-    for (int r = 0; r < rows; r++)
-        memcpy(queries + r * head_dim, q + (int64_t)(i0 + r) * q_row_stride + head * head_dim, head_dim * 2);
-    for (int r = 0; r < 16; r++) {
-        best[r] = -INFINITY;
-        total[r] = 0.f;
-        for (int64_t d = 0; d < head_dim; d++) acc[r][d] = 0.f;
-    }
+    start_task(q, q_row_stride, head, head_dim, i0, rows, queries, best, total, acc);
     if (resident) {
         _tile_zero(4);
         _tile_zero(5);
@@ -247,12 +264,7 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
         }
     }
     if (resident) store_value_tiles(acc[0], MAX_HEAD_DIM * 4);
-    for (int r = 0; r < rows; r++) {
-        const __m512 inv = _mm512_set1_ps(out_factor / total[r]);
-        uint16_t *row = out + ((int64_t)(i0 + r) * num_heads + head) * head_dim;
-        for (int64_t d = 0; d < head_dim; d += 16)
-            _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv)));
-    }
+    finish_task(acc, total, out, num_heads, head, head_dim, i0, rows, out_factor);
 }
 #else
 /* One task without AMX: the same walk, with the products on AVX512-BF16's vdpbf16ps, which takes
@@ -270,15 +282,8 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
     float best[16], total[16], correction[16];
     const int rows = q_len - i0 < 16 ? q_len - i0 : 16;
     const int groups8 = (rows + 7) / 8, groups4 = (rows + 3) / 4;   /* query rows computed: 8 or 4 at a time */
-    memset(queries, 0, sizeof queries);
+    start_task(q, q_row_stride, head, head_dim, i0, rows, queries, best, total, acc);
     memset(scores, 0, sizeof scores);   /* rows past groups8 * 8 are never computed */
-    for (int r = 0; r < rows; r++)
-        memcpy(queries + r * head_dim, q + (int64_t)(i0 + r) * q_row_stride + head * head_dim, head_dim * 2);
-    for (int r = 0; r < 16; r++) {
-        best[r] = -INFINITY;
-        total[r] = 0.f;
-        for (int64_t d = 0; d < head_dim; d++) acc[r][d] = 0.f;
-    }
     const uint32_t *query_pairs = (const uint32_t *)queries, *prob_pairs = (const uint32_t *)probs;
     const int64_t pairs_per_row = head_dim / 2;
     const int first_pos = len - q_len + i0;
@@ -330,12 +335,7 @@ static void attend_block(const uint16_t *q, int64_t q_row_stride, const uint16_t
                 _mm512_store_ps(o_rows + 3 * MAX_HEAD_DIM, o3);
             }
     }
-    for (int r = 0; r < rows; r++) {
-        const __m512 inv = _mm512_set1_ps(out_factor / total[r]);
-        uint16_t *row = out + ((int64_t)(i0 + r) * num_heads + head) * head_dim;
-        for (int64_t d = 0; d < head_dim; d += 16)
-            _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv)));
-    }
+    finish_task(acc, total, out, num_heads, head, head_dim, i0, rows, out_factor);
 }
 #endif
 

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from helpers.engine_runs import generate_tokens
 from helpers.paged import PagedRunner
 from helpers.quantized_models import write_gptq
 from helpers.tiny_models import (build_tiny_llama, make_tiny_gemma2, make_tiny_gemma3, make_tiny_llama,
@@ -291,16 +292,7 @@ def test_engine_on_cuda_generates_the_cpu_engines_tokens(tmp_path):
     def generate(device: str) -> tuple[list[list[int]], LLMEngine]:
         engine = LLMEngine(EngineConfig(model=path, device=device, dtype="float32", kv_cache_memory=8 << 20,
                                         max_num_batched_tokens=32))
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        outputs: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    assert out.error is None, out.error
-                    outputs[out.request_id] = list(out.outputs[0].token_ids)
-        return [outputs[str(i)] for i in range(len(prompts))], engine
+        return generate_tokens(engine, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)), engine
 
     want, cpu_engine = generate("cpu")
     got, engine = generate("cuda")
@@ -331,15 +323,8 @@ def test_decode_cuda_graphs_replay_the_eager_steps(tmp_path, monkeypatch):
     def generate(eager: bool) -> tuple[list[list[int]], LLMEngine]:
         engine = LLMEngine(EngineConfig(model=path, device="cuda", dtype="float32", kv_cache_memory=16 << 20,
                                         max_num_seqs=6, enforce_eager=eager))
-        outputs: dict[str, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    assert out.error is None, out.error
-                    outputs[out.request_id] = list(out.outputs[0].token_ids)
-        return [outputs[str(i)] for i in range(len(prompts))], engine
+        lengths = [SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+        return generate_tokens(engine, prompts, lengths), engine
 
     want, eager = generate(True)
     got, graphed = generate(False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.engine_runs import generate_tokens
 from helpers.tiny_models import make_tiny_llama
 
 from kubeinfer.kernels import ops
@@ -33,15 +34,8 @@ class EagerDecodeGraphs(DecodeGraphs):
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    for i, (prompt, length) in enumerate(zip(prompts, lengths)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True))
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
-    return [outputs[str(i)] for i in range(len(prompts))]
+    return generate_tokens(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
+                                             for length in lengths])
 
 
 def test_padded_decode_replays_give_the_eager_tokens(tmp_path):
