@@ -93,6 +93,21 @@ def free_port_range(size: int) -> range:
     return range(first, first + size)
 
 
+async def started(core: FakeCore, table: Path) -> tuple[svcproxy.Proxy, str]:
+    """A proxy synced once, and the local URL of Service ns/a."""
+    proxy = svcproxy.Proxy(core, free_port_range(5), table)
+    await proxy.sync()
+    url = svcproxy.local_url(table, "ns", "a")
+    assert url is not None
+    return proxy, url
+
+
+async def answers(url: str, count: int = 4) -> list[str]:
+    """The bodies of `count` GETs, each on a connection of its own."""
+    async with httpx.AsyncClient(trust_env=False) as http:
+        return [(await http.get(url, headers={"Connection": "close"})).text for _ in range(count)]
+
+
 def test_forwards_each_connection_to_the_next_ready_pod(tmp_path: Path) -> None:
     servers = [serve("127.0.0.1", "one"), serve("127.0.0.1", "two")]
     pods = [pod(f"p{i}", "127.0.0.1", port=s.server_address[1]) for i, s in enumerate(servers)]
@@ -100,12 +115,8 @@ def test_forwards_each_connection_to_the_next_ready_pod(tmp_path: Path) -> None:
     table = tmp_path / "services.json"
 
     async def scenario() -> list[str]:
-        proxy = svcproxy.Proxy(core, free_port_range(5), table)
-        await proxy.sync()
-        url = svcproxy.local_url(table, "ns", "a")
-        assert url is not None
-        async with httpx.AsyncClient(trust_env=False) as http:
-            answers = [(await http.get(url, headers={"Connection": "close"})).text for _ in range(4)]
+        proxy, url = await started(core, table)
+        bodies = await answers(url)
         core.pods = []  # no Ready pod: connections are closed, the port stays
         await proxy.sync()
         with pytest.raises(httpx.TransportError):
@@ -114,15 +125,15 @@ def test_forwards_each_connection_to_the_next_ready_pod(tmp_path: Path) -> None:
         assert svcproxy.read_table(table)[0]["endpoints"] == []
         for server in proxy.servers.values():
             server.close()
-        return answers
+        return bodies
 
     try:
-        answers = asyncio.run(scenario())
+        bodies = asyncio.run(scenario())
     finally:
         for server in servers:
             server.shutdown()
-    assert sorted(answers) == ["one", "one", "two", "two"]
-    assert answers[0] != answers[1]
+    assert sorted(bodies) == ["one", "one", "two", "two"]
+    assert bodies[0] != bodies[1]
 
 
 def test_a_pod_gone_since_the_last_sync_passes_the_connection_to_the_next(tmp_path: Path) -> None:
@@ -137,15 +148,11 @@ def test_a_pod_gone_since_the_last_sync_passes_the_connection_to_the_next(tmp_pa
     table = tmp_path / "services.json"
 
     async def scenario() -> list[str]:
-        proxy = svcproxy.Proxy(core, free_port_range(5), table)
-        await proxy.sync()
-        url = svcproxy.local_url(table, "ns", "a")
-        assert url is not None
-        async with httpx.AsyncClient(trust_env=False) as http:
-            answers = [(await http.get(url, headers={"Connection": "close"})).text for _ in range(4)]
+        proxy, url = await started(core, table)
+        bodies = await answers(url)
         for listening in proxy.servers.values():
             listening.close()
-        return answers
+        return bodies
 
     try:
         assert asyncio.run(scenario()) == ["alive"] * 4

@@ -163,7 +163,9 @@ class ModelRunner:
         return self.model.hidden_states(batch, self.kv_caches)
 
     def capture_decode_graphs(self, config: EngineConfig, max_model_len: int) -> None:
-        """Capture the decode step in CUDA graphs (`cuda_graphs.py`) where the model allows it."""
+        """Capture the decode step in CUDA graphs (`cuda_graphs.py`) where the model allows it. A
+        forward pass that cannot be captured (it waits on the GPU, as quantized MoE experts do to
+        group tokens by expert) raises at capture: decode then stays eager."""
         reason = why_not_graphed(self.model, device=self.device, enforce_eager=config.enforce_eager,
                                  enable_lora=config.enable_lora, calculate_kv_scales=config.calculate_kv_scales,
                                  tensor_parallel_size=config.tensor_parallel_size)
@@ -171,10 +173,15 @@ class ModelRunner:
             if self.device.type == "cuda":
                 log.info("decode steps run eagerly (no CUDA graphs): %s", reason)
             return
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs=config.max_num_seqs,
-                                   max_model_len=max_model_len, block_size=self.block_size,
-                                   num_blocks=self.num_blocks, device=self.device)
-        self.graphs.capture()
+        graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs=config.max_num_seqs,
+                              max_model_len=max_model_len, block_size=self.block_size,
+                              num_blocks=self.num_blocks, device=self.device)
+        try:
+            graphs.capture()
+        except Exception as error:  # noqa: BLE001 - e.g. a layer that reads a device value on the host
+            log.warning("decode steps run eagerly: capturing them in CUDA graphs failed: %s", error)
+            return
+        self.graphs = graphs
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[SamplingRow]]:

@@ -82,3 +82,23 @@ def test_what_keeps_decode_eager_is_named(settings, reason, tmp_path):
     assert why_not_graphed(model, device=torch.device("cpu"), **flags) == "not on CUDA"
     assert why_not_graphed(model, device=torch.device("cuda"), **flags) is None
     assert reason in why_not_graphed(model, device=torch.device("cuda"), **{**flags, **settings})
+
+
+def test_a_forward_that_cannot_be_captured_leaves_decode_eager(tmp_path, monkeypatch, caplog):
+    """Capture raising (as a host sync inside a layer does under CUDA capture) is logged, and the
+    engine serves every step eagerly instead of failing to start."""
+    from kubeinfer.server.engine import model_runner
+
+    def refuse(self, batch):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(model_runner, "why_not_graphed", lambda *args, **kwargs: None)
+    monkeypatch.setattr(DecodeGraphs, "_record", refuse)
+    path = str(make_tiny_llama(tmp_path))
+    config = EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_memory=4 << 20)
+    engine = LLMEngine(config)
+    assert engine.runner.graphs is None
+    assert "capturing them in CUDA graphs failed: operation not permitted" in caplog.text
+    monkeypatch.undo()
+    prompts = [list(range(10, 31)), list(range(40, 45))]
+    assert _generate(engine, prompts, [6, 4]) == _generate(LLMEngine(config), prompts, [6, 4])
