@@ -151,7 +151,7 @@ static int NAME(const T *q, const C *k_cache, const C *v_cache, const int32_t *b
 #define LOAD_FP8_ROW(dst, src, n) fp8_row_to_float((src), (dst), (n), format->e5m2)
 DEFINE_TASK(attend_bf16_scalar, uint16_t, uint16_t, bf16_to_float, float_to_bf16, LOAD_BF16_ROW)
 DEFINE_TASK(attend_f32, float, float, IDENTITY, IDENTITY, LOAD_F32_ROW)
-DEFINE_TASK(attend_bf16_fp8, uint16_t, uint8_t, bf16_to_float, float_to_bf16, LOAD_FP8_ROW)
+DEFINE_TASK(attend_bf16_fp8_scalar, uint16_t, uint8_t, bf16_to_float, float_to_bf16, LOAD_FP8_ROW)
 DEFINE_TASK(attend_f32_fp8, float, uint8_t, IDENTITY, IDENTITY, LOAD_FP8_ROW)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -298,8 +298,130 @@ static __attribute__((noinline)) void attend_bf16(
         attend_bf16_scalar(q, k_cache, v_cache, table, out, kv_stride, group, head_dim, block_size,
                            first, count, scale, scores, format);
 }
+
+/* 16 fp8 values as float32 divided by fp8_factor (the fp16 conversion of fp8_half_bits). */
+static inline __m512 fp8x16_load(const uint8_t *p, int e5m2) { return _mm512_cvtph_ps(fp8x16_half_bits(p, e5m2)); }
+
+/* Scores of every query head against every key of an fp8 cache, and their maxima. Each run of
+ * 16 keys is converted to float32 once (into `rows`, in L1) and then read by every query head:
+ * the conversion, not the multiply, is the cost of an fp8 key. `qf` [group][VECS * 16] holds the
+ * queries times scale and k_factor. */
+static inline __attribute__((always_inline)) void scores_fp8(
+        const float *qf, const uint8_t *k_cache, const int32_t *table, int64_t kv_stride, int group,
+        const int VECS, int64_t block_size, int first, int count, int e5m2, float *scores, float *best) {
+    float rows[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    __m512 top[MAX_GROUP];
+    float top1[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        top[g] = _mm512_set1_ps(-INFINITY);
+        top1[g] = -INFINITY;
+    }
+    for (int j = 0; j < count;) {
+        const int pos = first + j;
+        const int offset = pos % block_size;
+        const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j;
+        const uint8_t *krow = k_cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride;
+        prefetch_next_block(k_cache, table, pos / block_size, first, count, block_size, kv_stride, VECS * 16);
+        int t = 0;
+        for (; t + 16 <= run; t += 16, j += 16, krow += 16 * kv_stride) {
+            for (int k = 0; k < 16; k++)
+                for (int c = 0; c < VECS; c++) _mm512_store_ps(rows[k] + c * 16, fp8x16_load(krow + k * kv_stride + c * 16, e5m2));
+            for (int g = 0; g < group; g++) {
+                __m512 qv[MAX_HEAD_DIM / 16], sums[16];
+                for (int c = 0; c < VECS; c++) qv[c] = _mm512_loadu_ps(qf + (g * VECS + c) * 16);
+                for (int k = 0; k < 16; k++) {
+                    sums[k] = _mm512_mul_ps(qv[0], _mm512_load_ps(rows[k]));
+                    for (int c = 1; c < VECS; c++) sums[k] = _mm512_fmadd_ps(qv[c], _mm512_load_ps(rows[k] + c * 16), sums[k]);
+                }
+                const __m512 dots = sum_each_16(sums);
+                _mm512_storeu_ps(scores + (int64_t)g * count + j, dots);
+                top[g] = _mm512_max_ps(top[g], dots);
+            }
+        }
+        for (; t < run; t++, j++, krow += kv_stride) {
+            for (int c = 0; c < VECS; c++) _mm512_store_ps(rows[0] + c * 16, fp8x16_load(krow + c * 16, e5m2));
+            for (int g = 0; g < group; g++) {
+                __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qf + g * VECS * 16), _mm512_load_ps(rows[0]));
+                for (int c = 1; c < VECS; c++)
+                    sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (g * VECS + c) * 16), _mm512_load_ps(rows[0] + c * 16), sum);
+                const float dot = _mm512_reduce_add_ps(sum);
+                scores[(int64_t)g * count + j] = dot;
+                top1[g] = dot > top1[g] ? dot : top1[g];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float wide = _mm512_reduce_max_ps(top[g]);
+        best[g] = wide > top1[g] ? wide : top1[g];
+    }
+}
+
+/* out rows [g0, g0 + G) = normalised weights x V of an fp8 cache, times v_factor: each V row
+ * converted once for the G heads, G * VECS float32 accumulators in registers. */
+static inline __attribute__((always_inline)) void weighted_values_fp8(
+        const uint8_t *v_cache, const int32_t *table, uint16_t *out, int64_t kv_stride, int g0,
+        const int G, const int VECS, int64_t block_size, int first, int count, int e5m2,
+        const float *scores, const float *total, float v_factor) {
+    __m512 acc[4][MAX_HEAD_DIM / 16];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < VECS; c++) acc[g][c] = _mm512_setzero_ps();
+    FOR_EACH_ROW(uint8_t, v_cache, vrow, VECS * 16, {
+        __m512 vf[MAX_HEAD_DIM / 16];
+        for (int c = 0; c < VECS; c++) vf[c] = fp8x16_load(vrow + c * 16, e5m2);
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(scores[(int64_t)(g0 + g) * count + j]);
+            for (int c = 0; c < VECS; c++) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
+        }
+    })
+    for (int g = 0; g < G; g++) {
+        const float sum = total[g0 + g];
+        const __m512 inv = _mm512_set1_ps((sum > 0.f ? 1.f / sum : 0.f) * v_factor);
+        for (int c = 0; c < VECS; c++)  /* round to nearest even, as float_to_bf16 */
+            _mm256_storeu_si256((void *)(out + (g0 + g) * VECS * 16 + c * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv)));
+    }
+}
+
+/* The bf16-query task over an fp8 cache with AVX-512, head_dim 64 or 128 (literal): the scalar
+ * task's two-pass softmax with each fp8 row converted 16 values to an instruction pair. */
+static inline __attribute__((always_inline)) void attend_bf16_fp8_avx512(
+        const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
+        uint16_t *out, int64_t kv_stride, int group, const int head_dim, int64_t block_size,
+        int first, int count, float scale, float *scores, const KVFormat *format) {
+    float qf[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float best[MAX_GROUP], total[MAX_GROUP];
+    const float q_scale = scale * format->k_factor;
+    for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_to_float(q[i]) * q_scale;
+    scores_fp8(qf, k_cache, table, kv_stride, group, head_dim / 16, block_size, first, count, format->e5m2,
+               scores, best);
+    for (int g = 0; g < group; g++) {
+        float *w = scores + (int64_t)g * count, sum = 0.f;
+        for (int j = 0; j < count; j++) { w[j] = exp_nonpositive(w[j] - best[g]); sum += w[j]; }
+        total[g] = sum;
+    }
+#define VALUES(G) weighted_values_fp8(v_cache, table, out, kv_stride, g0, G, head_dim / 16, block_size, \
+                                      first, count, format->e5m2, scores, total, format->v_factor)
+    FOR_EACH_HEAD_RUN(VALUES)
+#undef VALUES
+}
+
+static __attribute__((noinline)) void attend_bf16_fp8(
+        const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
+        uint16_t *out, int64_t kv_stride, int group, int64_t head_dim, int64_t block_size,
+        int first, int count, float scale, float *scores, const KVFormat *format) {
+    if (head_dim == 64)
+        attend_bf16_fp8_avx512(q, k_cache, v_cache, table, out, kv_stride, group, 64, block_size,
+                               first, count, scale, scores, format);
+    else if (head_dim == 128)
+        attend_bf16_fp8_avx512(q, k_cache, v_cache, table, out, kv_stride, group, 128, block_size,
+                               first, count, scale, scores, format);
+    else
+        attend_bf16_fp8_scalar(q, k_cache, v_cache, table, out, kv_stride, group, head_dim, block_size,
+                               first, count, scale, scores, format);
+}
 #else
 #define attend_bf16 attend_bf16_scalar
+#define attend_bf16_fp8 attend_bf16_fp8_scalar
 #endif
 
 DEFINE_DECODE(decode_bf16, attend_bf16, uint16_t, uint16_t)
