@@ -29,6 +29,24 @@ static inline void prefetch_next_block(const void *cache, const int32_t *table, 
         for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(base + r * row_bytes + b);
 }
 
+/* A sequence task's keys [first, first + count), every head's K and V rows, asked for into L2
+ * before its first head is read: the head-by-head walk then finds the rows of the later heads
+ * there. 30 layers x 32 sequences x 200 keys from DRAM: an fp8 cache 6.5 -> 5.5 ms a step; bf16
+ * within the noise (7.1-7.2 -> 6.8-7.0 ms). */
+static inline void prefetch_sequence(const void *k_cache, const void *v_cache, const int32_t *table, int first,
+                                     int count, int64_t block_size, int64_t row_bytes) {
+    if (count <= 0) return;
+    const int64_t block_bytes = block_size * row_bytes;
+    for (int b = first / block_size; b <= (first + count - 1) / block_size; b++) {
+        const char *k = (const char *)k_cache + (int64_t)table[b] * block_bytes;
+        const char *v = (const char *)v_cache + (int64_t)table[b] * block_bytes;
+        for (int64_t o = 0; o < block_bytes; o += 64) {
+            __builtin_prefetch(k + o, 0, 2);
+            __builtin_prefetch(v + o, 0, 2);
+        }
+    }
+}
+
 /* Keys [first, first + count) of one block-table walk: calls BODY with `row` at each key
  * (`head_bytes` of it are read). */
 #define FOR_EACH_ROW(T, cache, row, head_bytes, BODY)                                              \
@@ -128,6 +146,8 @@ static int NAME(const T *q, const C *k_cache, const C *v_cache, const int32_t *b
         if (!scores) { failed = 1; continue; }                                                  \
         const int32_t *table = block_tables + s * max_blocks;                                   \
         const int64_t stride = num_kv_heads * head_dim;                                         \
+        if (heads_per_task == num_kv_heads)                                                     \
+            prefetch_sequence(k_cache, v_cache, table, first, count, block_size, stride * (int64_t)sizeof(C)); \
         for (int64_t kh = task * heads_per_task % num_kv_heads, end = kh + heads_per_task; kh < end; kh++) { \
             const int64_t head = s * num_heads + kh * group;                                    \
             const T *qs = q + head * head_dim;                                                  \
