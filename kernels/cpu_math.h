@@ -107,6 +107,33 @@ static inline uint8_t float_to_fp8(float x, float inv_scale, int e5m2) {
     return sign | (uint8_t)(exponent << mantissa_bits | mantissa);
 }
 
+#if defined(__AVX512BF16__)
+/* float_to_fp8 of 16 lanes (`lanes` of them stored to p), bit for bit: the same saturation,
+ * nearest-even rounding of normals by the carry trick, and rint of subnormals. */
+static inline void fp8x16_store(uint8_t *p, __mmask16 lanes, __m512 x, float inv_scale, int e5m2) {
+    const int mantissa_bits = e5m2 ? 2 : 3, min_exponent = e5m2 ? -14 : -6, bias = e5m2 ? 15 : 7;
+    const __m512 a = _mm512_mul_ps(x, _mm512_set1_ps(inv_scale));
+    const __m512i bits = _mm512_castps_si512(a);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+    const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    const __m512 magnitude = _mm512_min_ps(_mm512_abs_ps(a), _mm512_set1_ps(e5m2 ? 57344.f : 448.f));
+    const __mmask16 subnormal = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(ldexpf(1.f, min_exponent)), _CMP_LT_OQ);
+    const __m512i small = _mm512_cvtps_epi32(_mm512_roundscale_ps(   /* multiples of 2^(min_exponent - mantissa_bits) */
+        _mm512_mul_ps(magnitude, _mm512_set1_ps(ldexpf(1.f, mantissa_bits - min_exponent))),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m512i m = _mm512_castps_si512(magnitude);
+    m = _mm512_add_epi32(m, _mm512_add_epi32(_mm512_set1_epi32((1 << (22 - mantissa_bits)) - 1),
+                                             _mm512_and_si512(_mm512_srli_epi32(m, 23 - mantissa_bits), _mm512_set1_epi32(1))));
+    const __m512i exponent = _mm512_sub_epi32(_mm512_srli_epi32(m, 23), _mm512_set1_epi32(127 - bias));
+    const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(exponent, mantissa_bits),
+                                           _mm512_and_si512(_mm512_srli_epi32(m, 23 - mantissa_bits),
+                                                            _mm512_set1_epi32((1 << mantissa_bits) - 1)));
+    __m512i q = _mm512_mask_blend_epi32(subnormal, normal, small);
+    q = _mm512_mask_blend_epi32(nan, q, _mm512_set1_epi32(0x7F));
+    _mm_mask_storeu_epi8(p, lanes, _mm512_cvtepi32_epi8(_mm512_or_si512(q, sign)));
+}
+#endif
+
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 

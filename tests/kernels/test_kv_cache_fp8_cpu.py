@@ -28,14 +28,14 @@ def _reference(batch, scale, **options):
     return paged_attention_ref(*batch.args(), scale, k_scale=K_SCALE, v_scale=V_SCALE, **options)
 
 
-def _store_inputs(dtype):
+def _store_inputs(dtype, kv_heads=2, head_dim=16):
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(50, 5, 16, generator=gen) * torch.logspace(-6, 4, 50)[:, None, None]
+    qkv = torch.randn(50, 1 + 2 * kv_heads, head_dim, generator=gen) * torch.logspace(-6, 4, 50)[:, None, None]
     qkv[0, 1, :5] = torch.tensor([1e6, -1e6, 448.1 * K_SCALE, 0.0, -0.0])   # saturate; both zeros
     qkv = qkv.to(dtype)
     slots = torch.randperm(64, generator=gen)[:50]
     slots[3] = -1
-    return qkv[:, 1:3], qkv[:, 3:5], slots   # k, v: strided views into a fused qkv
+    return qkv[:, 1:1 + kv_heads], qkv[:, 1 + kv_heads:], slots   # k, v: strided views into a fused qkv
 
 
 @pytest.mark.parametrize("kv_dtype", FP8, ids=str)
@@ -52,9 +52,10 @@ def test_reference_quantization_saturates_and_rounds_to_nearest_even(kv_dtype):
 @pytest.mark.usefixtures("cpu_isa")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", FP8, ids=str)
-def test_cpu_store_quantizes_like_the_reference(dtype, kv_dtype):
-    k, v, slots = _store_inputs(dtype)
-    got = [torch.zeros(4, 16, 2, 16, dtype=kv_dtype) for _ in range(2)]
+@pytest.mark.parametrize("kv_heads,head_dim", [(2, 16), (3, 8)])   # rows of 32 values, and of 24 (a part vector)
+def test_cpu_store_quantizes_like_the_reference(dtype, kv_dtype, kv_heads, head_dim):
+    k, v, slots = _store_inputs(dtype, kv_heads, head_dim)
+    got = [torch.zeros(4, 16, kv_heads, head_dim, dtype=kv_dtype) for _ in range(2)]
     want = [cache.clone() for cache in got]
     fused_cpu.store_kv_fp8(k, v, *got, slots, K_SCALE, V_SCALE)
     store_kv_cache_ref(k, v, *want, slots, K_SCALE, V_SCALE)
