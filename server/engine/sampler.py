@@ -103,7 +103,10 @@ class Sampler:
                       uniform: torch.Tensor | None) -> SamplerOutput:
         raw = logits
         logits = self._apply_penalties(logits, seqs)
-        logits = self._mask_stops_before_min_tokens(logits, seqs)
+        # In place when no row needs the raw logits' logprobs (masking again, as a retry of a
+        # failed batch does, changes nothing): a copy of [rows, vocab] a step saved.
+        in_place = logits is not raw or all(seq.params.logprobs is None for seq in seqs)
+        logits = self._mask_stops_before_min_tokens(logits, seqs, in_place)
         logits = self._apply_processors(logits, raw, seqs)
         if uniform is None or all(greedy):
             tokens = argmax_rows(logits)
@@ -160,7 +163,7 @@ class Sampler:
             apply_logits_processors(logits, per_row)
         return logits
 
-    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[SamplingRow]
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[SamplingRow], in_place: bool = False
                                       ) -> torch.Tensor:
         rows, cols = [], []
         for row, seq in enumerate(seqs):
@@ -170,8 +173,10 @@ class Sampler:
                 cols += sorted(stops)
         if not rows:
             return logits
-        logits = logits.clone()
-        logits[rows, cols] = float("-inf")
+        if not in_place:
+            logits = logits.clone()
+        with torch.inference_mode():  # the model's logits are inference tensors
+            logits[rows, cols] = float("-inf")
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[SamplingRow], greedy: list[bool],
