@@ -79,6 +79,16 @@ static inline void prefetch_next_sequence(int rows) {
 /* How a cache's values turn into the float32 value of the model: bf16 and float32 as they are;
  * fp8 (read as fp8_row_to_float) times k_factor for K (folded into the queries) and v_factor
  * for V (folded into the output), its per-tensor scale times fp8_factor. */
+/* Each head's scores [group][count] -> its unnormalised softmax weights in place, their sums into
+ * total: exp(score - the head's best). */
+static inline void softmax_weights(float *scores, int group, int count, const float *best, float *total) {
+    for (int g = 0; g < group; g++) {
+        float *w = scores + (int64_t)g * count, sum = 0.f;
+        for (int j = 0; j < count; j++) { w[j] = exp_nonpositive(w[j] - best[g]); sum += w[j]; }
+        total[g] = sum;
+    }
+}
+
 typedef struct {
     int e5m2;
     float k_factor, v_factor;
@@ -114,11 +124,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             best[g] = dot > best[g] ? dot : best[g];                                            \
         }                                                                                       \
     })                                                                                          \
-    for (int g = 0; g < group; g++) {  /* softmax weights, unnormalised */                      \
-        float *w = scores + (int64_t)g * count, sum = 0.f;                                      \
-        for (int j = 0; j < count; j++) { w[j] = exp_nonpositive(w[j] - best[g]); sum += w[j]; } \
-        total[g] = sum;                                                                         \
-    }                                                                                           \
+    softmax_weights(scores, group, count, best, total);                                         \
     FOR_EACH_ROW(C, v_cache, vrow, head_dim * (int64_t)sizeof(C), {  /* weights times V */    \
         LOAD_ROW(row, vrow, head_dim);                                                          \
         for (int g = 0; g < group; g++) {                                                       \
@@ -327,11 +333,7 @@ static inline __attribute__((always_inline)) void attend_bf16_avx512(
                               count, scale, scores, best)
     FOR_EACH_HEAD_RUN(SCORES)
 #undef SCORES
-    for (int g = 0; g < group; g++) {
-        float *w = scores + (int64_t)g * count, sum = 0.f;
-        for (int j = 0; j < count; j++) { w[j] = exp_nonpositive(w[j] - best[g]); sum += w[j]; }
-        total[g] = sum;
-    }
+    softmax_weights(scores, group, count, best, total);
 #define VALUES(G) weighted_values_bf16(v_cache, table, out, kv_stride, g0, G, head_dim / 16, block_size, \
                                        first, count, scores, total)
     FOR_EACH_HEAD_RUN(VALUES)
@@ -450,11 +452,7 @@ static inline __attribute__((always_inline)) void attend_bf16_fp8_avx512(
     for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_to_float(q[i]) * q_scale;
     scores_fp8(qf, k_cache, table, kv_stride, group, head_dim / 16, block_size, first, count, format->e5m2,
                scores, best);
-    for (int g = 0; g < group; g++) {
-        float *w = scores + (int64_t)g * count, sum = 0.f;
-        for (int j = 0; j < count; j++) { w[j] = exp_nonpositive(w[j] - best[g]); sum += w[j]; }
-        total[g] = sum;
-    }
+    softmax_weights(scores, group, count, best, total);
 #define VALUES(G) weighted_values_fp8(v_cache, table, out, kv_stride, g0, G, head_dim / 16, block_size, \
                                       first, count, format->e5m2, scores, total, format->v_factor)
     FOR_EACH_HEAD_RUN(VALUES)
