@@ -111,15 +111,15 @@ static inline uint8_t float_to_fp8(float x, float inv_scale, int e5m2) {
 /* float_to_fp8 of 16 lanes (`lanes` of them stored to p), bit for bit: the same saturation,
  * nearest-even rounding of normals by the carry trick, and rint of subnormals. */
 static inline void fp8x16_store(uint8_t *p, __mmask16 lanes, __m512 x, float inv_scale, int e5m2) {
-    const int mantissa_bits = e5m2 ? 2 : 3, min_exponent = e5m2 ? -14 : -6, bias = e5m2 ? 15 : 7;
+    const int mantissa_bits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;   /* smallest normal 2^-14 or 2^-6 */
     const __m512 a = _mm512_mul_ps(x, _mm512_set1_ps(inv_scale));
     const __m512i bits = _mm512_castps_si512(a);
     const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
     const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
     const __m512 magnitude = _mm512_min_ps(_mm512_abs_ps(a), _mm512_set1_ps(e5m2 ? 57344.f : 448.f));
-    const __mmask16 subnormal = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(ldexpf(1.f, min_exponent)), _CMP_LT_OQ);
+    const __mmask16 subnormal = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(e5m2 ? 0x1p-14f : 0x1p-6f), _CMP_LT_OQ);
     const __m512i small = _mm512_cvtps_epi32(_mm512_roundscale_ps(   /* multiples of 2^(min_exponent - mantissa_bits) */
-        _mm512_mul_ps(magnitude, _mm512_set1_ps(ldexpf(1.f, mantissa_bits - min_exponent))),
+        _mm512_mul_ps(magnitude, _mm512_set1_ps(e5m2 ? 0x1p16f : 0x1p9f)),
         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     __m512i m = _mm512_castps_si512(magnitude);
     m = _mm512_add_epi32(m, _mm512_add_epi32(_mm512_set1_epi32((1 << (22 - mantissa_bits)) - 1),
@@ -146,11 +146,16 @@ static inline __m256i fp8x16_half_bits(const uint8_t *p, int e5m2) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* 16 fp8 values as float32 divided by fp8_factor. */
+static inline __m512 fp8x16_load(const uint8_t *p, int e5m2) { return _mm512_cvtph_ps(fp8x16_half_bits(p, e5m2)); }
+#endif
+
 /* n fp8 values as float32, each divided by fp8_factor. */
 static inline void fp8_row_to_float(const uint8_t *src, float *dst, int64_t n, int e5m2) {
     int64_t d = 0;
 #if defined(__AVX512F__)
-    for (; d + 16 <= n; d += 16) _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(fp8x16_half_bits(src + d, e5m2)));
+    for (; d + 16 <= n; d += 16) _mm512_storeu_ps(dst + d, fp8x16_load(src + d, e5m2));
 #elif defined(__AVX2__) && defined(__F16C__)
     for (; d + 16 <= n; d += 16) {
         const __m256i h = fp8x16_half_bits(src + d, e5m2);

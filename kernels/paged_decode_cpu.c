@@ -76,9 +76,6 @@ static inline void prefetch_next_sequence(int rows) {
         for (int t = 0; t < run; t++, j++, row += kv_stride) { prefetch_next_sequence(1); BODY } \
     }
 
-/* How a cache's values turn into the float32 value of the model: bf16 and float32 as they are;
- * fp8 (read as fp8_row_to_float) times k_factor for K (folded into the queries) and v_factor
- * for V (folded into the output), its per-tensor scale times fp8_factor. */
 /* Each head's scores [group][count] -> its unnormalised softmax weights in place, their sums into
  * total: exp(score - the head's best). */
 static inline void softmax_weights(float *scores, int group, int count, const float *best, float *total) {
@@ -89,6 +86,9 @@ static inline void softmax_weights(float *scores, int group, int count, const fl
     }
 }
 
+/* How a cache's values turn into the float32 value of the model: bf16 and float32 as they are;
+ * fp8 (read as fp8_row_to_float) times k_factor for K (folded into the queries) and v_factor
+ * for V (folded into the output), its per-tensor scale times fp8_factor. */
 typedef struct {
     int e5m2;
     float k_factor, v_factor;
@@ -354,9 +354,6 @@ static __attribute__((noinline)) void attend_bf16(
         attend_bf16_scalar(q, k_cache, v_cache, table, out, kv_stride, group, head_dim, block_size,
                            first, count, scale, scores, format);
 }
-
-/* 16 fp8 values as float32 divided by fp8_factor (the fp16 conversion of fp8_half_bits). */
-static inline __m512 fp8x16_load(const uint8_t *p, int e5m2) { return _mm512_cvtph_ps(fp8x16_half_bits(p, e5m2)); }
 
 /* Scores of every query head against every key of an fp8 cache, and their maxima. Each run of
  * 16 keys is converted to float32 once (into `rows`, in L1) and then read by every query head:

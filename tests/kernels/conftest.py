@@ -17,6 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402  (after TRITON_INTERPRET on purpose)
 from triton.runtime.jit import JITFunction  # noqa: E402
+import torch  # noqa: E402
 
 KERNEL_MODULES = ["unified_attention", "split_kv_attention", "kv_cache", "rms_norm", "rotary", "activation", "moe", "w4a16",
                   "lora"]
@@ -59,6 +60,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     mark = metafunc.definition.get_closest_marker("cpu_isas")
     metafunc.parametrize("cpu_isa", mark.args if mark else tuple(cpu_build.ISAS), indirect=True)
+
+
+@pytest.fixture
+def two_threads():
+    """Torch's (and so the C kernels' OpenMP) thread count pinned at 2, how CI machines run: the
+    CPU kernels split work differently by thread count (decode: whole sequences from 8 on)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -67,8 +67,11 @@ def test_cpu_store_quantizes_like_the_reference(dtype, kv_dtype, kv_heads, head_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", FP8, ids=str)
 @pytest.mark.parametrize("heads,head_dim,block_size", [((9, 3), 64, 16), ((8, 1), 128, 32), ((4, 2), 80, 16)])
-def test_cpu_decode_reads_fp8(dtype, kv_dtype, heads, head_dim, block_size):
-    lengths = BATCH_KINDS["decode"] + [(1, 200), (1, 17)]
+@pytest.mark.parametrize("extra", [[], [(1, 0), (1, 64), (1, 5)]], ids=["6-seqs", "9-seqs"])
+def test_cpu_decode_reads_fp8(dtype, kv_dtype, heads, head_dim, block_size, extra, two_threads):
+    """On 2 threads, 6 sequences run as one task per (sequence, KV head), 9 as one task each
+    (which asks for the next sequence's rows while it reads)."""
+    lengths = BATCH_KINDS["decode"] + [(1, 200), (1, 17)] + extra
     batch = _fp8_batch(lengths, *heads, head_dim, block_size, dtype, kv_dtype)
     scale = head_dim ** -0.5
     assert paged_decode_cpu.available(dtype, kv_dtype)

@@ -42,14 +42,6 @@ def test_matches_reference(heads, head_dim, block_size, dtype, seqs, two_threads
     _check(make_paged_batch(seqs, *heads, head_dim, block_size, dtype))
 
 
-@pytest.fixture
-def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 10, 16, 500])
 def test_sliding_window(window, dtype):
