@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +16,11 @@ pytestmark = pytest.mark.e2e
 IMAGE = "kubeinfer/kubeinfer:e2e"  # our image prefix: the runner starts the command locally
 
 
-def http_server_pod(name: str, delay: float) -> dict:
-    """A pod serving HTTP on its pod IP only after ``delay`` seconds, with a readiness probe."""
-    script = f"sleep {delay}; exec python -m http.server 8080 --bind $POD_IP"
+def http_server_pod(name: str, gate: Path | None = None) -> dict:
+    """A pod serving HTTP on its pod IP, with a readiness probe; with ``gate``, it serves only once
+    that file exists, so a test decides when the probe can first pass (no race with a timer)."""
+    wait = f"until [ -e {gate} ]; do sleep 0.1; done; " if gate else ""
+    script = f"{wait}exec python -m http.server 8080 --bind $POD_IP"
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
             "spec": {"terminationGracePeriodSeconds": 5, "containers": [{
                 "name": "web", "image": IMAGE, "command": ["sh", "-c", script],
@@ -26,11 +30,15 @@ def http_server_pod(name: str, delay: float) -> dict:
                 "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1}}]}}
 
 
-def test_runner_starts_process_on_pod_ip_and_gates_ready_on_probe(local_cluster: Cluster, namespace: str) -> None:
-    local_cluster.core.create_namespaced_pod(namespace, http_server_pod("web", delay=4))
+def test_runner_starts_process_on_pod_ip_and_gates_ready_on_probe(
+        local_cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    gate = tmp_path / "serve"
+    local_cluster.core.create_namespaced_pod(namespace, http_server_pod("web", gate))
     read = lambda: local_cluster.core.read_namespaced_pod("web", namespace)  # noqa: E731
-    running = wait_for(lambda: (p := read()).status.phase == "Running" and p, "pod web Running", timeout=30)
-    assert not pod_ready(running), "kwok must not mark a runner pod Ready before its probe passes"
+    wait_for(lambda: read().status.phase == "Running", "pod web Running", timeout=30)
+    time.sleep(3)  # three probe periods that must all fail: nothing listens yet
+    assert not pod_ready(read()), "kwok must not mark a runner pod Ready before its probe passes"
+    gate.touch()
     pod = wait_for(lambda: pod_ready(p := read()) and p, "pod web Ready", timeout=30)
     status = pod.status.container_statuses[0]
     assert status.ready and status.state.running and status.container_id.startswith("local://")
@@ -116,7 +124,7 @@ def test_runner_gives_env_refs_and_a_service_account_identity(local_cluster: Clu
 
 
 def test_failing_liveness_probe_restarts_the_container(local_cluster: Cluster, namespace: str) -> None:
-    pod = http_server_pod("unhealthy", delay=0)
+    pod = http_server_pod("unhealthy")
     container = pod["spec"]["containers"][0]
     container["livenessProbe"] = {"httpGet": {"path": "/", "port": 9}, "periodSeconds": 1, "failureThreshold": 2}
     local_cluster.core.create_namespaced_pod(namespace, pod)
