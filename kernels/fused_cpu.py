@@ -1,6 +1,6 @@
 """Fused CPU kernels of `fused_cpu.c` (via `cpu_build`): RMSNorm(+residual), SiLU-and-mul,
-rotary in place, the KV-cache store (quantizing into an fp8 cache), and a structured-output
-token bitmask applied to logits.
+rotary in place, the KV-cache store (quantizing into an fp8 cache), a structured-output
+token bitmask applied to logits, and inverse-transform sampling of logits.
 
 One call replaces the ~10 torch ops of HF's RMSNorm (float copy, pow, mean, rsqrt, casts,
 products, the residual add), the 3 of SiLU-and-mul and the 5 of the rotary embedding, with the
@@ -133,3 +133,35 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     _bitmask_function()(logits.data_ptr(), bitmask.data_ptr(), index.data_ptr(), alive.data_ptr(), len(rows),
                         logits.stride(0), bitmask.stride(0), logits.shape[1])
     return alive.bool()
+
+
+@cpu_build.per_isa
+def _sample_function() -> object | None:
+    library = cpu_build.load("fused_cpu")
+    return None if library is None else cpu_build.bind(library, "sample_rows_f32", pointers=5, ints=3)
+
+
+def sample_rows_available(logits: torch.Tensor) -> bool:
+    """Whether `sample_rows` takes these logits (CPU float32 with unit column stride)."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and _sample_function() is not None)
+
+
+def sample_rows(logits: torch.Tensor, rows: list[int], temperatures: list[float], uniform: torch.Tensor
+                ) -> torch.Tensor:
+    """For each listed row r: the first token j whose cumulative `softmax(logits[r] / T)` exceeds
+    `uniform[i]` (the rule of `sampler._inverse_transform`, in one pass); `logits.shape[1]`
+    for a row that cannot be sampled (all -inf, NaN or +inf). Returns int64 [len(rows)]."""
+    if not sample_rows_available(logits):
+        raise ValueError("sample_rows needs CPU float32 logits with unit column stride")
+    if rows and not (0 <= min(rows) and max(rows) < logits.shape[0]):
+        raise ValueError(f"rows must index the {logits.shape[0]} rows of logits")
+    if len(temperatures) != len(rows) or uniform.numel() != len(rows) or min(temperatures, default=1.0) <= 0.0:
+        raise ValueError("sample_rows needs a positive temperature and a uniform number per row")
+    index = torch.tensor(rows, dtype=torch.int64)
+    inverse = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
+    draws = uniform.to(torch.float32).reshape(-1).contiguous()
+    tokens = torch.empty(len(rows), dtype=torch.int64)
+    _sample_function()(logits.data_ptr(), inverse.data_ptr(), draws.data_ptr(), tokens.data_ptr(), index.data_ptr(),
+                       len(rows), logits.stride(0), logits.shape[1])
+    return tokens

@@ -64,6 +64,17 @@ def test_seeded_requests_replay_whatever_the_batch():
     assert draws(0) == draws(7) and len(set(draws(0))) > 1
 
 
+def test_a_rows_token_does_not_depend_on_how_its_neighbours_sample():
+    """Temperature-only rows take the fused CPU kernel, top-p/top-k/min-p rows torch: with the
+    same draws, every row gets the token it gets alone, whichever mix of ways the batch holds."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(9)) * 3
+    params = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, top_p=0.9, seed=2),
+              SamplingParams(temperature=0, seed=3), SamplingParams(temperature=1.0, min_p=0.05, seed=4)]
+    batch = Sampler(0, torch.device("cpu"))(logits, _seqs(*params))
+    alone = [Sampler(0, torch.device("cpu"))(logits[i:i + 1], _seqs(p)).token_ids[0] for i, p in enumerate(params)]
+    assert not batch.errors and batch.token_ids == alone
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.zeros(2, 8)
     logits[:, EOS] = 10.0

@@ -174,3 +174,74 @@ def test_token_bitmask_refuses_what_it_cannot_read():
         fused_cpu.apply_token_bitmask(logits, torch.zeros(2, 2, dtype=torch.int32), [2])
     with pytest.raises(ValueError):
         fused_cpu.apply_token_bitmask(logits.to(torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32), [0])
+
+
+def _inverse_transform_ref(logits: torch.Tensor, temperature: float, uniform: float) -> tuple[int, torch.Tensor]:
+    """The Sampler's torch rule for one row, and the row's cumulative probabilities."""
+    cumulative = (logits.double() / temperature).softmax(-1).cumsum(-1)
+    return int(torch.searchsorted(cumulative, torch.tensor([uniform * float(cumulative[-1])],
+                                                            dtype=torch.float64), right=True)), cumulative
+
+
+@pytest.mark.parametrize("vocab", [49152, 49157, 37, 64])
+def test_sample_rows_draws_the_token_of_the_inverse_transform(vocab, two_threads):
+    """For rows of random logits at several temperatures and uniforms across [0, 1), listed out
+    of order in a wider (strided) tensor: the kernel draws the token whose cumulative
+    probability interval holds the uniform number, up to float rounding at an interval's edge
+    (rows split over two threads at the large vocabularies)."""
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(6, vocab + 5, generator=gen) * 4
+    logits = wide[:, :vocab]
+    rows = [5, 0, 3, 3, 1, 4, 2]
+    temperatures = [0.5, 1.0, 1.7, 0.05, 1.0, 3.0, 1.0]
+    uniform = torch.tensor([0.0, 0.999999, 0.25, 0.5, 0.7, 0.01, 0.9])
+    drawn = fused_cpu.sample_rows(logits, rows, temperatures, uniform)
+    for token, row, temperature, u in zip(drawn.tolist(), rows, temperatures, uniform.tolist()):
+        want, cumulative = _inverse_transform_ref(logits[row], temperature, u)
+        if token != want:   # only where u sits on the edge between the two tokens' intervals
+            edge = float(cumulative[min(token, want)])
+            assert abs(edge - u) < 1e-5, (row, token, want, edge, u)
+
+
+def test_sample_rows_follows_the_softmax_over_many_draws():
+    """10,000 draws of one row: each token's frequency is its softmax probability at T=0.8."""
+    logits = torch.tensor([[2.0, 0.5, -1.0, 1.0, float("-inf"), 0.0]])
+    draws = 10_000
+    uniform = torch.rand(draws, generator=torch.Generator().manual_seed(1))
+    tokens = fused_cpu.sample_rows(logits, [0] * draws, [0.8] * draws, uniform)
+    frequency = torch.bincount(tokens, minlength=6).double() / draws
+    expected = (logits[0].double() / 0.8).softmax(-1)
+    assert frequency[4] == 0
+    assert (frequency - expected).abs().max() < 0.015   # 3 standard deviations of a frequency over 10,000 draws
+
+
+def test_sample_rows_never_draws_a_masked_token():
+    """Masked (-inf) tokens before, between and after the allowed ones, at both ends of the
+    uniform range and across a 64-token block edge: never drawn."""
+    logits = torch.full((1, 200), float("-inf"))
+    logits[0, [1, 63, 64, 150]] = torch.tensor([0.0, 1.0, -0.5, 2.0])
+    uniform = torch.tensor([0.0, 1.0 - 2 ** -24, 0.05, 0.3, 0.5])
+    drawn = fused_cpu.sample_rows(logits, [0] * 5, [1.0] * 5, uniform).tolist()
+    assert set(drawn) <= {1, 63, 64, 150} and drawn[0] == 1 and drawn[1] == 150
+
+
+def test_sample_rows_gives_vocab_for_rows_it_cannot_sample():
+    """All -inf (every token masked), a NaN, or +inf (inf - inf): `vocab`, the caller's row error."""
+    logits = torch.zeros(4, 100)
+    logits[0] = float("-inf")
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    drawn = fused_cpu.sample_rows(logits, [0, 1, 2, 3], [1.0] * 4, torch.full((4,), 0.5))
+    assert drawn.tolist()[:3] == [100, 100, 100] and 0 <= drawn[3] < 100
+
+
+def test_sample_rows_refuses_what_it_cannot_read():
+    logits = torch.zeros(2, 64)
+    with pytest.raises(ValueError):
+        fused_cpu.sample_rows(logits.to(torch.bfloat16), [0], [1.0], torch.zeros(1))
+    with pytest.raises(ValueError):
+        fused_cpu.sample_rows(logits, [2], [1.0], torch.zeros(1))
+    with pytest.raises(ValueError):
+        fused_cpu.sample_rows(logits, [0], [0.0], torch.zeros(1))   # greedy rows take argmax
+    with pytest.raises(ValueError):
+        fused_cpu.sample_rows(logits, [0, 1], [1.0], torch.zeros(2))
