@@ -69,6 +69,20 @@ static inline __m512 bf16x16_load(const uint16_t *p, __mmask16 lanes) {
 static inline __m512 bf16x16_round(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
+
+/* 16 lanes of round(silu(gate)) * up in float32, gate and up bf16 values (HF's bf16 rounding of
+ * the SiLU output). 1 / (1 + e) is a reciprocal estimate refined once by Newton (~1e-7 relative,
+ * below bf16's rounding). */
+static inline __m512 silu_mul16(__m512 gate, __m512 up) {
+    const __m512 minus_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(gate),
+                                                                  _mm512_set1_epi32((int)0x80000000u)));
+    const __m512 e = exp_nonpositive16(minus_abs), d = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
+    const __mmask16 negative = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 silu = bf16x16_round(_mm512_mul_ps(_mm512_mask_mul_ps(gate, negative, gate, e), inv));
+    return _mm512_mul_ps(silu, up);
+}
 #endif
 
 /* The fp8 KV cache (e4m3fn, e5m2; `e5m2` selects). An fp8 byte put in the high bits of an fp16

@@ -242,6 +242,30 @@ int NAME(const int32_t *acc, const float *x_scales, const float *w_scale, T *out
 }
 DEFINE_INT8_RESCALE(int8_rescale_bf16, uint16_t, bf16x16_store)
 DEFINE_INT8_RESCALE(int8_rescale_f32, float, f32x16_store)
+
+/* A gate|up GEMM's products acc [m, 2 * inter] -> out [m, inter] = silu_and_mul of their bf16
+ * rescale, bit for bit `int8_rescale_bf16` then fused_cpu's `silu_and_mul_bf16`, in one pass: the
+ * bf16 [m, 2 * inter] between them is neither written nor read again (at a 2,048-token prefill
+ * of SmolLM2, 12.6 MB a layer each way). */
+int int8_rescale_silu_bf16(const int32_t *acc, const float *x_scales, const float *w_scale, uint16_t *out,
+                           int64_t m, int64_t inter, int64_t x_scale_step, int64_t w_scale_step) {
+    _Pragma("omp parallel for schedule(static) if(m * inter >= 32768)")
+    for (int64_t r = 0; r < m; r++) {
+        const __m512 xs = _mm512_set1_ps(x_scales[r * x_scale_step]);
+        const int32_t *gate = acc + r * 2 * inter, *up = gate + inter;
+        for (int64_t c = 0; c < inter; c += 16) {
+            const __mmask16 lanes = inter - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (inter - c)) - 1);
+            const __m512 gs = w_scale_step ? _mm512_maskz_loadu_ps(lanes, w_scale + c) : _mm512_set1_ps(w_scale[0]);
+            const __m512 us = w_scale_step ? _mm512_maskz_loadu_ps(lanes, w_scale + inter + c) : gs;
+            const __m512 g = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, gate + c));
+            const __m512 u = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, up + c));
+            const __m512 y = silu_mul16(bf16x16_round(_mm512_mul_round_ps(_mm512_mul_round_ps(g, xs, NEAREST), gs, NEAREST)),
+                                        bf16x16_round(_mm512_mul_round_ps(_mm512_mul_round_ps(u, xs, NEAREST), us, NEAREST)));
+            bf16x16_store(out + r * inter + c, lanes, y);
+        }
+    }
+    return OK;
+}
 #else
 int int8_supported(void) { return 0; }
 int int8_linear_bf16(void) { return UNSUPPORTED; }
@@ -250,4 +274,5 @@ int int8_quantize_bf16(void) { return UNSUPPORTED; }
 int int8_quantize_f32(void) { return UNSUPPORTED; }
 int int8_rescale_bf16(void) { return UNSUPPORTED; }
 int int8_rescale_f32(void) { return UNSUPPORTED; }
+int int8_rescale_silu_bf16(void) { return UNSUPPORTED; }
 #endif

@@ -40,6 +40,7 @@ def _functions() -> dict | None:
     for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         functions["quantize", dtype] = cpu_build.bind(library, f"int8_quantize_{suffix}", pointers=4, ints=3)
         functions["rescale", dtype] = cpu_build.bind(library, f"int8_rescale_{suffix}", pointers=4, ints=4)
+    functions["rescale_silu"] = cpu_build.bind(library, "int8_rescale_silu_bf16", pointers=4, ints=4)
     return functions
 
 
@@ -113,4 +114,19 @@ def rescale(products: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor
     out = torch.empty(m, n, dtype=dtype)
     _functions()["rescale", dtype](products.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(), out.data_ptr(), m, n,
                                    int(x_scale.numel() != 1), int(w_scale.numel() != 1))
+    return out
+
+
+def rescale_silu_and_mul(products: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """int32 products of a gate|up GEMM [M, 2I] -> `silu_and_mul(rescale(products, x_scale, w_scale,
+    torch.bfloat16))` [M, I] in bf16, bit for bit, in one pass (no bf16 [M, 2I] in between)."""
+    products = products.contiguous()
+    x_scale, w_scale = x_scale.float().contiguous(), w_scale.float().contiguous()
+    m, n = products.shape
+    if n % 2 or w_scale.numel() not in (1, n):
+        raise ValueError(f"rescale_silu_and_mul needs [M, 2I] products and 1 or 2I weight scales, got {n} and "
+                         f"{w_scale.numel()}")
+    out = torch.empty(m, n // 2, dtype=torch.bfloat16)
+    _functions()["rescale_silu"](products.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(), out.data_ptr(), m,
+                                 n // 2, int(x_scale.numel() != 1), int(w_scale.numel() != 1))
     return out

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kubeinfer.kernels import ops
-
 from .linear import Linear, MergedLinear, ParallelRole
 
 
@@ -18,4 +16,4 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, role=ParallelRole.ROW)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))

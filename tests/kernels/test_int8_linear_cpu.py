@@ -5,7 +5,7 @@ the same numbers bit for bit, dynamic and static activations, with and without b
 import pytest
 import torch
 
-from kubeinfer.kernels import int8_linear_cpu
+from kubeinfer.kernels import fused_cpu, int8_linear_cpu
 from kubeinfer.server.model.quantization.weights import Int8Weight, _int_mm
 
 
@@ -83,3 +83,41 @@ def test_int8_weight_takes_the_kernel_where_it_is_faster(monkeypatch):
     big = Int8Weight(torch.ones(4096, 8, dtype=torch.int8), torch.ones(4096), "dynamic")
     big.forward(torch.ones(2048, 8, dtype=torch.bfloat16), None)
     assert calls == [4, 2048]
+
+
+@pytest.mark.cpu_isas("native", "avx512")
+@pytest.mark.parametrize("m, k, inter", [(200, 576, 1536), (70, 64, 40), (3, 16, 7)])
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_rescale_silu_and_mul_equals_rescale_then_silu_and_mul(cpu_isa, m, k, inter, activations, per_tensor):
+    """The gate|up products rescaled and put through SiLU-and-mul in one pass: bit for bit the two
+    passes (bf16 rescale, then fused_cpu.silu_and_mul), per-channel and per-tensor weight scales,
+    inter not a multiple of 16 included."""
+    if not int8_linear_cpu.available():
+        pytest.skip("needs AVX512-VNNI and AVX512-BF16")
+    weight, scale, x, _ = _case(m, k, 2 * inter, torch.bfloat16, m + k + inter, per_tensor=per_tensor)
+    xq, x_scale = int8_linear_cpu.quantize_rows(x, torch.tensor(0.02) if activations == "static" else None)
+    products = _int_mm(xq, weight.t())
+    expected = fused_cpu.silu_and_mul(int8_linear_cpu.rescale(products, x_scale, scale, torch.bfloat16))
+    got = int8_linear_cpu.rescale_silu_and_mul(products, x_scale, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, inter) and torch.equal(got, expected)
+
+
+def test_gate_up_layer_fuses_silu_only_where_it_goes_through_int_mm(monkeypatch):
+    """A W8A8 gate|up layer at prefill sizes runs the one-pass rescale + SiLU (same numbers as the
+    two steps); at decode sizes, with an adapter or a bias it runs the two steps."""
+    if not int8_linear_cpu.available():
+        pytest.skip("needs AVX512-VNNI and AVX512-BF16")
+    from kubeinfer.server.model.linear import MergedLinear
+    weight, scale, _, _ = _case(1, 64, 96, torch.bfloat16, 11)
+    layer = MergedLinear(64, [48, 48], bias=False)
+    layer.weight = None
+    layer.weight_quant = Int8Weight(weight, scale, "dynamic")
+    fused = []
+    real = int8_linear_cpu.rescale_silu_and_mul
+    monkeypatch.setattr(int8_linear_cpu, "rescale_silu_and_mul", lambda *args: fused.append(1) or real(*args))
+    for rows, fuses in ((200, True), (4, False)):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert torch.equal(layer.silu_and_mul(x), fused_cpu.silu_and_mul(layer(x)))
+        assert bool(fused) == fuses
+        fused.clear()

@@ -77,6 +77,10 @@ class PackedIntWeight:
             out = out + bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """No one-pass form here: None, the caller runs `forward` then SiLU-and-mul."""
+        return None
+
 
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], float32 scales [M, 1]) with scale amax/127 per row."""
@@ -122,6 +126,11 @@ class ScaledWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight.float() * self.scale[:, None]).to(dtype)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`silu_and_mul(self.forward(x, None))` for a gate|up weight in one pass where a kernel has
+        that form; None: the caller runs the two steps."""
+        return None
+
 
 # Where the fused CPU kernel beats quantize + torch._int_mm + rescale (measured on an AMD EPYC
 # with AVX512-VNNI, BENCHMARKS.md issue 23): few rows (decode, where even one-pass quantize and
@@ -159,6 +168,18 @@ class Int8Weight(ScaledWeight):
                     out = out + bias
             return out.view(*x.shape[:-1], self.out_features)
         return self.forward_torch(x, bias)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The rescale and SiLU in one pass where the forward goes through `torch._int_mm` on the
+        CPU (prefill sizes, bf16 activations)."""
+        rows = x.reshape(-1, self.in_features)
+        if not (self.activations is not None and rows.device.type == "cpu" and rows.dtype == torch.bfloat16
+                and rows.stride(1) == 1 and not int8_linear_cpu.building() and int8_linear_cpu.available()
+                and not _int8_kernel_is_faster(rows.shape[0], self.out_features)):
+            return None
+        xq, x_scale = int8_linear_cpu.quantize_rows(rows, self.input_scale if self.activations == "static" else None)
+        out = int8_linear_cpu.rescale_silu_and_mul(_int_mm(xq, self.weight.t()), x_scale, self.scale)
+        return out.view(*x.shape[:-1], self.out_features // 2)
 
     def packed(self) -> int8_linear_cpu.PackedInt8:
         """The weight in the CPU kernel's panels, made at the first forward (tensor parallelism's
