@@ -14,7 +14,7 @@ import torch
 
 from . import cpu_build
 
-_PANEL = 32
+_PANEL = 48   # output columns of a packed panel, PANEL in the C file
 _FUNCTIONS = {torch.bfloat16: "int8_linear_bf16", torch.float32: "int8_linear_f32"}
 
 
