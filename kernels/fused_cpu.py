@@ -107,16 +107,25 @@ def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
                            inverse_scale(k_scale), inverse_scale(v_scale))
 
 
+_BITMASK = ("apply_token_bitmask_f32", 4, 4)   # (function, pointers, ints) of the logits kernels
+_SAMPLE = ("sample_rows_f32", 5, 3)
+
+
 @cpu_build.per_isa
-def _bitmask_function() -> object | None:
+def _logits_function(name: str, pointers: int, ints: int) -> object | None:
     library = cpu_build.load("fused_cpu")
-    return None if library is None else cpu_build.bind(library, "apply_token_bitmask_f32", pointers=4, ints=4)
+    return None if library is None else cpu_build.bind(library, name, pointers=pointers, ints=ints)
+
+
+def _takes_logits(logits: torch.Tensor, kernel: tuple[str, int, int]) -> bool:
+    """Whether `kernel` takes these logits: CPU float32 rows with unit column stride, kernels built."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and _logits_function(*kernel) is not None)
 
 
 def token_bitmask_available(logits: torch.Tensor) -> bool:
-    """Whether `apply_token_bitmask` takes these logits (CPU float32 with unit column stride)."""
-    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.stride(1) == 1 and _bitmask_function() is not None)
+    """Whether `apply_token_bitmask` takes these logits."""
+    return _takes_logits(logits, _BITMASK)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -130,21 +139,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
         raise ValueError(f"rows must index the {logits.shape[0]} rows of logits")
     index = torch.tensor(rows, dtype=torch.int64)
     alive = torch.zeros(len(rows), dtype=torch.uint8)
-    _bitmask_function()(logits.data_ptr(), bitmask.data_ptr(), index.data_ptr(), alive.data_ptr(), len(rows),
-                        logits.stride(0), bitmask.stride(0), logits.shape[1])
+    _logits_function(*_BITMASK)(logits.data_ptr(), bitmask.data_ptr(), index.data_ptr(), alive.data_ptr(), len(rows),
+                                logits.stride(0), bitmask.stride(0), logits.shape[1])
     return alive.bool()
 
 
-@cpu_build.per_isa
-def _sample_function() -> object | None:
-    library = cpu_build.load("fused_cpu")
-    return None if library is None else cpu_build.bind(library, "sample_rows_f32", pointers=5, ints=3)
-
-
 def sample_rows_available(logits: torch.Tensor) -> bool:
-    """Whether `sample_rows` takes these logits (CPU float32 with unit column stride)."""
-    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.stride(1) == 1 and _sample_function() is not None)
+    """Whether `sample_rows` takes these logits."""
+    return _takes_logits(logits, _SAMPLE)
 
 
 def sample_rows(logits: torch.Tensor, rows: list[int], temperatures: list[float], uniform: torch.Tensor
@@ -162,6 +164,6 @@ def sample_rows(logits: torch.Tensor, rows: list[int], temperatures: list[float]
     inverse = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
     draws = uniform.to(torch.float32).reshape(-1).contiguous()
     tokens = torch.empty(len(rows), dtype=torch.int64)
-    _sample_function()(logits.data_ptr(), inverse.data_ptr(), draws.data_ptr(), tokens.data_ptr(), index.data_ptr(),
-                       len(rows), logits.stride(0), logits.shape[1])
+    _logits_function(*_SAMPLE)(logits.data_ptr(), inverse.data_ptr(), draws.data_ptr(), tokens.data_ptr(),
+                               index.data_ptr(), len(rows), logits.stride(0), logits.shape[1])
     return tokens

@@ -207,10 +207,10 @@ class Sampler:
     def _sample_torch(self, logits: torch.Tensor, seqs: list[SamplingRow], uniform: torch.Tensor,
                       rows: list[int], sampled: torch.Tensor) -> torch.Tensor:
         """`sampled` with `rows` drawn from their processed distributions (and drafts verified)."""
-        whole = len(rows) == len(seqs)
-        index = None if whole else torch.tensor(rows, device=self.device)
+        index = None if len(rows) == len(seqs) else torch.tensor(rows, device=self.device)
         if index is not None:
-            logits, uniform, seqs = logits.index_select(0, index), uniform.index_select(0, index), [seqs[r] for r in rows]
+            logits, uniform = logits.index_select(0, index), uniform.index_select(0, index)
+            seqs = [seqs[r] for r in rows]
         probs = self._probs(logits, seqs)
         drawn = _inverse_transform(probs, uniform)
         verified = [row for row, seq in enumerate(seqs) if _draft_with_probs(seq) is not None]
