@@ -104,8 +104,8 @@ def test_rescale_silu_and_mul_equals_rescale_then_silu_and_mul(cpu_isa, m, k, in
 
 
 def test_gate_up_layer_fuses_silu_only_where_it_goes_through_int_mm(monkeypatch):
-    """A W8A8 gate|up layer at prefill sizes runs the one-pass rescale + SiLU (same numbers as the
-    two steps); at decode sizes, with an adapter or a bias it runs the two steps."""
+    """A W8A8 gate|up layer at prefill sizes runs the one-pass rescale + SiLU, with the numbers of
+    its forward then SiLU-and-mul; at decode sizes (the fused GEMM kernel's) it runs those two steps."""
     if not int8_linear_cpu.available():
         pytest.skip("needs AVX512-VNNI and AVX512-BF16")
     from kubeinfer.server.model.linear import MergedLinear
