@@ -120,9 +120,11 @@ static inline void multiply_rows(const uint8_t *const xq[ROWS], const int8_t *pa
 /* float(sum - 128 colsum) * xs, then * ws, for 16 columns: the explicitly rounded products keep
  * torch's order (-fassociative-math may regroup plain ones, which moves the last bit). */
 #define NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline __m512 scaled(__m512 v, __m512 x_scale, __m512 w_scale) {
+    return _mm512_mul_round_ps(_mm512_mul_round_ps(v, x_scale, NEAREST), w_scale, NEAREST);
+}
 static inline __m512 rescale(__m512i sum, __m512i correction, float x_scale, __m512 w_scale) {
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, correction));
-    return _mm512_mul_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(x_scale), NEAREST), w_scale, NEAREST);
+    return scaled(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, correction)), _mm512_set1_ps(x_scale), w_scale);
 }
 
 /* Every row of x quantized (quantize_row, rows of kp bytes) with its scale into scales[r]. */
@@ -239,7 +241,7 @@ int NAME(const int32_t *acc, const float *x_scales, const float *w_scale, T *out
             const __m512 ws = w_scale_step ? _mm512_maskz_loadu_ps(lanes, w_scale + c)          \
                                            : _mm512_set1_ps(w_scale[0]);                         \
             const __m512 v = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, acc + r * n + c)); \
-            STORE16(out + r * n + c, lanes, _mm512_mul_round_ps(_mm512_mul_round_ps(v, xs, NEAREST), ws, NEAREST)); \
+            STORE16(out + r * n + c, lanes, scaled(v, xs, ws));                                  \
         }                                                                                        \
     }                                                                                            \
     return OK;                                                                                   \
@@ -263,8 +265,7 @@ int int8_rescale_silu_bf16(const int32_t *acc, const float *x_scales, const floa
             const __m512 us = w_scale_step ? _mm512_maskz_loadu_ps(lanes, w_scale + inter + c) : gs;
             const __m512 g = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, gate + c));
             const __m512 u = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, up + c));
-            const __m512 y = silu_mul16(bf16x16_round(_mm512_mul_round_ps(_mm512_mul_round_ps(g, xs, NEAREST), gs, NEAREST)),
-                                        bf16x16_round(_mm512_mul_round_ps(_mm512_mul_round_ps(u, xs, NEAREST), us, NEAREST)));
+            const __m512 y = silu_mul16(bf16x16_round(scaled(g, xs, gs)), bf16x16_round(scaled(u, xs, us)));
             bf16x16_store(out + r * inter + c, lanes, y);
         }
     }

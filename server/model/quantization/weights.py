@@ -154,11 +154,21 @@ class Int8Weight(ScaledWeight):
 
     _packed: int8_linear_cpu.PackedInt8 | None = field(default=None, init=False, repr=False, compare=False)
 
+    def _cpu_kernels_take(self, rows: torch.Tensor) -> bool:
+        """Whether `int8_linear_cpu` computes these rows [M, K]: int8 activations, CPU rows of
+        bf16 or float32 with unit column stride, the kernels built."""
+        return (self.activations is not None and rows.device.type == "cpu"
+                and rows.dtype in (torch.bfloat16, torch.float32) and rows.stride(1) == 1
+                and not int8_linear_cpu.building() and int8_linear_cpu.available())
+
+    @property
+    def _static_scale(self) -> torch.Tensor | None:
+        return self.input_scale if self.activations == "static" else None
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if (self.activations is not None and rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32)
-                and rows.stride(1) == 1 and not int8_linear_cpu.building() and int8_linear_cpu.available()):
-            static = self.input_scale if self.activations == "static" else None
+        if self._cpu_kernels_take(rows):
+            static = self._static_scale
             if _int8_kernel_is_faster(rows.shape[0], self.out_features):
                 out = int8_linear_cpu.linear(rows, self.packed(), bias, static)
             else:   # oneDNN's GEMM between the kernel's one-pass quantize and rescale
@@ -173,11 +183,10 @@ class Int8Weight(ScaledWeight):
         """The rescale and SiLU in one pass where the forward goes through `torch._int_mm` on the
         CPU (prefill sizes, bf16 activations)."""
         rows = x.reshape(-1, self.in_features)
-        if not (self.activations is not None and rows.device.type == "cpu" and rows.dtype == torch.bfloat16
-                and rows.stride(1) == 1 and not int8_linear_cpu.building() and int8_linear_cpu.available()
+        if not (self._cpu_kernels_take(rows) and rows.dtype == torch.bfloat16
                 and not _int8_kernel_is_faster(rows.shape[0], self.out_features)):
             return None
-        xq, x_scale = int8_linear_cpu.quantize_rows(rows, self.input_scale if self.activations == "static" else None)
+        xq, x_scale = int8_linear_cpu.quantize_rows(rows, self._static_scale)
         out = int8_linear_cpu.rescale_silu_and_mul(_int_mm(xq, self.weight.t()), x_scale, self.scale)
         return out.view(*x.shape[:-1], self.out_features // 2)
 
