@@ -1,14 +1,14 @@
 """The cache-aware router on the local cluster (issue #19): 3 real engine pods, 2 router pods.
 
-Scaled down from the issue's workload to fit 2 vCPUs: 8 tenants, each with its own ~250-token
-system prompt, 4 chat requests each (32), concurrency 8, sent alternately through both router
-pods (the local cluster has no kube-proxy, so the test talks to pod IPs, as the Service would).
-Asserted: the engines' reported cached prompt tokens are >= 85% of a single replica's for the
-same workload (run first against one engine pod directly, with its own cache_salt); no engine
-serves more than 1.5x the mean of the routed requests; both routers send the same request to
-the same engine; and with the routers' deletion costs set, scaling 3 -> 2 removes the engine
-whose cache served least (one of them, when two served equally). Scaling 2 -> 3, the routers
-warm the new engine with the tenants' system prompts.
+The issue's workload: 8 tenants, each with its own system prompt of over 1,024 tokens, 16 chat
+requests each (128), concurrency 16, sent alternately through both router pods (the local
+cluster has no kube-proxy, so the test talks to pod IPs, as the Service would). Asserted: the
+engines' reported cached prompt tokens are >= 85% of a single replica's for the same workload
+(run afterwards against one engine pod directly, with its own cache_salt); no engine serves
+more than 1.5x the mean of the routed requests; both routers send the same request to the same
+engine; and with the routers' deletion costs set, scaling 3 -> 2 removes the engine whose
+cache served least (one of them, when two served equally). Scaling 2 -> 3, the routers warm the
+new engine with the tenants' system prompts.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ NAME = "routed"
 ENGINES = f"app.kubernetes.io/component=engine,kubeinfer.io/inferenceservice={NAME}"
 ROUTERS = f"app.kubernetes.io/component=gateway,kubeinfer.io/inferenceservice={NAME}"
 COST = "controller.kubernetes.io/pod-deletion-cost"
-TENANTS, PER_TENANT, CONCURRENCY = 8, 4, 8
+TENANTS, PER_TENANT, CONCURRENCY = 8, 16, 16
+RULES = 34   # 30 tokens each: a system prompt of 1,033 tokens, 1,047 with the question
+PROMPT_TOKENS = 1024
 TOPICS = ["garden tools", "train tickets", "tax forms", "pet food", "guitar strings", "bike repair",
           "tea leaves", "phone plans"]
 
@@ -40,9 +42,11 @@ def operator(cluster: Cluster) -> str:
 
 
 def manifest(replicas: int) -> str:
-    spec = {"model": {"source": "embedded", "servedName": "smollm2", "maxModelLen": 512},
-            "engine": {"device": "cpu", "kvCacheMemory": "192Mi", "maxNumSeqs": 8,
-                       "maxNumBatchedTokens": 512},
+    # KV for every tenant's prompt on one engine (8 x 1,047 tokens at 22.5 KiB, ~185 MiB), so
+    # the single-replica reference keeps them all
+    spec = {"model": {"source": "embedded", "servedName": "smollm2", "maxModelLen": 2048},
+            "engine": {"device": "cpu", "kvCacheMemory": "384Mi", "maxNumSeqs": 16,
+                       "maxNumBatchedTokens": 1024},
             "resources": {"cpu": "1", "memory": "2Gi"}, "replicas": replicas,
             "routing": {"strategy": "prefix-aware"}}
     return json.dumps({"apiVersion": "kubeinfer.io/v1alpha1", "kind": "InferenceService",
@@ -60,7 +64,7 @@ def ready_urls(cluster: Cluster, namespace: str, selector: str, port: int, count
 def system_prompt(tenant: int) -> str:
     topic = TOPICS[tenant]
     rules = " ".join(f"Rule {i}: when a customer asks about {topic}, answer in one short sentence, "
-                     f"cite the {topic} catalogue and never discuss anything else." for i in range(6))
+                     f"cite the {topic} catalogue and never discuss anything else." for i in range(RULES))
     return f"Tenant {tenant}. You are the support assistant for {topic}. {rules}"
 
 
@@ -70,16 +74,18 @@ def body(tenant: int, question: int | str, salt: str) -> dict[str, Any]:
             "max_tokens": 2, "temperature": 0, "cache_salt": salt}
 
 
-async def workload(urls: list[str], salt: str) -> int:
+async def workload(urls: list[str], salt: str, per_tenant: int = PER_TENANT) -> int:
     """Cached prompt tokens of the whole run; request i goes to urls[i % len(urls)]."""
-    bodies = [body(t, q, salt) for q in range(PER_TENANT) for t in range(TENANTS)]
+    bodies = [body(t, q, salt) for q in range(per_tenant) for t in range(TENANTS)]
     slots = asyncio.Semaphore(CONCURRENCY)
     async with httpx.AsyncClient(timeout=600) as client:
         async def one(index: int, request: dict) -> int:
             async with slots:
                 response = await client.post(f"{urls[index % len(urls)]}/v1/chat/completions", json=request)
                 assert response.status_code == 200, response.text
-                return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                usage = response.json()["usage"]
+                assert usage["prompt_tokens"] > PROMPT_TOKENS, usage
+                return usage["prompt_tokens_details"]["cached_tokens"]
 
         return sum(await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies))))
 
@@ -167,7 +173,7 @@ def test_a_scaled_up_engine_is_warmed_by_the_routers(local_cluster: Cluster, ope
     before = ready_urls(local_cluster, namespace, ENGINES, 8000, 2)
     routers = list(ready_urls(local_cluster, namespace, ROUTERS, 8080, 2).values())
     routers_ready_for_keys(routers)
-    asyncio.run(workload(routers, "warm"))   # each router sees every tenant twice: shared prefixes
+    asyncio.run(workload(routers, "warm", per_tenant=4))   # each router sees every tenant twice: shared prefixes
 
     local_cluster.kubectl("scale", "inferenceservice", NAME, "-n", namespace, "--replicas=3")
     engines = ready_urls(local_cluster, namespace, ENGINES, 8000, 3)
