@@ -411,6 +411,78 @@ static inline __attribute__((always_inline)) void scores_fp8(
     }
 }
 
+/* 32 e4m3 values as bf16, exactly: the magnitude bits moved under bf16's exponent, which is
+ * rebased (+120), the eight subnormals (exponent 0) from a table, the sign on top. So e4m3 keys
+ * meet bf16 queries in vdpbf16ps, 32 products an instruction, as bf16 keys do. */
+static inline __m512i e4m3x32_to_bf16(const uint8_t *p) {
+    static const uint16_t subnormals[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    __m512i v = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x7F)), 4),
+                                 _mm512_set1_epi16(120 << 7));
+    v = _mm512_mask_permutexvar_epi16(v, _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78)), x,
+                                      _mm512_loadu_si512(subnormals));
+    return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+}
+
+/* scores_bf16 over an e4m3 cache: each run of 16 keys converted to bf16 once (into `rows`, in
+ * L1), then read by every query head with vdpbf16ps. `scale` includes the cache's K scale. */
+static inline __attribute__((always_inline)) void scores_e4m3(
+        const uint16_t *q, const uint8_t *k_cache, const int32_t *table, int64_t kv_stride, int group,
+        const int CHUNKS, int64_t block_size, int first, int count, float scale, float *scores, float *best) {
+    uint16_t rows[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    __m512 top[MAX_GROUP];
+    float top1[MAX_GROUP];
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int g = 0; g < group; g++) {
+        top[g] = _mm512_set1_ps(-INFINITY);
+        top1[g] = -INFINITY;
+    }
+    for (int j = 0; j < count;) {
+        const int pos = first + j;
+        const int offset = pos % block_size;
+        const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j;
+        const uint8_t *krow = k_cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride;
+        prefetch_next_block(k_cache, table, pos / block_size, first, count, block_size, kv_stride, CHUNKS * 32);
+        int t = 0;
+        for (; t + 16 <= run; t += 16, j += 16, krow += 16 * kv_stride) {
+            prefetch_next_sequence(16);
+            for (int k = 0; k < 16; k++)
+                for (int c = 0; c < CHUNKS; c++)
+                    _mm512_store_si512(rows[k] + c * 32, e4m3x32_to_bf16(krow + k * kv_stride + c * 32));
+            for (int g = 0; g < group; g++) {
+                __m512bh qv[MAX_HEAD_DIM / 32];
+                __m512 sums[16];
+                for (int c = 0; c < CHUNKS; c++) qv[c] = (__m512bh)_mm512_loadu_si512(q + (g * CHUNKS + c) * 32);
+                for (int k = 0; k < 16; k++) {
+                    sums[k] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_load_si512(rows[k]));
+                    for (int c = 1; c < CHUNKS; c++)
+                        sums[k] = _mm512_dpbf16_ps(sums[k], qv[c], (__m512bh)_mm512_load_si512(rows[k] + c * 32));
+                }
+                const __m512 dots = _mm512_mul_ps(sum_each_16(sums), scale16);
+                _mm512_storeu_ps(scores + (int64_t)g * count + j, dots);
+                top[g] = _mm512_max_ps(top[g], dots);
+            }
+        }
+        for (; t < run; t++, j++, krow += kv_stride) {
+            prefetch_next_sequence(1);
+            for (int c = 0; c < CHUNKS; c++) _mm512_store_si512(rows[0] + c * 32, e4m3x32_to_bf16(krow + c * 32));
+            for (int g = 0; g < group; g++) {
+                __m512 sum = _mm512_setzero_ps();
+                for (int c = 0; c < CHUNKS; c++)
+                    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + (g * CHUNKS + c) * 32),
+                                           (__m512bh)_mm512_load_si512(rows[0] + c * 32));
+                const float dot = _mm512_reduce_add_ps(sum) * scale;
+                scores[(int64_t)g * count + j] = dot;
+                top1[g] = dot > top1[g] ? dot : top1[g];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float wide = _mm512_reduce_max_ps(top[g]);
+        best[g] = wide > top1[g] ? wide : top1[g];
+    }
+}
+
 /* out rows [g0, g0 + G) = normalised weights x V of an fp8 cache, times v_factor: each V row
  * converted once for the G heads, G * VECS float32 accumulators in registers. */
 static inline __attribute__((always_inline)) void weighted_values_fp8(
@@ -446,9 +518,13 @@ static inline __attribute__((always_inline)) void attend_bf16_fp8_avx512(
     float qf[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(64)));
     float best[MAX_GROUP], total[MAX_GROUP];
     const float q_scale = scale * format->k_factor;
-    for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_to_float(q[i]) * q_scale;
-    scores_fp8(qf, k_cache, table, kv_stride, group, head_dim / 16, block_size, first, count, format->e5m2,
-               scores, best);
+    if (format->e5m2) {
+        for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_to_float(q[i]) * q_scale;
+        scores_fp8(qf, k_cache, table, kv_stride, group, head_dim / 16, block_size, first, count, 1, scores, best);
+    } else {   /* exact bf16 keys: k_factor's fp8_factor is for the fp16 reading only */
+        scores_e4m3(q, k_cache, table, kv_stride, group, head_dim / 32, block_size, first, count,
+                    q_scale / fp8_factor(0), scores, best);
+    }
     softmax_weights(scores, group, count, best, total);
 #define VALUES(G) weighted_values_fp8(v_cache, table, out, kv_stride, g0, G, head_dim / 16, block_size, \
                                       first, count, format->e5m2, scores, total, format->v_factor)

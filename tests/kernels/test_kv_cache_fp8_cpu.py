@@ -86,6 +86,27 @@ def test_cpu_decode_reads_fp8(dtype, kv_dtype, heads, head_dim, block_size, extr
 
 
 @pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_decode_reads_every_e4m3_key_value(head_dim, two_threads):
+    """The bf16 reading of e4m3 keys (for vdpbf16ps) is exact, subnormals included: keys of
+    random e4m3 bytes, and keys of subnormals and zeros only under queries large enough that
+    they decide a peaked softmax (a wrong value there picks other keys); both match the float32
+    reference to bf16 rounding."""
+    gen = torch.Generator().manual_seed(1)
+    scale = head_dim ** -0.5
+    for exponent_mask, q_factor in ((0xFF, 1.0), (0x87, 3000.0)):
+        batch = make_paged_batch([(1, 200), (1, 37)] * 5, 9, 3, head_dim, 16, torch.bfloat16, seed=1)
+        codes = torch.randint(0, 256, batch.k_cache.shape, generator=gen, dtype=torch.int32) & exponent_mask
+        codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)   # no NaN
+        batch.k_cache = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+        batch.v_cache = quantize_fp8_ref(batch.v_cache, V_SCALE, torch.float8_e4m3fn)
+        batch.q = (batch.q.float() * q_factor).to(torch.bfloat16)
+        got = paged_decode_cpu.paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                            batch.seq_lens, scale, None, K_SCALE, V_SCALE)
+        torch.testing.assert_close(got, _reference(batch, scale), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.usefixtures("cpu_isa")
 @pytest.mark.cpu_isas("native", "avx512")   # AMX tiles where the CPU has them, and vdpbf16ps
 @pytest.mark.parametrize("kv_dtype", FP8, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128)])
