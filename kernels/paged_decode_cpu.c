@@ -355,65 +355,8 @@ static __attribute__((noinline)) void attend_bf16(
                            first, count, scale, scores, format);
 }
 
-/* Scores of every query head against every key of an fp8 cache, and their maxima. Each run of
- * 16 keys is converted to float32 once (into `rows`, in L1) and then read by every query head:
- * the conversion, not the multiply, is the cost of an fp8 key. `qf` [group][VECS * 16] holds the
- * queries times scale and k_factor. */
-static inline __attribute__((always_inline)) void scores_fp8(
-        const float *qf, const uint8_t *k_cache, const int32_t *table, int64_t kv_stride, int group,
-        const int VECS, int64_t block_size, int first, int count, int e5m2, float *scores, float *best) {
-    float rows[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    __m512 top[MAX_GROUP];
-    float top1[MAX_GROUP];
-    for (int g = 0; g < group; g++) {
-        top[g] = _mm512_set1_ps(-INFINITY);
-        top1[g] = -INFINITY;
-    }
-    for (int j = 0; j < count;) {
-        const int pos = first + j;
-        const int offset = pos % block_size;
-        const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j;
-        const uint8_t *krow = k_cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride;
-        prefetch_next_block(k_cache, table, pos / block_size, first, count, block_size, kv_stride, VECS * 16);
-        int t = 0;
-        for (; t + 16 <= run; t += 16, j += 16, krow += 16 * kv_stride) {
-            prefetch_next_sequence(16);
-            for (int k = 0; k < 16; k++)
-                for (int c = 0; c < VECS; c++) _mm512_store_ps(rows[k] + c * 16, fp8x16_load(krow + k * kv_stride + c * 16, e5m2));
-            for (int g = 0; g < group; g++) {
-                __m512 qv[MAX_HEAD_DIM / 16], sums[16];
-                for (int c = 0; c < VECS; c++) qv[c] = _mm512_loadu_ps(qf + (g * VECS + c) * 16);
-                for (int k = 0; k < 16; k++) {
-                    sums[k] = _mm512_mul_ps(qv[0], _mm512_load_ps(rows[k]));
-                    for (int c = 1; c < VECS; c++) sums[k] = _mm512_fmadd_ps(qv[c], _mm512_load_ps(rows[k] + c * 16), sums[k]);
-                }
-                const __m512 dots = sum_each_16(sums);
-                _mm512_storeu_ps(scores + (int64_t)g * count + j, dots);
-                top[g] = _mm512_max_ps(top[g], dots);
-            }
-        }
-        for (; t < run; t++, j++, krow += kv_stride) {
-            prefetch_next_sequence(1);
-            for (int c = 0; c < VECS; c++) _mm512_store_ps(rows[0] + c * 16, fp8x16_load(krow + c * 16, e5m2));
-            for (int g = 0; g < group; g++) {
-                __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qf + g * VECS * 16), _mm512_load_ps(rows[0]));
-                for (int c = 1; c < VECS; c++)
-                    sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (g * VECS + c) * 16), _mm512_load_ps(rows[0] + c * 16), sum);
-                const float dot = _mm512_reduce_add_ps(sum);
-                scores[(int64_t)g * count + j] = dot;
-                top1[g] = dot > top1[g] ? dot : top1[g];
-            }
-        }
-    }
-    for (int g = 0; g < group; g++) {
-        const float wide = _mm512_reduce_max_ps(top[g]);
-        best[g] = wide > top1[g] ? wide : top1[g];
-    }
-}
-
 /* 32 e4m3 values as bf16, exactly: the magnitude bits moved under bf16's exponent, which is
- * rebased (+120), the eight subnormals (exponent 0) from a table, the sign on top. So e4m3 keys
- * meet bf16 queries in vdpbf16ps, 32 products an instruction, as bf16 keys do. */
+ * rebased (+120), the eight subnormals (exponent 0) from a table, the sign on top. */
 static inline __m512i e4m3x32_to_bf16(const uint8_t *p) {
     static const uint16_t subnormals[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
     const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
@@ -424,12 +367,44 @@ static inline __m512i e4m3x32_to_bf16(const uint8_t *p) {
     return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
 }
 
-/* scores_bf16 over an e4m3 cache: each run of 16 keys converted to bf16 once (into `rows`, in
- * L1), then read by every query head with vdpbf16ps. `scale` includes the cache's K scale. */
-static inline __attribute__((always_inline)) void scores_e4m3(
-        const uint16_t *q, const uint8_t *k_cache, const int32_t *table, int64_t kv_stride, int group,
-        const int CHUNKS, int64_t block_size, int first, int count, float scale, float *scores, float *best) {
-    uint16_t rows[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
+/* A key row of an fp8 cache (head_dim values) as the scores read it: e4m3 as exact bf16, e5m2
+ * as float32 over fp8_factor. */
+static inline __attribute__((always_inline)) void fp8_key_row(void *row, const uint8_t *src, const int head_dim,
+                                                               const int e5m2) {
+    if (e5m2)
+        for (int c = 0; c < head_dim / 16; c++) _mm512_store_ps((float *)row + c * 16, fp8x16_load(src + c * 16, 1));
+    else
+        for (int c = 0; c < head_dim / 32; c++) _mm512_store_si512((uint16_t *)row + c * 32, e4m3x32_to_bf16(src + c * 32));
+}
+
+/* Query head g's products with a converted key row, in 16 partial sums: vdpbf16ps against bf16
+ * queries (e4m3), float32 FMAs against float32 queries (e5m2). */
+static inline __attribute__((always_inline)) __m512 key_products(const void *q, const void *row, int g,
+                                                                  const int head_dim, const int e5m2) {
+    __m512 sum = _mm512_setzero_ps();
+    if (e5m2) {
+        const float *qf = (const float *)q + g * head_dim;
+        for (int c = 0; c < head_dim / 16; c++)
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c * 16), _mm512_load_ps((const float *)row + c * 16), sum);
+    } else {
+        const uint16_t *qb = (const uint16_t *)q + g * head_dim;
+        for (int c = 0; c < head_dim / 32; c++)
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qb + c * 32),
+                                   (__m512bh)_mm512_load_si512((const uint16_t *)row + c * 32));
+    }
+    return sum;
+}
+
+/* Scores (times `scale`) of every query head against every key of an fp8 cache, and their
+ * maxima. Each run of 16 keys is converted once (into `rows`, in L1) and then read by every
+ * query head: the conversion, not the multiply, is the cost of an fp8 key. e4m3 keys meet the
+ * bf16 queries `q` [group][head_dim] in vdpbf16ps, 32 products an instruction; e5m2 keys meet
+ * float32 queries. head_dim and e5m2 literal, so the branches fold away. */
+static inline __attribute__((always_inline)) void scores_fp8(
+        const void *q, const uint8_t *k_cache, const int32_t *table, int64_t kv_stride, int group,
+        const int head_dim, const int e5m2, int64_t block_size, int first, int count, float scale,
+        float *scores, float *best) {
+    float rows[16][MAX_HEAD_DIM] __attribute__((aligned(64)));   /* float32, or bf16 in each row's first half */
     __m512 top[MAX_GROUP];
     float top1[MAX_GROUP];
     const __m512 scale16 = _mm512_set1_ps(scale);
@@ -442,22 +417,14 @@ static inline __attribute__((always_inline)) void scores_e4m3(
         const int offset = pos % block_size;
         const int run = (int)(block_size - offset) < count - j ? (int)(block_size - offset) : count - j;
         const uint8_t *krow = k_cache + ((int64_t)table[pos / block_size] * block_size + offset) * kv_stride;
-        prefetch_next_block(k_cache, table, pos / block_size, first, count, block_size, kv_stride, CHUNKS * 32);
+        prefetch_next_block(k_cache, table, pos / block_size, first, count, block_size, kv_stride, head_dim);
         int t = 0;
         for (; t + 16 <= run; t += 16, j += 16, krow += 16 * kv_stride) {
             prefetch_next_sequence(16);
-            for (int k = 0; k < 16; k++)
-                for (int c = 0; c < CHUNKS; c++)
-                    _mm512_store_si512(rows[k] + c * 32, e4m3x32_to_bf16(krow + k * kv_stride + c * 32));
+            for (int k = 0; k < 16; k++) fp8_key_row(rows[k], krow + k * kv_stride, head_dim, e5m2);
             for (int g = 0; g < group; g++) {
-                __m512bh qv[MAX_HEAD_DIM / 32];
                 __m512 sums[16];
-                for (int c = 0; c < CHUNKS; c++) qv[c] = (__m512bh)_mm512_loadu_si512(q + (g * CHUNKS + c) * 32);
-                for (int k = 0; k < 16; k++) {
-                    sums[k] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_load_si512(rows[k]));
-                    for (int c = 1; c < CHUNKS; c++)
-                        sums[k] = _mm512_dpbf16_ps(sums[k], qv[c], (__m512bh)_mm512_load_si512(rows[k] + c * 32));
-                }
+                for (int k = 0; k < 16; k++) sums[k] = key_products(q, rows[k], g, head_dim, e5m2);
                 const __m512 dots = _mm512_mul_ps(sum_each_16(sums), scale16);
                 _mm512_storeu_ps(scores + (int64_t)g * count + j, dots);
                 top[g] = _mm512_max_ps(top[g], dots);
@@ -465,13 +432,9 @@ static inline __attribute__((always_inline)) void scores_e4m3(
         }
         for (; t < run; t++, j++, krow += kv_stride) {
             prefetch_next_sequence(1);
-            for (int c = 0; c < CHUNKS; c++) _mm512_store_si512(rows[0] + c * 32, e4m3x32_to_bf16(krow + c * 32));
+            fp8_key_row(rows[0], krow, head_dim, e5m2);
             for (int g = 0; g < group; g++) {
-                __m512 sum = _mm512_setzero_ps();
-                for (int c = 0; c < CHUNKS; c++)
-                    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + (g * CHUNKS + c) * 32),
-                                           (__m512bh)_mm512_load_si512(rows[0] + c * 32));
-                const float dot = _mm512_reduce_add_ps(sum) * scale;
+                const float dot = _mm512_reduce_add_ps(key_products(q, rows[0], g, head_dim, e5m2)) * scale;
                 scores[(int64_t)g * count + j] = dot;
                 top1[g] = dot > top1[g] ? dot : top1[g];
             }
@@ -519,11 +482,11 @@ static inline __attribute__((always_inline)) void attend_bf16_fp8_avx512(
     float best[MAX_GROUP], total[MAX_GROUP];
     const float q_scale = scale * format->k_factor;
     if (format->e5m2) {
-        for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_to_float(q[i]) * q_scale;
-        scores_fp8(qf, k_cache, table, kv_stride, group, head_dim / 16, block_size, first, count, 1, scores, best);
+        for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_to_float(q[i]);
+        scores_fp8(qf, k_cache, table, kv_stride, group, head_dim, 1, block_size, first, count, q_scale, scores, best);
     } else {   /* exact bf16 keys: k_factor's fp8_factor is for the fp16 reading only */
-        scores_e4m3(q, k_cache, table, kv_stride, group, head_dim / 32, block_size, first, count,
-                    q_scale / fp8_factor(0), scores, best);
+        scores_fp8(q, k_cache, table, kv_stride, group, head_dim, 0, block_size, first, count,
+                   q_scale / fp8_factor(0), scores, best);
     }
     softmax_weights(scores, group, count, best, total);
 #define VALUES(G) weighted_values_fp8(v_cache, table, out, kv_stride, g0, G, head_dim / 16, block_size, \
