@@ -10,7 +10,7 @@ Service's URL with the shared-prefix workload (the issue's: 8 tenants x 16 reque
 backwards each round, so a round starts with the strategy the last one ended with. Every run
 has its own seed, so it starts with prefixes no engine has cached.
 
-    python benchmarks/router_cluster.py OUT_DIR --rounds 3 --kv-cache-memory 96Mi
+    python benchmarks/router_cluster.py OUT_DIR --rounds 3 --kv-cache-memory 128Mi
 
 Leaves the cluster running (`python -m e2e.cluster down` stops it) and deletes its namespace.
 """
@@ -77,7 +77,7 @@ def router_strategy(pod: Any) -> str:
     return args[args.index("--strategy") + 1] if "--strategy" in args else "prefix-aware"
 
 
-def switch(kube: Cluster, ns: str, strategy: str, engines: dict[str, str], url: str) -> list[str]:
+def switch(kube: Cluster, ns: str, strategy: str, engines: dict[str, str]) -> list[str]:
     """Patch the strategy, wait for exactly the new router pods behind the Service, each of them
     routing by key where the strategy uses keys; the router pods' URLs."""
     patch = json.dumps({"spec": {"routing": {"strategy": strategy}}})
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--kv-cache-memory", default="96Mi", help="each engine's KV cache")
+    parser.add_argument("--kv-cache-memory", default="128Mi",
+                        help="each engine's KV cache (128Mi: room for its third of the 8 prefixes, not all)")
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--num-prompts", type=int, default=128, help="shared-prefix requests (8 tenants)")
     parser.add_argument("--random-prompts", type=int, default=128)
@@ -156,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     kube = Cluster(cfg, cluster_mod.api_client(cfg), cfg.kubeconfig)
     install_chart(kube)
     kube.kubectl("create", "namespace", ns, check=False)
-    order = STRATEGIES
-    kube.kubectl("apply", "-n", ns, "-f", "-", stdin=manifest(args, order[0]))
+    kube.kubectl("apply", "-n", ns, "-f", "-", stdin=manifest(args, STRATEGIES[0]))
     wait_for(lambda: service_state(kube, ns, NAME)[0] or None, f"{ns}/{NAME} Ready", timeout=900, interval=2)
     engines = wait_for(lambda: urls if len(urls := engine_urls(kube, ns)) == 3 else None, "3 engines", timeout=600)
     url = svcproxy.local_url(kube.config.service_table, ns, NAME)
@@ -170,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         say(f"engine {name}: {blocks:g} KV blocks")
     rows, seed, current = [], 100, None
     for round_ in range(1, args.rounds + 1):
-        for i in range(len(order)):
-            strategy = order[(i - (round_ - 1)) % len(order)]
+        order = STRATEGIES[-(round_ - 1) % 3:] + STRATEGIES[:-(round_ - 1) % 3]   # rotated back a step a round
+        for strategy in order:
             if strategy != current:
-                routers, current = switch(kube, ns, strategy, engines, url), strategy
+                routers, current = switch(kube, ns, strategy, engines), strategy
             for dataset in ("shared-prefix", "random"):
                 seed += 1
                 label = f"{strategy}/{dataset}/r{round_}"
@@ -189,11 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"{label}: load {load}, {row['req_s']:.2f} req/s, TTFT p50/p99 {row['ttft_p50']:.0f}/"
                     f"{row['ttft_p99']:.0f} ms, E2E p50 {row['e2e_p50']:.0f} ms, errors {row['errors']}, "
                     f"cached {row['cached']:g} of {row['looked_up']:g} prompt tokens")
-            if i == len(order) - 1 or order[(i + 1 - (round_ - 1)) % len(order)] != strategy:
-                say(f"{strategy} routers, overhead so far: {overhead(routers)}")
-                for router in routers:
-                    (out / f"router-{strategy}-r{round_}-{router.split('//')[1].split(':')[0]}.metrics").write_text(
-                        httpx.get(f"{router}/metrics", timeout=30).text)
+            say(f"{strategy} routers, overhead so far: {overhead(routers)}")   # before they roll
+            for router in routers:
+                (out / f"router-{strategy}-r{round_}-{router.split('//')[1].split(':')[0]}.metrics").write_text(
+                    httpx.get(f"{router}/metrics", timeout=30).text)
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
     say("\nprefix-aware against the others, same round (shared-prefix: throughput, TTFT p50; random: req/s):")
     for round_ in range(1, args.rounds + 1):
