@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from kubeinfer.kernels import fused_cpu
 from kubeinfer.server.engine.sampler import Sampler, _inverse_transform
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Request, Sequence
@@ -73,6 +75,25 @@ def test_a_rows_token_does_not_depend_on_how_its_neighbours_sample():
     batch = Sampler(0, torch.device("cpu"))(logits, _seqs(*params))
     alone = [Sampler(0, torch.device("cpu"))(logits[i:i + 1], _seqs(p)).token_ids[0] for i, p in enumerate(params)]
     assert not batch.errors and batch.token_ids == alone
+
+
+def test_temperature_only_rows_take_the_kernel_and_draw_what_torch_draws(monkeypatch):
+    """The rows with only a temperature (and only those) go to the fused kernel, each with its
+    own temperature and draw: the batch's tokens equal those of the same batch sampled by torch
+    alone."""
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(3)) * 3
+    if not fused_cpu.sample_rows_available(logits):
+        pytest.skip("the fused CPU kernels are not built here")
+    params = [SamplingParams(temperature=0.6, seed=1), SamplingParams(temperature=1.0, top_k=20, seed=2),
+              SamplingParams(temperature=1.4, seed=3), SamplingParams(temperature=0, seed=4),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=5), SamplingParams(temperature=2.0, seed=6)]
+    kernel_rows, sample_rows = [], fused_cpu.sample_rows
+    monkeypatch.setattr(fused_cpu, "sample_rows",
+                        lambda logits, rows, *args: kernel_rows.append(list(rows)) or sample_rows(logits, rows, *args))
+    with_kernel = Sampler(0, torch.device("cpu"))(logits, _seqs(*params)).token_ids
+    monkeypatch.setattr(fused_cpu, "sample_rows_available", lambda logits: False)
+    torch_only = Sampler(0, torch.device("cpu"))(logits, _seqs(*params)).token_ids
+    assert kernel_rows == [[0, 2, 5]] and with_kernel == torch_only
 
 
 def test_min_tokens_masks_eos_and_stop_ids():
