@@ -3,7 +3,9 @@
  * (or (sequence, KV head) pairs when there are few); the query heads sharing a KV head (GQA)
  * read each K/V row once.
  *
- * Layouts (all contiguous): q and out [S, H, D]; k_cache and v_cache [NB, BS, KH, D];
+ * Layouts: q [S, H, D] with each sequence's heads contiguous and its rows `q_stride` elements
+ * apart (a view into the fused q|k|v output needs no copy); out [S, H, D], k_cache and v_cache
+ * [NB, BS, KH, D] contiguous;
  * block_tables [S, MB] int32; seq_lens [S] int32. A sequence attends to its keys
  * [max(0, len - window), len) (window <= 0: all). Exact two-pass softmax, the same math as
  * kernels/attention_ref.py; built by kernels/cpu_build.py, called by paged_decode_cpu.py.
@@ -147,7 +149,7 @@ static inline __attribute__((always_inline)) void NAME(                         
 
 #define DEFINE_DECODE(NAME, TASK, T, C)                                                         \
 static int NAME(const T *q, const C *k_cache, const C *v_cache, const int32_t *block_tables,   \
-         const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,                  \
+         const int32_t *seq_lens, T *out, int64_t q_stride, int64_t num_seqs, int64_t num_heads,  \
          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,        \
          int64_t window, float scale, const KVFormat *format) {                                 \
     const int group = num_heads / num_kv_heads;                                                 \
@@ -187,7 +189,7 @@ static int NAME(const T *q, const C *k_cache, const C *v_cache, const int32_t *b
         }                                                                                       \
         for (int64_t kh = task * heads_per_task % num_kv_heads, end = kh + heads_per_task; kh < end; kh++) { \
             const int64_t head = s * num_heads + kh * group;                                    \
-            const T *qs = q + head * head_dim;                                                  \
+            const T *qs = q + s * q_stride + kh * group * head_dim;                              \
             const C *ks = k_cache + kh * head_dim, *vs = v_cache + kh * head_dim;               \
             T *os = out + head * head_dim;                                                      \
             if (head_dim == 64)                                                                 \
@@ -523,18 +525,20 @@ DEFINE_DECODE(decode_f32_fp8, attend_f32_fp8, float, uint8_t)
  * `e5m2`) with per-tensor K and V scales. */
 #define DEFINE_ENTRY(NAME, DECODE, T)                                                           \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,          \
-         const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, \
-         int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t window, float scale) { \
-    return DECODE(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads, \
+         const int32_t *seq_lens, T *out, int64_t q_stride, int64_t num_seqs, int64_t num_heads,  \
+         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t window, \
+         float scale) {                                                                         \
+    return DECODE(q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, num_seqs, num_heads, num_kv_heads, \
                   head_dim, block_size, max_blocks, window, scale, &PLAIN);                     \
 }
 #define DEFINE_FP8_ENTRY(NAME, DECODE, T)                                                       \
 int NAME(const T *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *block_tables, \
-         const int32_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, \
+         const int32_t *seq_lens, T *out, int64_t q_stride, int64_t num_seqs, int64_t num_heads,  \
+         int64_t num_kv_heads,                                                                  \
          int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t window, int64_t e5m2, \
          float scale, float k_scale, float v_scale) {                                           \
     const KVFormat format = {(int)e5m2, k_scale * fp8_factor((int)e5m2), v_scale * fp8_factor((int)e5m2)}; \
-    return DECODE(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads, \
+    return DECODE(q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, num_seqs, num_heads, num_kv_heads, \
                   head_dim, block_size, max_blocks, window, scale, &format);                    \
 }
 DEFINE_ENTRY(paged_decode_bf16, decode_bf16, uint16_t)

@@ -49,10 +49,12 @@ def test_sliding_window(window, dtype):
     _check(make_paged_batch(DECODES, 8, 2, 64, 16, dtype, seed=3), sliding_window=window)
 
 
-def test_queries_may_be_strided_views():
-    """The model hands over q as a view into its fused qkv projection."""
-    batch = make_paged_batch(DECODES, 8, 2, 64, 16, torch.float32, seed=5)
-    qkv = torch.randn(batch.q.shape[0], 12 * 64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_may_be_strided_views(dtype):
+    """The model hands over q as a view into its fused qkv projection, read in place (rows 768
+    elements apart, not 512)."""
+    batch = make_paged_batch(DECODES, 8, 2, 64, 16, dtype, seed=5)
+    qkv = torch.randn(batch.q.shape[0], 12 * 64).to(dtype)
     qkv[:, :512] = batch.q.flatten(1)
     batch.q = qkv[:, :512].view(-1, 8, 64)
     _check(batch)
