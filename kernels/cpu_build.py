@@ -212,9 +212,45 @@ def building(name: str) -> bool:
     return future is not None and not future.done()
 
 
-def bind(library: ctypes.CDLL, name: str, pointers: int, ints: int, floats: int = 0) -> ctypes._CFuncPtr:
+class _Recording(threading.local):
+    calls: list[tuple[ctypes._CFuncPtr, tuple]] | None = None
+
+
+_RECORDING = _Recording()
+
+
+class Kernel:
+    """A bound C entry point, called as the ctypes function is. While `recording_calls` is open on
+    the calling thread, each call is also kept with its arguments: a decode step replayed from
+    that list skips the Python that computed them (server/engine/cpu_graphs.py)."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: ctypes._CFuncPtr) -> None:
+        self.function = function
+
+    def __call__(self, *args: object) -> int:
+        calls = _RECORDING.calls
+        if calls is not None:
+            calls.append((self.function, args))
+        return self.function(*args)
+
+
+@contextmanager
+def recording_calls() -> Iterator[list[tuple[ctypes._CFuncPtr, tuple]]]:
+    """The kernel calls made on this thread inside the block, in order: (ctypes function,
+    arguments) pairs; pointers in them stay valid only while their tensors live."""
+    calls: list[tuple[ctypes._CFuncPtr, tuple]] = []
+    previous, _RECORDING.calls = _RECORDING.calls, calls
+    try:
+        yield calls
+    finally:
+        _RECORDING.calls = previous
+
+
+def bind(library: ctypes.CDLL, name: str, pointers: int, ints: int, floats: int = 0) -> Kernel:
     """`library.name` typed as (pointers..., int64 ints..., floats...) -> int status."""
     function = getattr(library, name)
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * ints + [ctypes.c_float] * floats
-    return function
+    return Kernel(function)

@@ -69,6 +69,13 @@ def rows_of_heads(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
+def same_rows(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """k and v both [T, heads, D] rows of heads (`rows_of_heads`) with one row stride, as the KV
+    store kernels read them (a single row's stride is never read: views of one row differ there)."""
+    return (rows_of_heads(k) and rows_of_heads(v) and k.shape == v.shape
+            and (k.shape[0] == 1 or k.stride(0) == v.stride(0)))
+
+
 def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """`rotary_ref.rotate_signed_ref(x, cos, signed_sin)` written into `x [T, heads, D]` (a view
     with contiguous rows of heads, e.g. into the fused qkv output); returns x."""
@@ -85,7 +92,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """As `kv_cache_ref.store_kv_cache_ref` for contiguous caches: k, v [T, kv_heads, D] views
     with contiguous rows and the same strides; slot_mapping [T] int64, -1 = skip."""
-    if not (rows_of_heads(k) and k.stride() == v.stride() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if not (same_rows(k, v) and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("store_kv needs contiguous caches and k/v rows of the caches' dtype")
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -98,7 +105,7 @@ def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
                  slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
     """As `kv_cache_ref.store_kv_cache_ref` into contiguous fp8 caches (e4m3fn or e5m2) with
     per-tensor scales: k, v [T, kv_heads, D] rows of heads with the same strides."""
-    if not (rows_of_heads(k) and k.stride() == v.stride() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if not (same_rows(k, v) and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k.dtype == v.dtype and k_cache.dtype == v_cache.dtype in FP8_MAX):
         raise ValueError("store_kv_fp8 needs contiguous fp8 caches and k/v rows of one dtype")
     slots = slot_mapping.to(torch.int64).contiguous()

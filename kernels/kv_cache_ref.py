@@ -3,6 +3,7 @@ the fp8 cache's conversions (per-tensor scale: stored = x / scale in fp8, read =
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # largest finite value of each fp8 format: values past it are stored saturated (vLLM's kernels do)
@@ -10,8 +11,9 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def inverse_scale(scale: float) -> float:
-    """1 / scale rounded to float32: every kernel multiplies by this same number."""
-    return float(torch.tensor(1.0 / scale, dtype=torch.float32))
+    """1 / scale rounded to float32: every kernel multiplies by this same number (numpy's
+    rounding, torch's too, without a torch op inside a recorded decode step)."""
+    return float(np.float32(1.0 / scale))
 
 
 def quantize_fp8_ref(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

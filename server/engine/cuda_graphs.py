@@ -63,6 +63,8 @@ def why_not_graphed(model: torch.nn.Module, *, device: torch.device, enforce_eag
 class DecodeGraphs:
     """The captured decode forward passes, one per padded batch size, and their static inputs."""
 
+    PADDED_SEQ_LEN = 0   # the context a padded sequence reads: none
+
     def __init__(self, model: torch.nn.Module, kv_caches: list, *, max_num_seqs: int, max_model_len: int,
                  block_size: int, num_blocks: int, device: torch.device) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
@@ -131,8 +133,20 @@ class DecodeGraphs:
                seq_lens: np.ndarray) -> torch.Tensor:
         """float32 logits [S, vocab] of a decode step of S sequences (one token each, in order).
         The rows are the graph's output buffer: read them before the next replay."""
+        count, size = self.fill(input_ids, positions, slots, block_tables, seq_lens)
+        replay, logits = self.graphs[size]
+        replay()
+        return logits[:count]
+
+    def padded_size(self, count: int) -> int:
+        """The smallest captured batch size that holds `count` sequences."""
+        return next(size for size in self.sizes if size >= count)
+
+    def fill(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
+             seq_lens: np.ndarray) -> tuple[int, int]:
+        """The step's inputs copied into the static buffers of its padded size; (count, size)."""
         count, width = block_tables.shape
-        size = next(size for size in self.sizes if size >= count)
+        size = self.padded_size(count)
         host = lambda array: torch.from_numpy(np.ascontiguousarray(array))  # noqa: E731
         self.input_ids[:count].copy_(host(input_ids))
         self.positions[:count].copy_(host(positions))
@@ -141,8 +155,6 @@ class DecodeGraphs:
         self.seq_lens[:count].copy_(host(seq_lens.astype(np.int32)))
         if count < size:   # padded sequences: no query token, nothing stored
             self.slot_mapping[count:size].fill_(-1)
-            self.seq_lens[count:size].fill_(0)
+            self.seq_lens[count:size].fill_(self.PADDED_SEQ_LEN)
         self.query_start_loc[:size + 1].copy_(host(np.minimum(np.arange(size + 1), count).astype(np.int32)))
-        replay, logits = self.graphs[size]
-        replay()
-        return logits[:count]
+        return count, size

@@ -15,6 +15,8 @@ from ..parallel.plan import kv_heads_per_rank
 from .config import EngineConfig
 from .cpu_cache_memory import lazy_zeros, map_in_background
 from .cpu_threads import limit_torch_threads
+from .cpu_graphs import CpuDecodeGraphs
+from .cpu_graphs import why_not_graphed as why_not_cpu_graphed
 from .cuda_graphs import DecodeGraphs, why_not_graphed
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .sequence import DraftPosition, SamplingRow
@@ -163,12 +165,22 @@ class ModelRunner:
         return self.model.hidden_states(batch, self.kv_caches)
 
     def capture_decode_graphs(self, config: EngineConfig, max_model_len: int) -> None:
-        """Capture the decode step in CUDA graphs (`cuda_graphs.py`) where the model allows it. A
-        forward pass that cannot be captured (it waits on the GPU, as quantized MoE experts do to
-        group tokens by expert) raises at capture: decode then stays eager."""
-        reason = why_not_graphed(self.model, device=self.device, enforce_eager=config.enforce_eager,
-                                 enable_lora=config.enable_lora, calculate_kv_scales=config.calculate_kv_scales,
-                                 tensor_parallel_size=config.tensor_parallel_size)
+        """Capture the decode step in CUDA graphs (`cuda_graphs.py`), or on the CPU record its kernel
+        calls at each size's first step (`cpu_graphs.py`), where the model allows it. A forward
+        pass that cannot be captured (it waits on the GPU, as quantized MoE experts do to group
+        tokens by expert) raises at capture: decode then stays eager."""
+        options = dict(device=self.device, enforce_eager=config.enforce_eager, enable_lora=config.enable_lora,
+                       calculate_kv_scales=config.calculate_kv_scales,
+                       tensor_parallel_size=config.tensor_parallel_size)
+        if self.device.type == "cpu":
+            reason = why_not_cpu_graphed(self.model, **options)
+            if reason is None:
+                self.graphs = CpuDecodeGraphs(self.model, self.kv_caches, max_num_seqs=config.max_num_seqs,
+                                              max_model_len=max_model_len, block_size=self.block_size,
+                                              num_blocks=self.num_blocks)
+                return
+            log.info("decode steps run eagerly (no recorded kernel calls): %s", reason)
+        reason = why_not_graphed(self.model, **options)
         if reason is not None:
             if self.device.type == "cuda":
                 log.info("decode steps run eagerly (no CUDA graphs): %s", reason)
@@ -187,16 +199,17 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[SamplingRow]]:
         """One forward pass; float32 logits, one row per sampling row (a sampling sequence, and
         each of its draft positions in a speculative step; None if none sample)."""
+        logits = None
         if (self.graphs is not None and not out.num_drafts and self.graphs.fits(
                 [item.num_new_tokens for item in out.scheduled],
                 max(len(item.seq.block_table) for item in out.scheduled))):
             host = self._host_step(out)
             logits = self.graphs.replay(host.input_ids, host.positions, host.slots, host.block_tables,
                                         host.seq_lens)
-            if len(host.logits_indices) != len(out.scheduled):   # a sequence that does not sample
+            if logits is not None and len(host.logits_indices) != len(out.scheduled):   # one does not sample
                 logits = logits.index_select(0, self._tensor(host.logits_indices))
             seqs, rows = host.seqs, host.rows
-        else:
+        if logits is None:   # not a graphed step, or a CPU size just refused
             batch, seqs, rows = self.prepare(out)
             logits = self.model(batch, self.kv_caches)
         if not seqs:

@@ -370,12 +370,12 @@ class TorchAttention:
     def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                slot_mapping: torch.Tensor, layout: _StepLayout, kv: KVScales | None) -> None:
         if kv is not None:   # fp8: quantized on the way in
-            if ops.uses_cpu_kernels(k) and fused_cpu.rows_of_heads(k) and k.stride() == v.stride():
+            if ops.uses_cpu_kernels(k) and fused_cpu.same_rows(k, v):
                 fused_cpu.store_kv_fp8(k, v, k_cache, v_cache, slot_mapping, kv.k, kv.v)
             else:
                 store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, kv.k, kv.v)
             return
-        if ops.uses_cpu_kernels(k) and fused_cpu.rows_of_heads(k) and k.stride() == v.stride():
+        if ops.uses_cpu_kernels(k) and fused_cpu.same_rows(k, v):
             fused_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)   # rows copied in place, -1 skipped
             return
         if layout.store_rows is not None:

@@ -98,9 +98,19 @@ class LlamaForCausalLM(CausalLM):
         self.build_lm_head()
 
     def hidden_states(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
+        x, residual = self.decoder_layers(self.model.embed_tokens(batch.input_ids), batch, kv_caches)
+        return self.final_norm(x, residual, batch.logits_indices)
+
+    def decoder_layers(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer over the embedded tokens `x`: the last layer's (x, residual), their
+        sum not yet normed (a CPU decode graph records this part, server/engine/cpu_graphs.py)."""
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, self.model.rotary_emb, kv_cache, batch)
-        # Only the rows that need logits go through the final norm and the (large) lm_head.
-        return self.model.norm(x[batch.logits_indices] + residual[batch.logits_indices])
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final hidden states of `rows`: only the rows that need logits go through the final
+        norm and the (large) lm_head."""
+        return self.model.norm(x[rows] + residual[rows])

@@ -93,6 +93,7 @@ def test_a_forward_that_cannot_be_captured_leaves_decode_eager(tmp_path, monkeyp
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(model_runner, "why_not_graphed", lambda *args, **kwargs: None)
+    monkeypatch.setattr(model_runner, "why_not_cpu_graphed", lambda *args, **kwargs: "the CUDA path is under test")
     monkeypatch.setattr(DecodeGraphs, "_record", refuse)
     path = str(make_tiny_llama(tmp_path))
     config = EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_memory=4 << 20)

@@ -1,0 +1,178 @@
+"""Decode steps replayed on the CPU from recorded kernel calls, the CPU's CUDA graphs.
+
+On the CPU every op of a decode layer is one of our C kernels (`kernels/cpu_build.py`) for a
+W8A8 or GGUF model, and what is left around them is Python: module calls, checks, allocations
+and ctypes conversions, about 150 us a layer. SmolLM2 W8A8 at 32 sequences spent 5.9 of its
+21.7 ms decode step outside the kernels on the engine thread while the other OpenMP thread
+waited. So, like `cuda_graphs.py`, a decode step runs in static buffers of its padded batch size,
+and the first step of each size records its kernel calls (`cpu_build.recording_calls`) while it
+runs; later steps of that size copy their inputs in and make the same calls with the same
+arguments, without the Python between them.
+
+What makes that safe: while recording, a dispatch mode refuses every torch op other than an
+allocation or a view (an op that computes, copies or reads a value into Python would not be
+replayed), and keeps every tensor the layers allocate alive for the replays. A size whose layers
+run such an op (bf16 linears on oneDNN, LoRA, a MoE router) stays eager. The step's own inputs
+are in the static buffers; the per-step values the layers derive from them are the attention
+backend's layout (views of the same buffers) and the rotary cos/sin, recomputed into the
+recorded tensors before each replay. The embedding lookup before the layers and the final norm
+and lm_head after them run in torch as they do eagerly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from kubeinfer.kernels import cpu_build
+
+from ..model.forward_batch import ForwardBatch
+from ..model.llama import LlamaForCausalLM
+from .cuda_graphs import DecodeGraphs
+
+log = logging.getLogger(__name__)
+
+ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+               torch.ops.aten.new_empty.default, torch.ops.aten.empty_strided.default}
+
+
+def why_not_graphed(model: nn.Module, *, device: torch.device, enforce_eager: bool, enable_lora: bool,
+                    calculate_kv_scales: bool, tensor_parallel_size: int) -> str | None:
+    """None when CPU decode steps may be recorded (each size is still checked as it records)."""
+    if device.type != "cpu":
+        return "not on the CPU"
+    if enforce_eager:
+        return "--enforce-eager"
+    if tensor_parallel_size > 1:
+        return "--tensor-parallel-size > 1"
+    if enable_lora:
+        return "--enable-lora (each step's adapter segments are host lists)"
+    if calculate_kv_scales:
+        return "--calculate-kv-scales (the scales are set by the first step's K/V)"
+    if not isinstance(model, LlamaForCausalLM) or type(model).hidden_states is not LlamaForCausalLM.hidden_states:
+        return "a model family with its own forward pass"
+    if type(model.model.embed_tokens) is not nn.Embedding:
+        return "an embedding other than a plain lookup table"
+    rotary = model.model.rotary_emb
+    if rotary.dynamic is not None or rotary.long_inv_freq is not None:
+        return "dynamic NTK or LongRoPE rotary (the step's tables depend on host-side lengths)"
+    return None
+
+
+class RecordingRefused(RuntimeError):
+    """The layers ran a torch op that a replay of their kernel calls would skip."""
+
+
+class _OnlyKernels(TorchDispatchMode):
+    """Refuses torch ops that compute, copy, write or read values; keeps every tensor made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        out = func(*args, **(kwargs or {}))
+        outputs = tree_flatten(out)[0]
+        if func not in ALLOCATIONS:
+            inputs = {_storage(value) for value in tree_flatten((args, kwargs))[0]} - {None}
+            if func._schema.is_mutable or not outputs or not all(_storage(value) in inputs for value in outputs):
+                raise RecordingRefused(f"the decoder layers run {func}")
+        self.tensors += [value for value in outputs if isinstance(value, torch.Tensor)]
+        return out
+
+
+def _storage(value: object) -> int | None:
+    """Where a tensor's memory starts (None: not a tensor, or one without plain storage, as
+    oneDNN's packed weights)."""
+    if not isinstance(value, torch.Tensor) or value.is_mkldnn:
+        return None
+    try:
+        return value.untyped_storage().data_ptr()
+    except NotImplementedError:
+        return None
+
+
+@dataclass
+class _Recorded:
+    """One padded size's decode layers: their kernel calls, the tensors those calls point into,
+    and where the step's embeddings go in and the last layer's output comes out."""
+
+    calls: list[tuple[ctypes._CFuncPtr, tuple]]
+    tensors: list[torch.Tensor]
+    embedded: torch.Tensor                    # [size, hidden]: the first layer's input
+    cos_sin: tuple[torch.Tensor, torch.Tensor]  # the rotary tables the calls read
+    out: tuple[torch.Tensor, torch.Tensor]    # the last layer's (x, residual)
+
+
+class CpuDecodeGraphs(DecodeGraphs):
+    """Static decode inputs per padded batch size (as `DecodeGraphs`), each size recorded at its
+    first step (`_record`) and replayed after (`_replay`); `refused` sizes run eagerly."""
+
+    PADDED_SEQ_LEN = 1   # a padded sequence reads one key (slot 0 of its stale table): no empty softmax
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list, *, max_num_seqs: int, max_model_len: int,
+                 block_size: int, num_blocks: int) -> None:
+        super().__init__(model, kv_caches, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                         block_size=block_size, num_blocks=num_blocks, device=torch.device("cpu"))
+        self.recorded: dict[int, _Recorded] = {}
+        self.refused: set[int] = set()
+        self._batches: dict[int, ForwardBatch] = {}   # one object per size: the backends key their layout on it
+
+    def fits(self, query_lens: list[int], longest_block_table: int) -> bool:
+        return (super().fits(query_lens, longest_block_table)
+                and self.padded_size(len(query_lens)) not in self.refused)
+
+    @torch.inference_mode()
+    def replay(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
+               seq_lens: np.ndarray) -> torch.Tensor | None:
+        """float32 logits [S, vocab] of a decode step of S sequences (one token each, in order);
+        None when this step's size was just refused (the caller runs the step eagerly)."""
+        count, size = self.fill(input_ids, positions, slots, block_tables, seq_lens)
+        recorded = self.recorded.get(size)
+        if recorded is None:
+            recorded = self._record(size)
+            if recorded is None:
+                return None
+        else:
+            self._replay(recorded, size)
+        return self.model.logits(self.model.final_norm(*recorded.out, self.logits_indices[:count]))
+
+    def _record(self, size: int) -> _Recorded | None:
+        """Run this step's layers on the static batch (which also derives the backends' layout and
+        the rotary tables for it), then again while recording their kernel calls: the same K/V
+        go to the same slots, so the second run changes nothing, and its output is the step's.
+        None, and eager from now on, if the layers run a torch op."""
+        model, batch = self.model, self._batches.setdefault(size, self._batch(size))
+        embedded = model.model.embed_tokens(batch.input_ids)
+        model.decoder_layers(embedded, batch, self.kv_caches)
+        guard = _OnlyKernels()
+        try:
+            with cpu_build.recording_calls() as calls, guard:
+                out = model.decoder_layers(embedded, batch, self.kv_caches)
+        except RecordingRefused as refused:
+            self.refused.add(size)
+            log.info("decode steps of %d sequences run eagerly: %s", size, refused)
+            return None
+        cos_sin = model.model.rotary_emb.step_cos_sin(batch, embedded.dtype)
+        self.recorded[size] = _Recorded(calls, guard.tensors, embedded, cos_sin, out)
+        log.info("recorded the decode step of %d sequences: %d kernel calls", size, len(calls))
+        return self.recorded[size]
+
+    def _replay(self, recorded: _Recorded, size: int) -> None:
+        """The step's embeddings and rotary tables into the recorded tensors, then every call."""
+        model = self.model
+        torch.index_select(model.model.embed_tokens.weight, 0, self.input_ids[:size], out=recorded.embedded)
+        cos, sin = model.model.rotary_emb.cos_sin(self.positions[:size], recorded.embedded.dtype)
+        recorded.cos_sin[0].copy_(cos)
+        recorded.cos_sin[1].copy_(sin)
+        for function, args in recorded.calls:
+            status = function(*args)
+            if status:
+                raise RuntimeError(f"{function.__name__} failed in a recorded decode step (status {status})")
