@@ -39,6 +39,10 @@ from .cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
+# What the recorded sizes may keep allocated together (their layers' activations, per size: a
+# replay writes where its recording did). SmolLM2-135M at every size up to 64 sequences holds
+# ~110 MB; a 7B model ~4.7 MB a sequence, so this stops at a few hundred recorded sequences.
+RECORDED_BYTES = 1 << 30
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
                torch.ops.aten.new_empty.default, torch.ops.aten.empty_strided.default}
 
@@ -76,11 +80,14 @@ class _OnlyKernels(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.tensors: list[torch.Tensor] = []
+        self.allocated_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         out = func(*args, **(kwargs or {}))
         outputs = tree_flatten(out)[0]
-        if func not in ALLOCATIONS:
+        if func in ALLOCATIONS:
+            self.allocated_bytes += out.untyped_storage().nbytes()
+        else:
             inputs = {_storage(value) for value in tree_flatten((args, kwargs))[0]} - {None}
             if func._schema.is_mutable or not outputs or not all(_storage(value) in inputs for value in outputs):
                 raise RecordingRefused(f"the decoder layers run {func}")
@@ -123,11 +130,17 @@ class CpuDecodeGraphs(DecodeGraphs):
                          block_size=block_size, num_blocks=num_blocks, device=torch.device("cpu"))
         self.recorded: dict[int, _Recorded] = {}
         self.refused: set[int] = set()
+        self.held_bytes = 0   # by the recorded sizes' tensors
         self._batches: dict[int, ForwardBatch] = {}   # one object per size: the backends key their layout on it
 
     def fits(self, query_lens: list[int], longest_block_table: int) -> bool:
-        return (super().fits(query_lens, longest_block_table)
-                and self.padded_size(len(query_lens)) not in self.refused)
+        """A decode step of a recorded size, or of one to record: not while a starting server
+        still compiles a kernel (its layers would take torch's path and the size be refused)."""
+        if not super().fits(query_lens, longest_block_table):
+            return False
+        size = self.padded_size(len(query_lens))
+        return size in self.recorded or (size not in self.refused
+                                         and not any(map(cpu_build.building, cpu_build.KERNELS)))
 
     @torch.inference_mode()
     def replay(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
@@ -160,9 +173,18 @@ class CpuDecodeGraphs(DecodeGraphs):
             self.refused.add(size)
             log.info("decode steps of %d sequences run eagerly: %s", size, refused)
             return None
+        held = guard.allocated_bytes
+        if held + self.held_bytes > RECORDED_BYTES:
+            self.refused.add(size)
+            log.info("decode steps of %d sequences run eagerly: recording them would hold %d MiB of activations, "
+                     "%d MiB more than the recorded sizes may", size, held >> 20,
+                     (held + self.held_bytes - RECORDED_BYTES) >> 20)
+            return None
+        self.held_bytes += held
         cos_sin = model.model.rotary_emb.step_cos_sin(batch, embedded.dtype)
         self.recorded[size] = _Recorded(calls, guard.tensors, embedded, cos_sin, out)
-        log.info("recorded the decode step of %d sequences: %d kernel calls", size, len(calls))
+        log.info("recorded the decode step of %d sequences: %d kernel calls, %d MiB of activations held",
+                 size, len(calls), held >> 20)
         return self.recorded[size]
 
     def _replay(self, recorded: _Recorded, size: int) -> None:

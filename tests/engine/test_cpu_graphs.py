@@ -137,3 +137,34 @@ def test_what_keeps_cpu_decode_eager_is_named(settings, reason, tmp_path):
     assert gemma.runner.graphs is None
     assert why_not_graphed(gemma.runner.model, device=torch.device("cpu"), **flags) == \
         "a model family with its own forward pass"
+
+
+def test_sizes_past_the_memory_budget_stay_eager(w8a8_llama, monkeypatch, caplog):
+    from kubeinfer.server.engine import cpu_graphs
+
+    want = _run(_engine(w8a8_llama, enforce_eager=True))
+    engine = _engine(w8a8_llama)
+    one_row = engine.runner.model.config.hidden_size * 2 * 4   # less than a layer's activations of a row
+    monkeypatch.setattr(cpu_graphs, "RECORDED_BYTES", one_row)
+    caplog.set_level("INFO", logger="kubeinfer.server.engine.cpu_graphs")
+    assert _run(engine) == want
+    graphs = engine.runner.graphs
+    assert graphs.refused and not graphs.recorded and graphs.held_bytes == 0
+    assert "more than the recorded sizes may" in caplog.text
+
+
+def test_no_size_is_recorded_while_a_kernel_still_compiles(w8a8_llama, monkeypatch):
+    """A starting server's layers take torch's path until its kernels are built: recording then
+    would refuse the size for good."""
+    from kubeinfer.kernels import cpu_build
+
+    engine = _engine(w8a8_llama)
+    monkeypatch.setattr(cpu_build, "building", lambda name: name == "paged_decode_cpu")
+    graphs = engine.runner.graphs
+    assert not graphs.fits([1, 1, 1], 2)
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not graphs.recorded and not graphs.refused
+    monkeypatch.undo()
+    assert graphs.fits([1, 1, 1], 2)
