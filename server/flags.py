@@ -217,8 +217,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("runner", str, "auto", "vLLM's newer spelling of --task: pooling = embed, generate = generate.",
          RUNNERS),
     Flag("enforce-eager", parse_bool, False,
-         "On CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs captured "
-         "at startup (per padded batch size up to --max-num-seqs, at most 256)."),
+         "Run every step eagerly instead of replaying decode steps: from CUDA graphs captured at "
+         "startup on CUDA, from the kernel calls each batch size's first decode step recorded on the "
+         "CPU (per padded batch size up to --max-num-seqs, at most 256)."),
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (

@@ -131,7 +131,16 @@ class CpuDecodeGraphs(DecodeGraphs):
         self.recorded: dict[int, _Recorded] = {}
         self.refused: set[int] = set()
         self.held_bytes = 0   # by the recorded sizes' tensors
+        self._query_starts = torch.arange(self.max_batch + 1, dtype=torch.int32)
         self._batches: dict[int, ForwardBatch] = {}   # one object per size: the backends key their layout on it
+
+    def fill(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
+             seq_lens: np.ndarray) -> tuple[int, int]:
+        """As `DecodeGraphs.fill`, a padded sequence being a one-token decode of its own (what the
+        CPU decode kernel runs for it), so the static batch is a consistent one."""
+        count, size = super().fill(input_ids, positions, slots, block_tables, seq_lens)
+        self.query_start_loc[:size + 1].copy_(self._query_starts[:size + 1])
+        return count, size
 
     def fits(self, query_lens: list[int], longest_block_table: int) -> bool:
         """A decode step of a recorded size, or of one to record: not while a starting server
@@ -158,10 +167,11 @@ class CpuDecodeGraphs(DecodeGraphs):
         return self.model.logits(self.model.final_norm(*recorded.out, self.logits_indices[:count]))
 
     def _record(self, size: int) -> _Recorded | None:
-        """Run this step's layers on the static batch (which also derives the backends' layout and
-        the rotary tables for it), then again while recording their kernel calls: the same K/V
-        go to the same slots, so the second run changes nothing, and its output is the step's.
-        None, and eager from now on, if the layers run a torch op."""
+        """Run this step's layers on the static batch, then again while recording their kernel
+        calls. The first run does what a layer does once (packs a weight at its first use) or once
+        a step (the rotary tables, the backends' layout); the second stores the same K/V in the
+        same slots, and its output is the step's. None, and eager from now on, if the layers run
+        a torch op: the caller then runs the step eagerly."""
         model, batch = self.model, self._batches.setdefault(size, self._batch(size))
         embedded = model.model.embed_tokens(batch.input_ids)
         model.decoder_layers(embedded, batch, self.kv_caches)
