@@ -35,7 +35,7 @@ from kubeinfer.kernels import cpu_build
 
 from ..model.forward_batch import ForwardBatch
 from ..model.llama import LlamaForCausalLM
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, host_dependent_rotary, why_eager
 
 log = logging.getLogger(__name__)
 
@@ -52,22 +52,15 @@ def why_not_graphed(model: nn.Module, *, device: torch.device, enforce_eager: bo
     """None when CPU decode steps may be recorded (each size is still checked as it records)."""
     if device.type != "cpu":
         return "not on the CPU"
-    if enforce_eager:
-        return "--enforce-eager"
-    if tensor_parallel_size > 1:
-        return "--tensor-parallel-size > 1"
-    if enable_lora:
-        return "--enable-lora (each step's adapter segments are host lists)"
-    if calculate_kv_scales:
-        return "--calculate-kv-scales (the scales are set by the first step's K/V)"
+    reason = why_eager(enforce_eager=enforce_eager, enable_lora=enable_lora,
+                       calculate_kv_scales=calculate_kv_scales, tensor_parallel_size=tensor_parallel_size)
+    if reason is not None:
+        return reason
     if not isinstance(model, LlamaForCausalLM) or type(model).hidden_states is not LlamaForCausalLM.hidden_states:
         return "a model family with its own forward pass"
     if type(model.model.embed_tokens) is not nn.Embedding:
         return "an embedding other than a plain lookup table"
-    rotary = model.model.rotary_emb
-    if rotary.dynamic is not None or rotary.long_inv_freq is not None:
-        return "dynamic NTK or LongRoPE rotary (the step's tables depend on host-side lengths)"
-    return None
+    return host_dependent_rotary(model.model.rotary_emb)
 
 
 class RecordingRefused(RuntimeError):

@@ -43,6 +43,20 @@ def why_not_graphed(model: torch.nn.Module, *, device: torch.device, enforce_eag
     """None when decode steps can be captured, else why not (logged once at startup)."""
     if device.type != "cuda":
         return "not on CUDA"
+    reason = why_eager(enforce_eager=enforce_eager, enable_lora=enable_lora,
+                       calculate_kv_scales=calculate_kv_scales, tensor_parallel_size=tensor_parallel_size)
+    if reason is not None:
+        return reason
+    layers = model.model.layers
+    if not all(isinstance(layer.self_attn.backend, TritonAttention) for layer in layers):
+        return "an attention backend other than Triton's"
+    return host_dependent_rotary(model.model.rotary_emb)
+
+
+def why_eager(*, enforce_eager: bool, enable_lora: bool, calculate_kv_scales: bool,
+              tensor_parallel_size: int) -> str | None:
+    """The engine settings that keep decode steps eager on any device (CUDA graphs or the CPU's
+    recorded calls, `cpu_graphs.py`), or None."""
     if enforce_eager:
         return "--enforce-eager"
     if tensor_parallel_size > 1:
@@ -51,10 +65,11 @@ def why_not_graphed(model: torch.nn.Module, *, device: torch.device, enforce_eag
         return "--enable-lora (each step's adapter segments are host lists)"
     if calculate_kv_scales:
         return "--calculate-kv-scales (the scales are set by the first step's K/V)"
-    layers = model.model.layers
-    if not all(isinstance(layer.self_attn.backend, TritonAttention) for layer in layers):
-        return "an attention backend other than Triton's"
-    rotary = model.model.rotary_emb
+    return None
+
+
+def host_dependent_rotary(rotary: torch.nn.Module) -> str | None:
+    """Why a replay could not hold this rotary embedding's step tables, or None."""
     if getattr(rotary, "dynamic", None) is not None or getattr(rotary, "long_inv_freq", None) is not None:
         return "dynamic NTK or LongRoPE rotary (the step's tables depend on host-side lengths)"
     return None
