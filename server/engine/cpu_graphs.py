@@ -121,7 +121,9 @@ class CpuDecodeGraphs(DecodeGraphs):
     """Static decode inputs per padded batch size (as `DecodeGraphs`), each size recorded at its
     first step (`_record`) and replayed after (`_replay`); `refused` sizes run eagerly."""
 
-    PADDED_SEQ_LEN = 1   # a padded sequence reads one key (slot 0 of its stale table): no empty softmax
+    # a padded sequence is a one-token decode reading one key (slot 0 of its stale table): what
+    # the CPU decode kernel runs for it, no empty softmax, and a static batch that is consistent
+    PADDED_DECODES = True
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list, *, max_num_seqs: int, max_model_len: int,
                  block_size: int, num_blocks: int) -> None:
@@ -130,16 +132,7 @@ class CpuDecodeGraphs(DecodeGraphs):
         self.recorded: dict[int, _Recorded] = {}
         self.refused: set[int] = set()
         self.held_bytes = 0   # by the recorded sizes' tensors
-        self._query_starts = torch.arange(self.max_batch + 1, dtype=torch.int32)
         self._batches: dict[int, ForwardBatch] = {}   # one object per size: the backends key their layout on it
-
-    def fill(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
-             seq_lens: np.ndarray) -> tuple[int, int]:
-        """As `DecodeGraphs.fill`, a padded sequence being a one-token decode of its own (what the
-        CPU decode kernel runs for it), so the static batch is a consistent one."""
-        count, size = super().fill(input_ids, positions, slots, block_tables, seq_lens)
-        self.query_start_loc[:size + 1].copy_(self._query_starts[:size + 1])
-        return count, size
 
     def fits(self, query_lens: list[int], longest_block_table: int) -> bool:
         """A decode step of a recorded size, or of one to record: not while a starting server

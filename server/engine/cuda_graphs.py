@@ -78,7 +78,9 @@ def host_dependent_rotary(rotary: torch.nn.Module) -> str | None:
 class DecodeGraphs:
     """The captured decode forward passes, one per padded batch size, and their static inputs."""
 
-    PADDED_SEQ_LEN = 0   # the context a padded sequence reads: none
+    # A padded sequence has no query token and reads no key (the Triton programs that would serve
+    # it return at once); `cpu_graphs.py` makes it a one-token decode of one key instead.
+    PADDED_DECODES = False
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, *, max_num_seqs: int, max_model_len: int,
                  block_size: int, num_blocks: int, device: torch.device) -> None:
@@ -168,8 +170,9 @@ class DecodeGraphs:
         self.slot_mapping[:count].copy_(host(slots))
         self.block_tables[:count, :width].copy_(host(block_tables))
         self.seq_lens[:count].copy_(host(seq_lens.astype(np.int32)))
-        if count < size:   # padded sequences: no query token, nothing stored
+        if count < size:   # padded sequences: nothing stored, their context as PADDED_DECODES says
             self.slot_mapping[count:size].fill_(-1)
-            self.seq_lens[count:size].fill_(self.PADDED_SEQ_LEN)
-        self.query_start_loc[:size + 1].copy_(host(np.minimum(np.arange(size + 1), count).astype(np.int32)))
+            self.seq_lens[count:size].fill_(int(self.PADDED_DECODES))
+        starts = np.arange(size + 1, dtype=np.int32)
+        self.query_start_loc[:size + 1].copy_(host(starts if self.PADDED_DECODES else np.minimum(starts, count)))
         return count, size
