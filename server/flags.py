@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .engine.kv_event_publisher import parse_kv_events_config
 from .engine.spec_decode.config import parse_speculative_config
 
 ENV_PREFIX = "KUBEINFER_"
@@ -141,12 +142,19 @@ def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return parse_optional
 
 
-def _speculative_config(value: Any) -> Any:
-    """`parse_speculative_config`, its message shown by argparse as it is."""
-    try:
-        return parse_speculative_config(value)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _json_config(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A JSON flag's parser, its message shown by argparse as it is."""
+    def parse_json_config(value: Any) -> Any:
+        try:
+            return parse(value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parse_json_config.__name__ = parse.__name__
+    return parse_json_config
+
+
+_speculative_config = _json_config(parse_speculative_config)
 
 
 ENGINE_FLAGS: tuple[Flag, ...] = (
@@ -220,6 +228,14 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "Run every step eagerly instead of replaying decode steps: from CUDA graphs captured at "
          "startup on CUDA, from the kernel calls each batch size's first decode step recorded on the "
          "CPU (per padded batch size up to --max-num-seqs, at most 256)."),
+    Flag("kv-events-config", _json_config(parse_kv_events_config), None,
+         "KV-cache events as vLLM publishes them, as JSON in vLLM's shape: {\"enable_kv_cache_events\": "
+         "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+         "\"tcp://*:5558\", \"topic\": \"\", \"buffer_steps\": 10000, \"hwm\": 100000, "
+         "\"max_queue_size\": 100000}: msgpack BlockStored / BlockRemoved / AllBlocksCleared batches "
+         "on a ZMQ PUB socket, with a ROUTER socket replaying buffered batches, for llm-d-style "
+         "precise prefix scorers (wire format and hashing in server/engine/kv_event_publisher.py). "
+         "Keep these ports out of the Service: only routers read them."),
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (

@@ -181,6 +181,8 @@ class AsyncEngine:
             self._stopped = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if self.kv_events is not None:   # the KV-event publisher's sockets and thread
+            self.kv_events.close()
 
     # -- the engine thread --------------------------------------------------------------------
 

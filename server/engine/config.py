@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from ..flags import ENGINE_FLAGS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, RUNNERS, TASKS, LoRAModuleSpec
+from .kv_event_publisher import KVEventsConfig, parse_kv_events_config
 from .spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
@@ -38,9 +39,11 @@ class EngineConfig:
     task: str = "auto"
     runner: str = "auto"
     enforce_eager: bool = False
+    kv_events_config: KVEventsConfig | None = None  # a dict or JSON text is parsed
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.kv_events_config = parse_kv_events_config(self.kv_events_config)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < self.block_size:

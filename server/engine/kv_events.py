@@ -24,7 +24,7 @@ import secrets
 import struct
 import threading
 from collections import deque
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Protocol, Sequence
 
 HASH_SCHEME = "kubeinfer-blake2b64-v1"
 
@@ -69,16 +69,32 @@ def block_hashes(tokens: Sequence[int], block_size: int, extra: str | None = Non
     return chain_hashes(root_hash(extra, adapter), tokens, block_size)
 
 
+class KVEventPublisher(Protocol):
+    """Where the log also sends each event (vLLM's ZMQ publisher: `kv_event_publisher.py`)."""
+
+    def stored(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int],
+               lora_name: str | None) -> None: ...
+
+    def removed(self, hashes: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class KVEventLog:
     """Stored/removed block hashes with a sequence number, readable from another thread.
 
     `since(seq)` answers the net change after `seq`, or the whole set (`reset`) when the
     caller is new, too far behind (the log keeps `capacity` events), or the cache was cleared.
-    `epoch` changes with every process, so a reader notices an engine restart.
+    `epoch` changes with every process, so a reader notices an engine restart. A `publisher`
+    gets every event too, with the tokens and parent a vLLM-style subscriber needs.
     """
 
-    def __init__(self, block_size: int, capacity: int = 8192) -> None:
+    def __init__(self, block_size: int, capacity: int = 8192,
+                 publisher: KVEventPublisher | None = None) -> None:
         self.block_size = block_size
+        self.publisher = publisher
         self.epoch = secrets.token_hex(8)
         self._lock = threading.Lock()
         self._seq = 0
@@ -86,11 +102,22 @@ class KVEventLog:
         self._events: deque[tuple[bool, tuple[int, ...]]] = deque(maxlen=capacity)
         self._live: set[int] = set()
 
-    def stored(self, hashes: Iterable[int]) -> None:
+    def stored(self, hashes: Sequence[int], parent: int | None = None, tokens: Sequence[int] = (),
+               key: ExtraKey = ExtraKey()) -> None:
+        """Blocks `hashes` holding `tokens`, chained after block `parent` (None: the first blocks)."""
         self._record(True, tuple(hashes))
+        if self.publisher is not None and hashes:
+            self.publisher.stored(hashes, parent, tokens, key.adapter)
 
     def removed(self, hashes: Iterable[int]) -> None:
-        self._record(False, tuple(hashes))
+        hashes = tuple(hashes)
+        self._record(False, hashes)
+        if self.publisher is not None and hashes:
+            self.publisher.removed(hashes)
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
 
     def _record(self, stored: bool, hashes: tuple[int, ...]) -> None:
         if not hashes:
@@ -109,6 +136,8 @@ class KVEventLog:
             self._reset_seq = self._seq
             self._events.clear()
             self._live.clear()
+        if self.publisher is not None:
+            self.publisher.cleared()
 
     def __len__(self) -> int:
         return len(self._live)

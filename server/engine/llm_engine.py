@@ -13,6 +13,7 @@ from ..model.pooling import read_pooler_config, resolve_task
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
+from .kv_event_publisher import open_kv_event_publisher
 from .outputs import CompletionOutput, RequestOutput
 from .proposer import Proposer
 from .sampler import Sampler, SamplerOutput, to_logprob_dict
@@ -75,7 +76,11 @@ class LLMEngine:
             log.info("embedding model: %s pooling%s (%s)%s", self.pooler.config.pooling_type,
                      ", normalized" if self.pooler.config.normalize else "", self.pooler.config.source,
                      "" if prefix_caching == config.enable_prefix_caching else "; prefix caching off (needs last-token pooling)")
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching, window)
+        if config.kv_events_config is not None and config.kv_events_config.enabled and not prefix_caching:
+            raise ValueError("--kv-events-config: KV-cache events describe the prefix cache; "
+                             "enable prefix caching (and use a generate model with it)")
+        publisher = open_kv_event_publisher(config.kv_events_config, config.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching, window, publisher)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.adapters = self._adapters(config) if config.enable_lora else None
         self.sampler = Sampler(config.seed, self.loaded.device)

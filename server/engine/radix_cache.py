@@ -88,9 +88,10 @@ class RadixCache:
             child = Node(tokens[start:], list(rest), node)
             node.children[tuple(child.tokens[:self.block_size])] = child
             if self.events is not None:
-                parent = node.hashes[-1] if node.parent is not None else root_hash(*key)
-                child.hashes = chain_hashes(parent, child.tokens, self.block_size)
-                self.events.stored(child.hashes)
+                parent = node.hashes[-1] if node.parent is not None else None
+                child.hashes = chain_hashes(root_hash(*key) if parent is None else parent,
+                                            child.tokens, self.block_size)
+                self.events.stored(child.hashes, parent, child.tokens, key)
             for block in rest:
                 self.pool.cache_incref(block)
             self.num_cached_blocks += len(rest)
