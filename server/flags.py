@@ -25,6 +25,9 @@ TASKS = ("auto", "generate", "embed")
 # --kv-cache-dtype values (vLLM's): auto = the model's dtype; fp8 = fp8_e4m3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 RUNNERS = ("auto", "generate", "pooling")   # vLLM's --runner, the same choice as --task
+# --scheduling-policy: auto = fair when the server names tenants (--tenants-file,
+# --trust-tenant-header), else priority (server/engine/scheduling_policy.py)
+SCHEDULING_POLICIES = ("auto", "priority", "fair")
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -236,6 +239,14 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "on a ZMQ PUB socket, with a ROUTER socket replaying buffered batches, for llm-d-style "
          "precise prefix scorers (wire format and hashing in server/engine/kv_event_publisher.py). "
          "Keep these ports out of the Service: only routers read them."),
+    Flag("scheduling-policy", str, "auto",
+         "Order of admission and preemption. priority: the request's priority (lower first), then "
+         "arrival; fair: priority, then a fair share of computed tokens (prompt and generated) among "
+         "tenants, then arrival; auto: fair when the server names tenants (--tenants-file or "
+         "--trust-tenant-header), else priority.", SCHEDULING_POLICIES),
+    Flag("priority-aging-seconds", _optional(float), None,
+         "With the fair policy: a waiting request's priority improves by one level per this many "
+         "seconds waited, so low-priority requests are never starved (default: strict priority)."),
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from ..flags import ENGINE_FLAGS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, RUNNERS, TASKS, LoRAModuleSpec
+from ..flags import (ENGINE_FLAGS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, RUNNERS, SCHEDULING_POLICIES, TASKS,
+                     LoRAModuleSpec)
 from .kv_event_publisher import KVEventsConfig, parse_kv_events_config
 from .spec_decode.config import SpeculativeConfig, parse_speculative_config
 
@@ -40,6 +41,8 @@ class EngineConfig:
     runner: str = "auto"
     enforce_eager: bool = False
     kv_events_config: KVEventsConfig | None = None  # a dict or JSON text is parsed
+    scheduling_policy: str = "auto"
+    priority_aging_seconds: float | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
@@ -72,6 +75,11 @@ class EngineConfig:
             if self.task not in ("auto", task):
                 raise ValueError(f"--runner {self.runner} conflicts with --task {self.task}")
             self.task = task
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {self.scheduling_policy!r}")
+        if self.priority_aging_seconds is not None and self.priority_aging_seconds <= 0:
+            raise ValueError(f"priority_aging_seconds must be positive, got {self.priority_aging_seconds}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if (self.speculative_config is not None and self.speculative_config.method == "draft_model"

@@ -20,6 +20,7 @@ from .sampler import Sampler, SamplerOutput, to_logprob_dict
 from .sampling_params import InvalidRequestError, SamplingParams
 from .pooler import Pooler, PoolingTask
 from .scheduler import Scheduler, SchedulerOutput
+from .scheduling_policy import build_policy
 from .sequence import DraftPosition, Request, SamplingRow, Sequence, SequenceStatus
 from .spec_decode.speculator import Speculator, build_speculator
 from .stats import EngineStats
@@ -81,7 +82,8 @@ class LLMEngine:
                              "enable prefix caching (and use a generate model with it)")
         publisher = open_kv_event_publisher(config.kv_events_config, config.block_size)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching, window, publisher)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   build_policy(config.scheduling_policy, config.priority_aging_seconds))
         self.adapters = self._adapters(config) if config.enable_lora else None
         self.sampler = Sampler(config.seed, self.loaded.device)
         self.speculator: Speculator | None = None

@@ -5,7 +5,9 @@ then prefill chunks of partially prefilled sequences, then waiting sequences, un
 `max_num_batched_tokens` and `max_num_seqs`. A decode with draft tokens (speculative decoding,
 `proposer.py`) gets one position per draft too, as far as the budget goes. When blocks run out the newest running
 sequence (highest priority value, latest arrival) is preempted: its blocks are freed and it
-is recomputed later, cheaply when its prefix is still cached.
+is recomputed later, cheaply when its prefix is still cached. Which waiting sequence goes
+first and which running one gives way is the scheduling policy's choice
+(`scheduling_policy.py`: by default priority, then arrival; or fair shares among tenants).
 
 With prefix caching, a chunk's full blocks enter the prefix cache when it is scheduled, not
 after it runs (as vLLM v1 does): a request scheduled later in the same step shares them at
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .kv_cache_manager import KVCacheManager
+from .scheduling_policy import PriorityPolicy, SchedulingPolicy
 from .sequence import Request, Sequence, SequenceStatus
 
 
@@ -48,8 +51,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: SchedulingPolicy | None = None) -> None:
+        """`policy` orders admission and preemption (`scheduling_policy.py`; default: priority,
+        then arrival)."""
         self.kv = kv
+        self.policy = policy or PriorityPolicy()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
@@ -64,6 +71,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add_request(self, request: Request) -> None:
+        self.policy.arrived(request)
         self._enqueue(request.seqs[0])
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -98,13 +106,12 @@ class Scheduler:
                 self._add(out, seq, num_new, num_drafts)
                 scheduled.add(id(seq))
                 budget -= num_new
-        position = 0
-        while (position < len(self.waiting) and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs
-               and len(out.scheduled) < self.max_num_seqs):
-            seq = self.waiting[position]
+        candidates = self.policy.admission_order(self.waiting) if budget > 0 and not preempted else ()
+        for seq in candidates:
+            if (budget == 0 or len(self.running) >= self.max_num_seqs
+                    or len(out.scheduled) >= self.max_num_seqs):
+                break
             if self.admit is not None and not self.admit(seq):
-                position += 1
                 continue
             cached = self.kv.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -114,7 +121,7 @@ class Scheduler:
             self.kv.record_lookup(seq.num_tokens, cached)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.num_cached_tokens = cached
-            self.waiting.pop(position)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             if seq.request.metrics.first_scheduled_time is None:
@@ -128,6 +135,7 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, num_new, samples, num_drafts))
         out.num_tokens += num_new
         out.num_drafts += num_drafts
+        self.policy.charge(seq, num_new)
         self.kv.cache_scheduled_blocks(seq, num_new)
         if samples and seq.index == 0:
             for sibling in seq.request.seqs[1:]:
@@ -135,8 +143,9 @@ class Scheduler:
                     out.forks.append((sibling, len(out.scheduled) - 1))
 
     def _pick_victim(self, scheduled: set[int]) -> Sequence | None:
-        """The newest running sequence not already scheduled this step."""
-        for seq in reversed(self.running):
+        """The first running sequence in the policy's preemption order not already scheduled
+        this step (by default the newest of the worst priority)."""
+        for seq in self.policy.preemption_order(self.running):
             if id(seq) not in scheduled:
                 return seq
         return None
@@ -177,3 +186,5 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+        if seq.request.finished:
+            self.policy.departed(seq.request)

@@ -51,6 +51,7 @@ class Request:
     # each sequence builds its own processors from these (e.g. a grammar matcher)
     processor_factories: list[ProcessorFactory] = field(default_factory=list)
     adapter: str | None = None  # LoRA adapter name; None = the base weights (no adapters yet)
+    tenant: str = ""  # whose request it is, for fair scheduling (`scheduling_policy.py`); "" = anonymous
     pooling: "PoolingTask | None" = None  # an embedding request (`pooler.py`): no tokens are generated
     extra_key: ExtraKey = field(init=False)  # the prefix-cache namespace of its blocks
 

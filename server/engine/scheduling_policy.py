@@ -1,0 +1,143 @@
+"""Which waiting sequence the scheduler admits next and which running one gives way: the
+scheduler's seam for priorities and tenants (`Scheduler(..., policy=...)`).
+
+`PriorityPolicy`, the default, is the order the scheduler keeps its queues in: priority
+(lower first), then arrival. It costs the step nothing beyond that order.
+
+`FairPolicy` keeps priority first and, among requests of one priority, shares computed tokens
+(prompt and generated, as the step computes them) fairly among tenants: virtual-time fair
+queuing where a tenant's virtual time is the tokens it was given so far, and the tenant
+furthest behind is admitted next. A tenant that becomes active starts at the least active
+tenant's virtual time, so being idle banks no credit and a newcomer waits for at most one
+admission of each busier tenant. Within a tenant, arrival order stays. One tenant alone is
+therefore exactly `PriorityPolicy`'s order.
+
+With `aging_seconds`, a waiting request's priority improves by one level per that many
+seconds it has waited, so a low-priority request is never starved: after
+`(its priority - the best priority) * aging_seconds` it competes in the top band.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterable, Protocol
+
+from .sequence import Request, Sequence
+
+# Idle tenants whose virtual time is kept (their debt from a recent burst); past this many,
+# idle tenants are forgotten, so a gateway naming ever new tenants cannot grow the table.
+MAX_IDLE_TENANTS = 1024
+
+
+class SchedulingPolicy(Protocol):
+    def arrived(self, request: Request) -> None:
+        """A new request entered the waiting queue (not a preempted one coming back)."""
+
+    def departed(self, request: Request) -> None:
+        """The request's last sequence finished or was aborted."""
+
+    def charge(self, seq: Sequence, num_tokens: int) -> None:
+        """`num_tokens` of `seq` are computed in this step."""
+
+    def admission_order(self, waiting: list[Sequence]) -> Iterable[Sequence]:
+        """Waiting sequences in the order to try admitting them (a snapshot: the scheduler
+        removes admitted ones from `waiting` while iterating)."""
+
+    def preemption_order(self, running: list[Sequence]) -> Iterable[Sequence]:
+        """Running sequences, the first to give way first."""
+
+
+class PriorityPolicy:
+    """Priority, then arrival: the order `Sequence.sort_key` keeps both queues in."""
+
+    def arrived(self, request: Request) -> None:
+        pass
+
+    def departed(self, request: Request) -> None:
+        pass
+
+    def charge(self, seq: Sequence, num_tokens: int) -> None:
+        pass
+
+    def admission_order(self, waiting: list[Sequence]) -> Iterable[Sequence]:
+        return waiting[:]
+
+    def preemption_order(self, running: list[Sequence]) -> Iterable[Sequence]:
+        return reversed(running)
+
+
+class FairPolicy:
+    """Priority, then tokens fairly shared among tenants (`Request.tenant`), then arrival."""
+
+    def __init__(self, aging_seconds: float | None = None) -> None:
+        self.aging_seconds = aging_seconds
+        self.virtual_time: dict[str, float] = {}  # tokens computed per tenant, lifted on arrival
+        self.active: dict[str, int] = {}  # unfinished requests per tenant
+        self.clock = 0.0  # never decreases: the least active virtual time seen
+
+    def _floor(self) -> float:
+        if self.active:
+            self.clock = max(self.clock, min(self.virtual_time[t] for t in self.active))
+        return self.clock
+
+    def arrived(self, request: Request) -> None:
+        tenant = request.tenant
+        if tenant not in self.active:
+            self.virtual_time[tenant] = max(self.virtual_time.get(tenant, 0.0), self._floor())
+        self.active[tenant] = self.active.get(tenant, 0) + 1
+
+    def departed(self, request: Request) -> None:
+        tenant = request.tenant
+        count = self.active.get(tenant, 0) - 1
+        if count > 0:
+            self.active[tenant] = count
+            return
+        self.active.pop(tenant, None)
+        if self.virtual_time.get(tenant, 0.0) <= self._floor():
+            self.virtual_time.pop(tenant, None)   # it would be lifted to the floor anyway
+        if len(self.virtual_time) - len(self.active) > MAX_IDLE_TENANTS:
+            self.virtual_time = {t: v for t, v in self.virtual_time.items() if t in self.active}
+
+    def charge(self, seq: Sequence, num_tokens: int) -> None:
+        tenant = seq.request.tenant
+        self.virtual_time[tenant] = self.virtual_time.get(tenant, self.clock) + num_tokens
+
+    def _rank(self, seq: Sequence, now: float) -> int:
+        priority = seq.request.params.priority
+        if self.aging_seconds:
+            priority -= int((now - seq.request.metrics.arrival_time) / self.aging_seconds)
+        return priority
+
+    def admission_order(self, waiting: list[Sequence]) -> Iterable[Sequence]:
+        now = time.monotonic()
+        queues: dict[str, list[Sequence]] = {}
+        for seq in waiting:
+            queues.setdefault(seq.request.tenant, []).append(seq)
+        heads: dict[str, deque[tuple[int, Sequence]]] = {}
+        for tenant, seqs in queues.items():
+            ranked = [(self._rank(seq, now), seq) for seq in seqs]
+            if self.aging_seconds:   # aging can reorder a tenant's own queue
+                ranked.sort(key=lambda item: (item[0], item[1].sort_key[1:]))
+            heads[tenant] = deque(ranked)
+        while heads:
+            # NOTE: virtual times are read at each pick: the scheduler charges what it admits.
+            tenant = min(heads, key=lambda t: (heads[t][0][0], self.virtual_time.get(t, self.clock),
+                                               heads[t][0][1].sort_key[1:]))
+            queue = heads[tenant]
+            _, seq = queue.popleft()
+            if not queue:
+                del heads[tenant]
+            yield seq
+
+    def preemption_order(self, running: list[Sequence]) -> Iterable[Sequence]:
+        """Worst priority first, then the tenant furthest ahead, then the newest."""
+        return sorted(running, reverse=True, key=lambda seq: (
+            seq.request.params.priority, self.virtual_time.get(seq.request.tenant, self.clock),
+            seq.sort_key[1:]))
+
+
+def build_policy(name: str, aging_seconds: float | None = None) -> SchedulingPolicy:
+    """`--scheduling-policy` (validated by EngineConfig): auto and priority are `PriorityPolicy`,
+    fair is `FairPolicy`."""
+    return FairPolicy(aging_seconds) if name == "fair" else PriorityPolicy()
