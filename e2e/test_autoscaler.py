@@ -97,7 +97,7 @@ def free_port() -> int:
 def start_gateway(namespace: str, name: str, env: dict[str, str],
                   log: Path) -> tuple[Background, str]:
     port = free_port()
-    argv = [sys.executable, "-c", "import sys; from kubeinfer.operator.gateway import cli; "
+    argv = [sys.executable, "-c", "import sys; from kubeinfer.server.router import cli; "
             "import argparse; p = argparse.ArgumentParser(); cli.add_arguments(p); "
             "sys.exit(cli.run(p.parse_args(sys.argv[1:])))",
             "--inferenceservice", name, "--namespace", namespace, "--host", "127.0.0.1",

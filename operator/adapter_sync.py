@@ -14,8 +14,8 @@ from typing import Any, Iterable, Mapping
 
 import httpx
 
+from kubeinfer.server.kube.pods import pod_targets
 from .adapters import MAX_MESSAGE, Action, AdapterReport, PodAdapters, engine_adapters, plan, serving
-from .autoscaler.scrape import pod_targets
 from .metrics import ADAPTER_OPERATIONS
 from .model_source import adapter_path
 from .resource import InferenceService

@@ -6,20 +6,17 @@ tests share, so a rename cannot leave one of them behind.
 
 from __future__ import annotations
 
-GROUP = "kubeinfer.io"
-VERSION = "v1alpha1"
+# the identity the router and the autoscaler read too lives in their shared leaf
+from kubeinfer.server.kube.api import FIELD_MANAGER, GROUP, INSTANCE_LABEL, KIND, PLURAL, VERSION  # noqa: F401
+
 API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 # `isvc` belongs to KServe; ours must not collide with it on clusters that run both.
 SHORT_NAMES = ("kis", "infsvc")
 CATEGORIES = ("kubeinfer", "all")
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
-FIELD_MANAGER = "kubeinfer-operator"
 MANAGED_BY = "kubeinfer-operator"
-INSTANCE_LABEL = "kubeinfer.io/inferenceservice"
 # Which autoscaler drives spec.replicas when the built-in one is off (KServe's autoscalerClass):
 # `keda` makes the operator check that KEDA is installed and that the two do not both scale.
 AUTOSCALER_CLASS_ANNOTATION = "kubeinfer.io/autoscaler-class"

@@ -1,5 +1,5 @@
 """Everything an InferenceService owns: Deployment, ClusterIP Service, PodDisruptionBudget,
-and the gateway — the router, also holding requests at zero replicas (operator/gateway/build.py).
+and the gateway — the router, also holding requests at zero replicas (operator/router_build.py).
 
 `desired_children` is the whole answer to "what should exist"; `stale_children` names what
 must go (the PDB once replicas drop to 1 or less, where it would block node drains; the
@@ -13,8 +13,8 @@ from typing import Any
 
 from . import api
 from .build import deployment
-from .gateway.build import (gateway_children, gateway_name, gateway_replicas,
-                            needs_gateway, service_selector)
+from .router_build import (gateway_children, gateway_name, gateway_replicas,
+                          needs_gateway, service_selector)
 from .resource import InferenceService, OperatorConfig
 
 GATEWAY_KINDS = ("PodDisruptionBudget", "Deployment", "RoleBinding", "Role", "ServiceAccount")  # deletion order

@@ -15,11 +15,11 @@ import random
 import kopf
 from prometheus_client import start_http_server
 
+from kubeinfer.server.kube.client import Kube, KubeError, load_api_client
+from kubeinfer.server.kube.scale import KubeScaleApi
 from . import api
 from .autoscaler.handlers import register as register_autoscaler
-from .autoscaler.kube import KubeScaleApi
 from .handlers import register
-from .kube import Kube, KubeError, load_api_client
 from .reconcile import Reconciler
 from .resource import OperatorConfig
 

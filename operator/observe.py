@@ -15,13 +15,14 @@ from datetime import datetime
 from typing import Any
 
 from kubeinfer.server import exit_codes
+from kubeinfer.server.kube.pods import pod_ready
 
 from . import api
 from .adapters import AdapterReport, adapter_condition, adapter_status
 from .build import GPU_RESOURCE, device
-from .gateway.build import gateway_name, scales_from_zero
 from .model_source import model_mounts
 from .resource import InferenceService, OperatorConfig
+from .router_build import gateway_name, scales_from_zero
 from .status import Condition, InferenceServiceStatus
 
 STUCK_WAITING_REASONS = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull",
@@ -124,11 +125,6 @@ def _last_words(message: str, lines: int = 3) -> str:
     """The end of a termination message: a log tail's last lines hold the error (a traceback's last)."""
     tail = [line.strip() for line in message.strip().splitlines() if line.strip()][-lines:]
     return " | ".join(tail)[-500:]
-
-
-def pod_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 def deployment_problems(deployment: dict[str, Any]) -> list[tuple[str, str]]:

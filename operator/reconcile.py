@@ -18,18 +18,19 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from kubeinfer.server.flags import parse_api_keys
+from kubeinfer.server.kube.api import gateway_selector_labels
+from kubeinfer.server.kube.client import Kube, KubeError
 
 from . import api
 from .adapter_sync import AdapterSync
 from .adapters import AdapterReport, action_events, gate_conditions
 from .children import desired_children, stale_children
 from .events import Event, transition_events
-from .gateway.build import gateway_selector_labels, needs_gateway
-from .kube import Kube, KubeError
 from .metrics import RECONCILE_SECONDS, RECONCILES
 from .build import GPU_PRODUCT_LABEL, GPU_RESOURCE, device
 from .observe import Observed, observe, pod_problems
 from .resource import InferenceService, OperatorConfig, label_selector
+from .router_build import needs_gateway
 from .status import Condition, InferenceServiceStatus
 
 

@@ -5,18 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kubeinfer.server.kube.api import engine_selector_labels, label_selector
 from . import api
 from .spec import InferenceServiceSpec
-
-
-def engine_selector_labels(name: str) -> dict[str, str]:
-    """Immutable Deployment selector of an InferenceService's engines: never add labels here."""
-    return {api.INSTANCE_LABEL: name, "app.kubernetes.io/component": "engine"}
-
-
-def label_selector(labels: Mapping[str, str]) -> str:
-    """`labels` as a label-selector string (`k=v,k=v`), for list calls and status.selector."""
-    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 from pydantic.alias_generators import to_camel
 
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, Flag
-from .gateway.route_cli import routing_flag
+from kubeinfer.server.router.flags import STRATEGIES, routing_flag
 
 MODEL_SOURCE_PATTERN = (r"^(embedded|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
                         r"|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+)$")
@@ -312,13 +312,13 @@ class AuthSpec(Section):
 
 
 class RoutingSpec(Section):
-    """The router in front of the engines (`kubeinfer gateway`): which replica serves a request."""
+    """The router in front of the engines (`kubeinfer route`): which replica serves a request."""
 
     model_config = ConfigDict(json_schema_extra=rules(
         ("self.strategy == 'none' || !has(self.replicas) || self.replicas >= 1",
          "routing.replicas must be at least 1 unless routing.strategy is none")))
-    strategy: Literal["prefix-aware", "least-load", "round-robin", "none"] = Field(
-        "prefix-aware",
+    strategy: Literal[(*STRATEGIES, "none")] = Field(  # type: ignore[valid-type]
+        routing_flag("strategy").default,
         description="prefix-aware: the replica holding the longest cached prefix of the request "
                     "(from the engines' published block hashes), minus a load penalty, within "
                     "bounded loads; least-load: fewest requests in flight; round-robin; none: the "

@@ -16,10 +16,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kubeinfer.server.api.serve", "Run the OpenAI-compatible server."),
     "bench": ("kubeinfer.server.bench.cli", "Load-test an OpenAI-compatible endpoint."),
     "operator": ("kubeinfer.operator.main", "Run the InferenceService operator (kopf)."),
-    "gateway": ("kubeinfer.operator.gateway.cli",
-                "Run an InferenceService's scale-from-zero gateway (holds requests while at 0)."),
-    "route": ("kubeinfer.operator.gateway.route_cli",
-              "Run the cache-aware router in front of engines you started (--backend URL ...)."),
+    "route": ("kubeinfer.server.router.cli",
+              "Run the cache-aware router: in front of engines you started (--backend URL ...), or of "
+              "an InferenceService's pods, scaling it from zero (--inferenceservice NAME)."),
+    "gateway": ("kubeinfer.server.router.cli", "`kubeinfer route`, under the name the operator's "
+                "router Deployments run it by."),
     "bench-kernels": ("kubeinfer.kernels.bench", "Time the Triton kernels on a CUDA GPU."),
 }
 

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import kopf
 
-from .. import api
+from kubeinfer.server.kube import api
+from kubeinfer.server.kube.scale import ScaleApi
 from . import metrics
-from .kube import ScaleApi
 from .policy import ScalingPolicy
 from .tick import Tick, run_tick
 

@@ -10,46 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Iterable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..observe import pod_ready
+from kubeinfer.server.kube.pods import PodTarget
 from .decision import PodSample
 
 log = logging.getLogger(__name__)
-DEFAULT_PORT = 8000  # `kubeinfer serve --port` default, used when the pod names no port
-
-
-@dataclass(frozen=True)
-class PodTarget:
-    """What the autoscaler needs from one pod object."""
-
-    name: str
-    url: str | None  # http://ip:port/metrics, None before the pod has an IP
-    ready: bool
-    terminating: bool
-
-
-def pod_targets(pods: Iterable[Mapping[str, Any]], path: str = "/metrics") -> list[PodTarget]:
-    """Pods as returned by the API (JSON dicts) -> scrape targets."""
-    targets = []
-    for pod in pods:
-        status = pod.get("status") or {}
-        ip = status.get("podIP")
-        url = f"http://{ip}:{_port(pod)}{path}" if ip else None
-        targets.append(PodTarget(pod["metadata"]["name"], url, pod_ready(pod),
-                                 bool(pod["metadata"].get("deletionTimestamp"))))
-    return targets
-
-
-def _port(pod: Mapping[str, Any]) -> int:
-    """The container port named `http`, else the first one declared."""
-    ports = [p for c in pod.get("spec", {}).get("containers", []) for p in c.get("ports") or []]
-    named = [p for p in ports if p.get("name") == "http"]
-    return int((named or ports or [{"containerPort": DEFAULT_PORT}])[0]["containerPort"])
 
 
 def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:

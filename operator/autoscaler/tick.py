@@ -14,13 +14,13 @@ from typing import Any
 
 import httpx
 
-from ..gateway.build import gateway_selector_labels
-from ..resource import label_selector
+from kubeinfer.server.kube.api import gateway_selector_labels, label_selector
+from kubeinfer.server.kube.pods import pod_targets
+from kubeinfer.server.kube.scale import Conflict, ScaleApi, engine_selector
 from . import metrics
 from .decision import RUNNING, Decision, decide
-from .kube import Conflict, ScaleApi, engine_selector
 from .policy import ScalingPolicy
-from .scrape import pod_targets, scrape
+from .scrape import scrape
 from .state import ScalerState
 
 log = logging.getLogger(__name__)

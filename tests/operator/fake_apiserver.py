@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import pytest
 from kubernetes import client
 
-from kubeinfer.operator.kube import Kube
+from kubeinfer.server.kube.client import Kube
 
 
 class Recorder(BaseHTTPRequestHandler):

@@ -277,7 +277,7 @@ def test_failure_events_follow_the_condition() -> None:
 
 
 def test_an_unreadable_key_secret_is_a_condition_not_a_crash() -> None:
-    from kubeinfer.operator.kube import KubeError
+    from kubeinfer.server.kube.client import KubeError
 
     class NoSecrets(MemoryKube):
         def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:

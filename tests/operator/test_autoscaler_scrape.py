@@ -14,7 +14,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from kubeinfer.operator.autoscaler.scrape import parse_gauges, pod_targets, scrape
+from kubeinfer.operator.autoscaler.scrape import parse_gauges, scrape
+from kubeinfer.server.kube.pods import pod_targets
 
 WAITING, RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
 ENGINE_METRICS = """# HELP vllm:num_requests_waiting Requests waiting to be scheduled.

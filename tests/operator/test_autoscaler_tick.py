@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import REGISTRY
 from test_autoscaler_scrape import engine_app, pod, serving
 
-from kubeinfer.operator.autoscaler.kube import Conflict
+from kubeinfer.server.kube.scale import Conflict
 from kubeinfer.operator.autoscaler.tick import run_tick
 
 NS, NAME = "default", "llm"

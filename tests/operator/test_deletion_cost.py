@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kubeinfer.operator.gateway.deletion_cost import ANNOTATION, MAX_COST, DeletionCosts, deletion_costs
+from kubeinfer.server.router.deletion_cost import ANNOTATION, MAX_COST, DeletionCosts, deletion_costs
 from kubeinfer.server.engine.stats import DecayingSum
 
 

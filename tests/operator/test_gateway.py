@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from test_autoscaler_scrape import free_port, serving
 
-from kubeinfer.operator.gateway.activator import Activator, ActivatorConfig, GatewayMetrics
-from kubeinfer.operator.gateway.proxy import build_app
+from kubeinfer.server.router.activator import Activator, ActivatorConfig, GatewayMetrics
+from kubeinfer.server.router.proxy import build_app
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse
 from test_autoscaler_scrape import serving
 from test_gateway import CHAT, FakeBackends, held
 
-from kubeinfer.operator.gateway.activator import Activator, ActivatorConfig, GatewayMetrics
-from kubeinfer.operator.gateway.cli import add_arguments
-from kubeinfer.operator.gateway.proxy import build_app
+from kubeinfer.server.router.activator import Activator, ActivatorConfig, GatewayMetrics
+from kubeinfer.server.router.cli import add_arguments
+from kubeinfer.server.router.proxy import build_app
 from kubeinfer.server.api.auth import OPEN_PATHS
 
 KEY = "sk-gw-0123456789"

@@ -6,9 +6,9 @@ import argparse
 from typing import Any
 
 from kubeinfer.operator import api
-from kubeinfer.operator.gateway import cli
-from kubeinfer.operator.gateway.build import (gateway_children, needs_gateway,
-                                              service_selector)
+from kubeinfer.server.router import cli
+from kubeinfer.operator.router_build import (gateway_children, needs_gateway,
+                                             service_selector)
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
 
 CONFIG = OperatorConfig(engine_image="kubeinfer/kubeinfer:test")
@@ -76,7 +76,7 @@ def test_deployment_runs_the_gateway_cli_with_the_activation_timeout() -> None:
 
 def test_router_replicas_follow_the_engines_and_get_a_pdb_from_two() -> None:
     from kubeinfer.operator.children import stale_children
-    from kubeinfer.operator.gateway.build import gateway_replicas
+    from kubeinfer.operator.router_build import gateway_replicas
 
     def service(spec: dict[str, Any]) -> InferenceService:
         return InferenceService.from_body({"metadata": {"name": "chat", "namespace": "team-a", "uid": "u-1"},

@@ -17,7 +17,7 @@ from test_reconcile import MemoryKube
 
 from e2e.binaries import binary, ensure
 from kubeinfer.operator.children import desired_children, stale_children
-from kubeinfer.operator.kube import COLLECTIONS
+from kubeinfer.server.kube.client import COLLECTIONS
 from kubeinfer.operator.reconcile import Reconciler
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kubeinfer"

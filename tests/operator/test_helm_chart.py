@@ -114,7 +114,7 @@ def test_dashboard_uses_the_engine_metric_names(helm: str) -> None:
 
 def _exported_names() -> set[str]:
     """Every sample name a router (GatewayMetrics) or an engine (ServerMetrics) exposes."""
-    from kubeinfer.operator.gateway.activator import GatewayMetrics
+    from kubeinfer.server.router.activator import GatewayMetrics
     from kubeinfer.server.api.metrics import ServerMetrics
     from kubeinfer.server.engine.stats import EngineStats
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fake_apiserver import Recorder, kube  # noqa: F401  (kube is a fixture)
 
-from kubeinfer.operator.kube import Kube, KubeError
+from kubeinfer.server.kube.client import Kube, KubeError
 
 
 def test_apply_is_server_side_apply_with_our_field_manager(kube: Kube) -> None:  # noqa: F811

@@ -7,7 +7,7 @@ import argparse
 import pytest
 from fake_apiserver import Recorder, kube  # noqa: F401  (kube is a fixture)
 
-from kubeinfer.operator.kube import Kube
+from kubeinfer.server.kube.client import Kube
 from kubeinfer.operator.main import add_arguments, ensure_peering
 
 

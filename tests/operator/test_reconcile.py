@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from isvc_builders import CONFIG, body, pending_pod
 
-from kubeinfer.operator.kube import KubeError
+from kubeinfer.server.kube.client import KubeError
 from kubeinfer.operator.reconcile import Reconciler
 
 

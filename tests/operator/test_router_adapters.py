@@ -10,9 +10,9 @@ import json
 import httpx
 from test_router_pickers import BS, SHARED, URLS, key, views
 
-from kubeinfer.operator.gateway.engine_views import EngineViews
-from kubeinfer.operator.gateway.pickers import PrefixAware
-from kubeinfer.operator.gateway.routing_key import KeyMaker, RoutingKey
+from kubeinfer.server.router.engine_views import EngineViews
+from kubeinfer.server.router.pickers import PrefixAware
+from kubeinfer.server.router.routing_key import KeyMaker, RoutingKey
 from kubeinfer.server.engine.kv_events import block_hashes
 from kubeinfer.server.model.tokenizer_files import load_tokenizer
 

@@ -9,10 +9,10 @@ from typing import Mapping
 import httpx
 import pytest
 
-from kubeinfer.operator.gateway.engine_views import EngineViews
-from kubeinfer.operator.gateway.pickers import (LeastLoad, PrefixAware, PrefixAwareConfig, RoundRobin,
+from kubeinfer.server.router.engine_views import EngineViews
+from kubeinfer.server.router.pickers import (LeastLoad, PrefixAware, PrefixAwareConfig, RoundRobin,
                                                 make_picker, rendezvous)
-from kubeinfer.operator.gateway.routing_key import RoutingKey
+from kubeinfer.server.router.routing_key import RoutingKey
 from kubeinfer.server.engine.kv_events import HASH_SCHEME, block_hashes
 
 URLS = ["http://a", "http://b", "http://c"]
@@ -174,8 +174,8 @@ def test_the_router_imports_no_torch() -> None:
     import sys
 
     code = ("import sys\n"
-            "import kubeinfer.operator.gateway.route_cli, kubeinfer.operator.gateway.proxy\n"
-            "import kubeinfer.operator.gateway.routing, kubeinfer.server.model.tokenizer_files\n"
+            "import kubeinfer.server.router.cli, kubeinfer.server.router.proxy\n"
+            "import kubeinfer.server.router.routing, kubeinfer.server.model.tokenizer_files\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -184,7 +184,7 @@ def test_the_line_scan_of_engine_metrics_agrees_with_the_prometheus_parser() -> 
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     from kubeinfer.operator.autoscaler.scrape import parse_gauges
-    from kubeinfer.operator.gateway.engine_views import GAUGES, scan_gauges
+    from kubeinfer.server.router.engine_views import GAUGES, scan_gauges
 
     registry = CollectorRegistry()
     Gauge("vllm:num_requests_running", "r", ["model_name"], registry=registry).labels("a").set(3)

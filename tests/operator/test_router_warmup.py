@@ -12,9 +12,9 @@ import time
 
 import httpx
 
-from kubeinfer.operator.gateway.engine_views import EngineViews
-from kubeinfer.operator.gateway.routing_key import RoutingKey
-from kubeinfer.operator.gateway.warmup import HotPrefixes, Warmer, WarmupConfig
+from kubeinfer.server.router.engine_views import EngineViews
+from kubeinfer.server.router.routing_key import RoutingKey
+from kubeinfer.server.router.warmup import HotPrefixes, Warmer, WarmupConfig
 from kubeinfer.server.engine.kv_events import HASH_SCHEME, block_hash, block_hashes, root_hash
 
 BS = 16

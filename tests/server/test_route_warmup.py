@@ -95,9 +95,9 @@ def test_two_routers_warming_the_same_engine_have_it_prefill_each_prefix_once() 
     import asyncio
     import random
 
-    from kubeinfer.operator.gateway.engine_views import EngineViews
-    from kubeinfer.operator.gateway.routing_key import RoutingKey
-    from kubeinfer.operator.gateway.warmup import HotPrefixes, Warmer, WarmupConfig
+    from kubeinfer.server.router.engine_views import EngineViews
+    from kubeinfer.server.router.routing_key import RoutingKey
+    from kubeinfer.server.router.warmup import HotPrefixes, Warmer, WarmupConfig
     from kubeinfer.server.engine.kv_events import block_hash, block_hashes, root_hash
 
     port = free_port()

@@ -9,8 +9,8 @@ import json
 import httpx
 from helpers.lora_adapters import make_peft_adapter
 
-from kubeinfer.operator.gateway.engine_views import EngineView
-from kubeinfer.operator.gateway.routing_key import KeyMaker
+from kubeinfer.server.router.engine_views import EngineView
+from kubeinfer.server.router.routing_key import KeyMaker
 from kubeinfer.server.flags import LoRAModuleSpec
 from kubeinfer.server.model.tokenizer_files import load_tokenizer
 

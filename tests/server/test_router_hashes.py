@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kubeinfer.operator.gateway.engine_views import EngineView, EngineViews
-from kubeinfer.operator.gateway.routing_key import KeyMaker
+from kubeinfer.server.router.engine_views import EngineView, EngineViews
+from kubeinfer.server.router.routing_key import KeyMaker
 from kubeinfer.server.engine.kv_events import HASH_SCHEME
 from kubeinfer.server.model.tokenizer_files import load_tokenizer
 

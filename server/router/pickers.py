@@ -1,8 +1,10 @@
 """Routing strategies: given the Ready replicas and a request's routing key, pick one.
 
 A strategy is a small object behind the `Picker` protocol (as SGLang's router policies and
-llm-d's scorers are), so a new one plugs in without touching the proxy or the activator.
-`prefix-aware` is the default; `least-load` and `round-robin` are the baselines.
+llm-d's scorers are), so a new one plugs in without touching the proxy or the activator: it
+names itself and declares what it needs (routing keys, hence a tokenizer; warm-up of new
+engines), and `PICKERS` lists it. `prefix-aware` is the default; `least-load` and
+`round-robin` are the baselines.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import ClassVar, Mapping, Protocol, Sequence
 
 from .engine_views import EngineViews
-from .route_cli import routing_flag
+from .flags import STRATEGIES, routing_flag
 from .routing_key import RoutingKey
 
 log = logging.getLogger(__name__)
-STRATEGIES = ("prefix-aware", "least-load", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,18 @@ class Picker(Protocol):
     """Chooses among `urls` (Ready, non-empty, in a stable order); `in_flight` is this router's
     count of requests per replica. Called on the event loop: must not block."""
 
+    strategy: ClassVar[str]   # its `--strategy` name (`flags.STRATEGIES`)
+    keyed: ClassVar[bool]     # reads routing keys: the router tokenizes prompts for it
+    warms: ClassVar[bool]     # new engines get the hot prefixes first (the keys' prefixes)
+
     def pick(self, urls: Sequence[str], key: RoutingKey | None, in_flight: Mapping[str, int]) -> Decision: ...
 
     def release(self, url: str, key: RoutingKey | None) -> None:
         """The request picked for `url` has ended (answered, failed or abandoned)."""
+
+    @classmethod
+    def create(cls, views: EngineViews | None, config: PrefixAwareConfig) -> Picker:
+        """The picker `--strategy` names, from the engines' views and the balance knobs."""
 
 
 def rendezvous(affinity: int, url: str) -> int:
@@ -49,8 +58,14 @@ def rendezvous(affinity: int, url: str) -> int:
 
 
 class RoundRobin:
+    strategy, keyed, warms = "round-robin", False, False
+
     def __init__(self) -> None:
         self._turn = itertools.count()
+
+    @classmethod
+    def create(cls, views: EngineViews | None, config: PrefixAwareConfig) -> RoundRobin:
+        return cls()
 
     def pick(self, urls: Sequence[str], key: RoutingKey | None, in_flight: Mapping[str, int]) -> Decision:
         return Decision(urls[next(self._turn) % len(urls)], "round-robin")
@@ -63,9 +78,15 @@ class LeastLoad:
     """Fewest requests in flight (the engines' running + waiting where larger, with views);
     ties rotate, so an idle service still spreads its requests."""
 
+    strategy, keyed, warms = "least-load", False, False
+
     def __init__(self, views: EngineViews | None = None) -> None:
         self.views = views
         self._turn = 0
+
+    @classmethod
+    def create(cls, views: EngineViews | None, config: PrefixAwareConfig) -> LeastLoad:
+        return cls(views)
 
     def load(self, url: str, in_flight: Mapping[str, int]) -> float:
         count = in_flight.get(url, 0)
@@ -83,7 +104,7 @@ class LeastLoad:
 
 @dataclass(frozen=True)
 class PrefixAwareConfig:
-    """The load-balance knobs; defaults and meaning from the router's flags (`route_cli`)."""
+    """The load-balance knobs; defaults and meaning from the router's flags (`flags.py`)."""
 
     load_penalty_tokens: float = routing_flag("load_penalty_tokens").default
     balance_factor: float = routing_flag("balance_factor").default
@@ -110,10 +131,18 @@ class PrefixAware:
     warm-up's hold time; every other request may go there meanwhile, so it is never starved.
     """
 
+    strategy, keyed, warms = "prefix-aware", True, True
+
     def __init__(self, views: EngineViews, config: PrefixAwareConfig = PrefixAwareConfig()) -> None:
         self.views, self.config = views, config
         self.least_load = LeastLoad(views)
         self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    @classmethod
+    def create(cls, views: EngineViews | None, config: PrefixAwareConfig) -> PrefixAware:
+        if views is None:
+            raise ValueError("prefix-aware routing needs the engines' views")
+        return cls(views, config)
 
     def pick(self, urls: Sequence[str], key: RoutingKey | None, in_flight: Mapping[str, int]) -> Decision:
         if key is None:
@@ -152,14 +181,11 @@ class PrefixAware:
             self.views.ended(url, key.hashes)
 
 
+PICKERS: dict[str, type[Picker]] = {picker.strategy: picker for picker in (PrefixAware, LeastLoad, RoundRobin)}
+
+
 def make_picker(strategy: str, views: EngineViews | None,
                 config: PrefixAwareConfig = PrefixAwareConfig()) -> Picker:
-    if strategy == "round-robin":
-        return RoundRobin()
-    if strategy == "least-load":
-        return LeastLoad(views)
-    if strategy == "prefix-aware":
-        if views is None:
-            raise ValueError("prefix-aware routing needs the engines' views")
-        return PrefixAware(views, config)
-    raise ValueError(f"unknown routing strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if strategy not in PICKERS:
+        raise ValueError(f"unknown routing strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    return PICKERS[strategy].create(views, config)

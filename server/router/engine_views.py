@@ -22,8 +22,8 @@ from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 import httpx
 
-from kubeinfer.server.engine.kv_events import HASH_SCHEME
-from kubeinfer.server.model.tokenizer import Tokenizer
+from ..engine.kv_events import HASH_SCHEME
+from ..model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 # the last: prefix-cache hits decayed on the engine (10-minute half-life), the deletion cost

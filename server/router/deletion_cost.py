@@ -16,7 +16,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
-from ..autoscaler.scrape import pod_targets
+from ..kube.pods import pod_targets
 
 log = logging.getLogger(__name__)
 ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"

@@ -14,11 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from kubeinfer.server.flags import to_args
-from .. import api
-from ..build import auth_env
-from ..resource import InferenceService, OperatorConfig
-from ..security import restricted_container, restricted_pod
-from .route_cli import ROUTING_FLAGS
+from kubeinfer.server.kube.api import gateway_selector_labels
+from kubeinfer.server.router.flags import ROUTING_FLAGS
+from . import api
+from .build import auth_env
+from .resource import InferenceService, OperatorConfig
+from .security import restricted_container, restricted_pod
 
 GATEWAY_PORT = 8080
 COMPONENT = "app.kubernetes.io/component"
@@ -65,11 +66,6 @@ def gateway_name(isvc: InferenceService) -> str:
     return f"{isvc.name}-gateway"
 
 
-def gateway_selector_labels(name: str) -> dict[str, str]:
-    """The gateway pods of InferenceService `name` (never matches its engines' selector)."""
-    return {api.INSTANCE_LABEL: name, COMPONENT: "gateway"}
-
-
 def service_selector(isvc: InferenceService) -> dict[str, str]:
     """Pods behind the InferenceService's Service: the gateway whenever there is one."""
     return gateway_selector_labels(isvc.name) if needs_gateway(isvc) else isvc.selector_labels
@@ -85,7 +81,7 @@ def gateway_children(isvc: InferenceService, config: OperatorConfig) -> list[dic
          "verbs": ["get"]},
         {"apiGroups": [api.GROUP], "resources": [f"{api.PLURAL}/scale"],
          "resourceNames": [isvc.name], "verbs": ["get", "patch"]},
-        # watch: find Ready engines; patch: their deletion cost (operator/gateway/deletion_cost.py)
+        # watch: find Ready engines; patch: their deletion cost (kubeinfer.server.router.deletion_cost)
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
     ]
     pdb = [gateway_pdb(isvc)] if gateway_replicas(isvc) >= 2 else []

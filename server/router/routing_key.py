@@ -15,9 +15,9 @@ from typing import Any, Collection, Mapping, Sequence
 
 import pydantic
 
-from kubeinfer.server.api.protocol import ChatCompletionRequest, CompletionRequest
-from kubeinfer.server.engine.kv_events import block_hash, block_hashes, root_hash
-from kubeinfer.server.model.tokenizer import Tokenizer
+from ..api.protocol import ChatCompletionRequest, CompletionRequest
+from ..engine.kv_events import block_hash, block_hashes, root_hash
+from ..model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from ..autoscaler.kube import Conflict, ScaleApi, engine_selector
-from ..autoscaler.scrape import pod_targets
+from ..kube.scale import Conflict, ScaleApi, engine_selector
+from ..kube.pods import pod_targets
 
 log = logging.getLogger(__name__)
 

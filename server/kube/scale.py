@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from .. import api
-from ..kube import Kube, KubeError, load_api_client
-from ..resource import engine_selector_labels, label_selector
+from . import api
+from .client import Kube, KubeError, load_api_client
+from .api import engine_selector_labels, label_selector
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -41,7 +41,7 @@ def engine_selector(isvc: dict[str, Any]) -> str:
 
 
 class KubeScaleApi:
-    """`ScaleApi` over `kubeinfer.operator.kube.Kube` (in-cluster auth, else kubeconfig)."""
+    """`ScaleApi` over `client.Kube` (in-cluster auth, else kubeconfig)."""
 
     def __init__(self, kube: Kube | None = None) -> None:
         self.kube = kube or Kube(load_api_client())

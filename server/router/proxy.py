@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kubeinfer.server.api.auth import OPEN_PATHS, ApiKeyCheck
-from kubeinfer.server.api.errors import OpenAIError, error_body, error_response
+from ..api.auth import OPEN_PATHS, ApiKeyCheck
+from ..api.errors import OpenAIError, error_body, error_response
 from .activator import Activator, NoReadyPod
 from .routing import Routing
 

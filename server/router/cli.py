@@ -1,0 +1,129 @@
+"""`kubeinfer route`: the cache-aware router and scale-from-zero gateway, in one of two modes.
+
+    kubeinfer route --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002   # standalone
+    kubeinfer route --inferenceservice chat --namespace team-a                         # in-cluster
+
+Standalone, it routes among engines you started yourself. In-cluster (the router Deployment the
+operator renders, as `kubeinfer gateway`, the same command under its older name), it routes among
+an InferenceService's Ready engine pods, holds requests while it has none and wakes one, and
+writes the engines' pod-deletion costs. The flags are `flags.py`'s; the namespace comes from the
+downward API or the service-account mount.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+import uvicorn
+
+from ..api.auth import api_keys_from_args
+from ..flags import add_flags
+from ..model.tokenizer_files import load_tokenizer
+from .activator import Activator, ActivatorConfig, GatewayMetrics
+from .backends import Backends, KubeBackends, StaticBackends
+from .deletion_cost import DeletionCosts
+from .engine_views import EngineViews
+from .flags import BACKEND, PROCESS_FLAGS, ROUTING_FLAGS, TARGET_FLAGS, parse_urls
+from .pickers import Picker, PrefixAwareConfig, make_picker
+from .proxy import build_app
+from .routing import Routing
+from .warmup import HotPrefixes, Warmer, WarmupConfig
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+# Below uvicorn's 5 s keep-alive timeout (the engines'), so the router never sends on a
+# connection the engine is closing as idle.
+KEEPALIVE_SECONDS = 4.0
+MODE_DEFAULTS = {"standalone": {"host": "127.0.0.1", "port": 8000, "activation_timeout": 30.0},
+                 "in-cluster": {"host": "0.0.0.0", "port": 8080, "activation_timeout": 120.0}}
+
+
+def _namespace() -> str:
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    if SERVICE_ACCOUNT_NAMESPACE.exists():
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return "default"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    default = parse_urls(os.environ[BACKEND.env]) if BACKEND.env in os.environ else None
+    parser.add_argument(BACKEND.option, dest=BACKEND.dest, action="extend", type=parse_urls,
+                        default=default, help=f"{BACKEND.help} [env {BACKEND.env}]")
+    add_flags(parser, TARGET_FLAGS + PROCESS_FLAGS + ROUTING_FLAGS)
+
+
+def mode_defaults(args: argparse.Namespace) -> str:
+    """The mode `args` asks for; fills the flags whose default depends on it."""
+    if bool(args.backend) == bool(args.inferenceservice):
+        raise SystemExit("kubeinfer route: give --backend URLs (standalone; or KUBEINFER_BACKEND) or "
+                         "--inferenceservice NAME (in-cluster; or KUBEINFER_INFERENCESERVICE), not both")
+    mode = "standalone" if args.backend else "in-cluster"
+    for dest, value in MODE_DEFAULTS[mode].items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    if mode == "in-cluster" and args.namespace is None:
+        args.namespace = _namespace()
+    return mode
+
+
+def build_routing(args: argparse.Namespace, client: httpx.AsyncClient, metrics: GatewayMetrics,
+                  api_keys: Sequence[str] = ()) -> tuple[Picker, Routing]:
+    """(picker, routing) for `args.strategy`: the engines' views, and what the picker declares
+    it needs: a tokenizer for routing keys, the warm-up of new engines (authenticated with the
+    engines' first API key)."""
+    views = EngineViews(client, interval=args.poll_interval, metrics_interval=4 * args.poll_interval)
+    config = PrefixAwareConfig(load_penalty_tokens=args.load_penalty_tokens, balance_factor=args.balance_factor,
+                               balance_slack=args.balance_slack, kv_usage_limit=args.kv_usage_limit)
+    picker = make_picker(args.strategy, views, config)
+    tokenizer = None
+    if args.tokenizer and picker.keyed:
+        tokenizer = load_tokenizer(args.tokenizer)
+    warmer = None
+    if picker.warms and args.warmup_prefixes > 0:
+        def count(outcome: str, tokens: int) -> None:
+            metrics.warmups.labels(outcome).inc()
+            metrics.warmup_tokens.inc(tokens)
+
+        headers = {"Authorization": f"Bearer {api_keys[0]}"} if api_keys else None
+        warmer = Warmer(HotPrefixes(), views, client,
+                        WarmupConfig(prefixes=args.warmup_prefixes, max_tokens=args.warmup_tokens,
+                                     hold_seconds=args.warmup_hold_seconds), count, headers)
+    routing = Routing(views, tokenizer, args.block_size, args.prefix_key_tokens,
+                      keyed=picker.keyed, warmer=warmer)
+    return picker, routing
+
+
+def run(args: argparse.Namespace) -> int:
+    mode = mode_defaults(args)
+    # uvicorn configures only its own loggers: show ours (wake-ups, API trouble) at the
+    # chosen level, and other libraries' (httpx logs every forwarded request) from warnings.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kubeinfer").setLevel(args.log_level.upper())
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                   keepalive_expiry=KEEPALIVE_SECONDS))
+    metrics, api_keys = GatewayMetrics(), api_keys_from_args(args)
+    picker, routing = build_routing(args, client, metrics, api_keys)
+    backends: Backends
+    if mode == "standalone":
+        backends, name = StaticBackends(args.backend, client), "kubeinfer route"
+    else:
+        from ..kube.scale import KubeScaleApi   # the kubernetes client, in-cluster only
+
+        scale = KubeScaleApi()
+        kube = KubeBackends(scale, args.namespace, args.inferenceservice, scale.kube.api_client)
+        costs = DeletionCosts(kube.pods, routing.views.cache_values, kube.patch_pod)
+        routing.background.append(costs.run)
+        backends, name = kube, args.inferenceservice
+    activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout), metrics, picker)
+    routing.views.in_flight = activator.in_flight
+    routing.views.api_key = next(iter(api_keys), None)   # to read the engines' adapters
+    app = build_app(activator, name, retry_after=args.retry_after, http=client,
+                    api_keys=api_keys, routing=routing)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

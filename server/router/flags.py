@@ -1,0 +1,79 @@
+"""The router's flags and strategy names, defined once.
+
+`kubeinfer route` parses them, the operator's CRD (`spec.routing`) takes its defaults and help
+from them and the operator renders `spec.routing` back into them, so a knob cannot exist in
+one place and not another. A leaf: it imports only the Flag machinery (no httpx, no torch).
+Every flag is also an environment variable (`--strategy` <-> `KUBEINFER_STRATEGY`), like the
+engine's.
+"""
+
+from __future__ import annotations
+
+from ..flags import SERVER_FLAGS, Flag, _optional
+
+# The pickers (`pickers.py`) implement these; `none` (CRD only) means no router unless the
+# service scales from zero, whose router then balances by load.
+STRATEGIES = ("prefix-aware", "least-load", "round-robin")
+
+
+def parse_urls(text: str | list[str]) -> list[str]:
+    """Backend URLs, separated by commas or whitespace."""
+    if isinstance(text, list):
+        return text
+    return [item for item in text.replace(",", " ").split() if item]
+
+
+ROUTING_FLAGS: tuple[Flag, ...] = (
+    Flag("strategy", str, "prefix-aware",
+         "prefix-aware: the replica holding the longest cached prefix of the request, minus a load "
+         "penalty, within bounded loads; least-load: fewest requests in flight; round-robin.",
+         STRATEGIES),
+    Flag("tokenizer", _optional(str), None,
+         "Model source whose tokenizer and chat template the router uses ('embedded', a Hugging Face "
+         "directory or a .gguf file); default: the engines' own, from GET /tokenizer_info."),
+    Flag("block-size", int, 16, "The engines' KV block size, with --tokenizer (else read from the engines)."),
+    Flag("prefix-key-tokens", int, 256,
+         "Requests sharing this many leading tokens go to the same replica when none has them cached."),
+    Flag("load-penalty-tokens", float, 32.0, "Cached tokens one request in flight on a replica is worth."),
+    Flag("balance-factor", float, 1.0,
+         "A replica whose load exceeds (1 + this) x the mean load, plus --balance-slack, gets no new request."),
+    Flag("balance-slack", float, 2.0, "Requests a replica may exceed the bounded load by."),
+    Flag("kv-usage-limit", float, 0.95, "A replica whose KV cache is this full gets no new request."),
+    Flag("poll-interval", float, 0.5, "Seconds between reads of each engine's /kv/blocks (its /metrics: 4x that)."),
+    Flag("warmup-prefixes", int, 8,
+         "With prefix-aware: an engine that becomes Ready (scale-up, replaced pod) gets this many of the "
+         "hottest shared prefixes as prefill-only requests, in the background; 0 turns warm-up off."),
+    Flag("warmup-tokens", int, 16384, "Prompt tokens one warm-up sends to an engine at most."),
+    Flag("warmup-hold-seconds", float, 60.0,
+         "While a prefix is being warmed on an engine, requests it would serve go to other replicas "
+         "within the bounded load, until its warm-up ends or for this long at most; 0: no hold."),
+)
+
+
+def routing_flag(dest: str) -> Flag:
+    """The router flag behind a `spec.routing` field or a `PrefixAwareConfig` default."""
+    return {f.dest: f for f in ROUTING_FLAGS}[dest]
+
+
+# Where the requests go: a static list (standalone), or an InferenceService's Ready engine pods
+# found through the Kubernetes API (in-cluster, the Deployment the operator renders).
+BACKEND = Flag("backend", parse_urls, [], "Standalone mode: engine base URL (repeat, or comma-separate).")
+TARGET_FLAGS: tuple[Flag, ...] = (
+    Flag("inferenceservice", _optional(str), None,
+         "In-cluster mode: the InferenceService whose Ready engine pods receive the requests, found "
+         "through the Kubernetes API (and scaled from zero on a request)."),
+    Flag("namespace", _optional(str), None,
+         "Its namespace; default: POD_NAMESPACE, else the pod's own (service-account mount), else 'default'."),
+)
+# Defaults that depend on the mode are None here and resolved by `cli.mode_defaults`.
+PROCESS_FLAGS: tuple[Flag, ...] = (
+    Flag("host", _optional(str), None, "Address to bind; default: 127.0.0.1 standalone, 0.0.0.0 in-cluster."),
+    Flag("port", _optional(int), None, "Port to bind; default: 8000 standalone, 8080 in-cluster."),
+    Flag("activation-timeout", _optional(float), None,
+         "Seconds a request waits for a Ready backend before 503 + Retry-After; default: 30 standalone, "
+         "120 in-cluster (the operator passes spec.autoscaling.activationTimeoutSeconds)."),
+    Flag("retry-after", int, 10, "Retry-After seconds sent with that 503."),
+    Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),
+    # the engine's own key flags, so the operator gives both processes the same env
+    *(f for f in SERVER_FLAGS if f.dest in ("api_keys", "api_keys_file", "require_api_key")),
+)
