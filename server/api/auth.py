@@ -10,7 +10,7 @@ from pathlib import Path
 from fastapi import Request
 
 from ..flags import parse_api_keys
-from .errors import OpenAIError
+from .error_body import OpenAIError
 
 # Routes that never need a key: the kubelet's probes and Prometheus cannot send one, routers
 # read the cache and tokenizer routes (hashes and a public tokenizer, never prompts), and

@@ -9,40 +9,18 @@ from __future__ import annotations
 import logging
 import re
 from http import HTTPStatus
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.async_engine import EngineDeadError, RequestFailedError
+from ..engine.sampling_params import InvalidRequestError
+from .error_body import OpenAIError, error_body, error_response  # noqa: F401 - this module's names too
+from .middleware import ContainErrors
+
 logger = logging.getLogger(__name__)
-
-_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
-                   404: "not_found_error", 405: "invalid_request_error",
-                   413: "invalid_request_error", 503: "service_unavailable_error"}
-
-
-class OpenAIError(Exception):
-    """An error the client should see as-is, e.g. `OpenAIError(404, "...", code="model_not_found")`."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-
-def error_body(status: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    error_type = _TYPE_BY_STATUS.get(status, "server_error")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def error_response(error: OpenAIError) -> JSONResponse:
-    body = error_body(error.status, error.message, error.param, error.code)
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
-
 
 # pydantic names the member of a union that failed ('str', 'list[int]') in the error location
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|[\w-]+\[.*\])$")
@@ -67,9 +45,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def as_openai_error(exc: Exception) -> OpenAIError:
     """The client-facing form of an exception raised while serving a request."""
-    from ..engine.async_engine import EngineDeadError, RequestFailedError
-    from ..engine.sampling_params import InvalidRequestError
-
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, InvalidRequestError):   # model_not_found: an adapter unloaded meanwhile
@@ -88,10 +63,6 @@ def install_error_handlers(app: FastAPI) -> None:
     """Handlers for every error a route raises on purpose; anything else is answered by
     `middleware.ContainErrors` (a handler for `Exception` would make Starlette re-raise it
     after answering, and uvicorn close the keep-alive connection)."""
-    from ..engine.async_engine import EngineDeadError, RequestFailedError
-    from ..engine.sampling_params import InvalidRequestError
-    from .middleware import ContainErrors
-
     app.add_middleware(ContainErrors)
 
     async def _mapped(_: Request, exc: Exception) -> JSONResponse:

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..api.auth import OPEN_PATHS, ApiKeyCheck
-from ..api.errors import OpenAIError, error_body, error_response
+from ..api.error_body import OpenAIError, error_body, error_response
 from .activator import Activator, NoReadyPod
 from .routing import Routing
 
