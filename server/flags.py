@@ -199,6 +199,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("max-model-len", _optional(int), None,
          "Context length limit (default: the model's max_position_embeddings)."),
     Flag("enable-prefix-caching", parse_bool, True, "Reuse KV blocks of shared prompt prefixes."),
+    Flag("kv-hash-key", _optional(str), None,
+         "Secret that keys the block hashes routers read (GET /kv/blocks): without it anyone who "
+         "reads them can test a guessed prompt against the cache. Give it through the env var (the "
+         "operator does, from a Secret shared with the service's routers), never as an argument."),
     Flag("tensor-parallel-size", int, 1, "Worker processes (one per GPU) sharing the model."),
     Flag("seed", int, 0, "Seed for requests that do not set their own."),
     Flag("enable-lora", parse_bool, False, "Serve LoRA adapters of the base model (PEFT format); a request "
@@ -252,10 +256,15 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
 SERVER_FLAGS: tuple[Flag, ...] = (
     Flag("host", str, "127.0.0.1", "Address to bind."),
     Flag("port", int, 8000, "Port to bind."),
+    Flag("admin-port", _optional(int), None,
+         "Serve what only the operator and routers call (POST /v1/load_lora_adapter and "
+         "/v1/unload_lora_adapter, GET /kv/blocks and /tokenizer_info) on this port only, without "
+         "the API key check, instead of on --port; expose it through no Service (the operator "
+         "sets it)."),
     Flag("api-keys", parse_api_keys, [], "API keys, separated by commas or newlines; when any "
          "is set, the OpenAI routes need 'Authorization: Bearer <key>' (probes, /metrics, "
-         "/version, /openapi.json and the router's /kv/blocks and /tokenizer_info stay "
-         "open). Prefer the env var or --api-keys-file: "
+         "/version, /openapi.json and, without --admin-port, the router's /kv/blocks and "
+         "/tokenizer_info stay open). Prefer the env var or --api-keys-file: "
          "arguments show in ps."),
     Flag("api-keys-file", _optional(str), None,
          "File of API keys, one per line ('#' comments and blank lines ignored), added to "

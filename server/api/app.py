@@ -1,10 +1,14 @@
-"""The FastAPI app: OpenAI routes behind the API key, probes and /metrics in the open."""
+"""The FastAPI apps: OpenAI routes behind the API key, probes and /metrics in the open, and
+what only the operator and the routers call (runtime LoRA loading, the prefix-cache digest and
+the tokenizer description) on an admin port when one is given (`--admin-port`, which no Service
+exposes), else on the same port as vLLM does."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
 from ..engine.validation import check_token_ids
@@ -121,10 +125,7 @@ def default_max_body_bytes(max_model_len: int) -> int:
     return max(MIN_BODY_BYTES, 64 * max_model_len)
 
 
-def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | None = None,
-              runtime_lora_updating: bool = False) -> FastAPI:
-    """`max_body_bytes` defaults to `default_max_body_bytes` of the engine's context;
-    `runtime_lora_updating` mounts the LoRA load/unload routes (with --enable-lora)."""
+def _app(state: ServerState, max_body_bytes: int | None) -> FastAPI:
     app = FastAPI(title="kubeinfer", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
@@ -138,10 +139,48 @@ def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | Non
     async def _gone(_: Request, __: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
-    app.include_router(_api_routes(state), dependencies=[Depends(ApiKeyCheck(api_keys))])
-    if runtime_lora_updating and state.engine.adapters is not None:
-        app.include_router(lora_routes(state), dependencies=[Depends(ApiKeyCheck(api_keys))])
-    app.include_router(_ops_routes(state))
-    app.include_router(cache_routes(state))
     return app
 
+
+def _admin_routes(app: FastAPI, state: ServerState, runtime_lora_updating: bool,
+                  dependencies: list) -> None:
+    if runtime_lora_updating and state.engine.adapters is not None:
+        app.include_router(lora_routes(state), dependencies=dependencies)
+    app.include_router(cache_routes(state))
+
+
+def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | None = None,
+              runtime_lora_updating: bool = False, admin_port: bool = False) -> FastAPI:
+    """`max_body_bytes` defaults to `default_max_body_bytes` of the engine's context;
+    `runtime_lora_updating` mounts the LoRA load/unload routes (with --enable-lora);
+    `admin_port`: those and the cache routes are left to `build_admin_app`."""
+    app = _app(state, max_body_bytes)
+    keyed = [Depends(ApiKeyCheck(api_keys))]
+    app.include_router(_api_routes(state), dependencies=keyed)
+    app.include_router(_ops_routes(state))
+    if not admin_port:
+        _admin_routes(app, state, runtime_lora_updating, keyed)
+    return app
+
+
+def build_admin_app(state: ServerState, max_body_bytes: int | None = None,
+                    runtime_lora_updating: bool = False) -> FastAPI:
+    """The admin port's app: no user's API key opens or is needed on it (a user's key must not
+    reach the operator's routes); who may connect is the network's decision (no Service, and
+    the chart's NetworkPolicy option)."""
+    app = _app(state, max_body_bytes)
+    _admin_routes(app, state, runtime_lora_updating, [])
+    return app
+
+
+class PortDispatch:
+    """One ASGI app for one uvicorn server bound to two ports: a connection accepted on
+    `admin_port` reaches `admin`, any other `public` (which also runs the lifespan)."""
+
+    def __init__(self, public: ASGIApp, admin: ASGIApp, admin_port: int) -> None:
+        self.public, self.admin, self.admin_port = public, admin, admin_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server = scope.get("server") or (None, None)
+        app = self.admin if scope["type"] == "http" and server[1] == self.admin_port else self.public
+        await app(scope, receive, send)

@@ -2,8 +2,9 @@
 
 `GET /kv/blocks?since=SEQ` answers the block hashes stored and evicted since SEQ (the whole
 set when `reset` is true); `GET /tokenizer_info` answers the tokenizer, chat template and
-special tokens, so a router tokenizes exactly as this engine does. Both stay outside the API
-key, like /metrics: they reveal hashes (salted per tenant with `cache_salt`) and the model's
+special tokens, so a router tokenizes exactly as this engine does. Both are on the admin port
+when there is one (`app.py`), else outside the API key like /metrics: they reveal hashes (keyed
+per InferenceService with --kv-hash-key, salted per tenant with `cache_salt`) and the model's
 public tokenizer, never prompts.
 """
 
@@ -37,7 +38,8 @@ def cache_routes(state: ServerState) -> APIRouter:
             events = state.engine.kv_events
             tokenizer_info = json.dumps({
                 "model": state.model_name, **state.engine.tokenizer.describe(),
-                "block_size": events.block_size if events is not None else None, "hash": HASH_SCHEME}).encode()
+                "block_size": events.block_size if events is not None else None,
+                "hash": events.hasher.scheme if events is not None else HASH_SCHEME}).encode()
         return Response(tokenizer_info, media_type="application/json")
 
     return router

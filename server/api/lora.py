@@ -1,9 +1,12 @@
 """vLLM's runtime LoRA API: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Served only with --enable-lora and runtime updating allowed (--allow-runtime-lora-updating, or
-vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), behind the API key like the OpenAI routes.
-Bodies, success texts and error messages are vLLM's, so its clients and KServe/KubeAI-style
-controllers work unchanged. Loading reads and checks the adapter off the event loop and
+vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): on the admin port when there is one (only the
+operator calls it; no Service exposes that port), else behind the API key like the OpenAI
+routes. Bodies, success texts and error messages are vLLM's, so its clients and
+KServe/KubeAI-style controllers work unchanged, except that a path holding no readable adapter
+gets one message whatever the filesystem holds there (missing, not a directory, unreadable, no
+config or weights): the caller learns nothing about the pod's files. Loading reads and checks the adapter off the event loop and
 registers it between engine steps; it takes a device slot when a request first uses it.
 Unloading makes new requests for it 404 at once; requests already in flight finish on it.
 """
@@ -11,6 +14,7 @@ Unloading makes new requests for it 404 at once; requests already in flight fini
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 from fastapi import APIRouter
@@ -20,7 +24,9 @@ from pydantic import BaseModel, ConfigDict
 from .errors import OpenAIError
 from .state import ServerState
 from ..flags import LoRAModuleSpec
+from ..model.lora import LoRAError, LoRAPathError
 
+logger = logging.getLogger(__name__)
 VLLM_RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
@@ -40,6 +46,14 @@ class UnloadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     lora_name: str | None = None
     lora_int_id: int | None = None   # vLLM's; names are what identify adapters here
+
+
+def unreadable(name: str, error: BaseException) -> OpenAIError:
+    """The one answer for a path without a readable adapter; the detail goes to the log only."""
+    logger.warning("load_lora_adapter %r: %s", name, error)
+    return OpenAIError(400, f"The lora adapter '{name}' could not be read: lora_path holds no readable PEFT "
+                            "adapter (adapter_config.json and adapter_model.safetensors or .bin).",
+                       param="lora_path")
 
 
 def lora_routes(state: ServerState) -> APIRouter:
@@ -63,8 +77,15 @@ def lora_routes(state: ServerState) -> APIRouter:
         module = LoRAModuleSpec(body.lora_name, body.lora_path)
         try:
             weights = await asyncio.get_running_loop().run_in_executor(None, registry.read, module)
+        except LoRAError as error:
+            if isinstance(error, LoRAPathError):
+                raise unreadable(body.lora_name, error) from None
+            raise OpenAIError(400, str(error), param="lora_path") from error
+        except Exception as error:  # noqa: BLE001 - OSError, a torn safetensors or pickle file: all unreadable
+            raise unreadable(body.lora_name, error) from None
+        try:
             await state.engine.run_in_engine(lambda engine: engine.adapters.register(module, weights))
-        except (ValueError, OSError) as error:   # LoRAError is a ValueError
+        except ValueError as error:   # LoRAError is a ValueError
             raise OpenAIError(400, str(error), param="lora_path") from error
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 

@@ -102,7 +102,7 @@ async def _serve(args: argparse.Namespace) -> int:
     """Serve until drained (0) or until the engine loop dies (1)."""
     from ..engine.async_engine import AsyncEngine
     from ..engine.config import EngineConfig
-    from .app import build_app
+    from .app import PortDispatch, build_admin_app, build_app
     from .state import ServerState
 
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))
@@ -112,13 +112,20 @@ async def _serve(args: argparse.Namespace) -> int:
         state = ServerState.create(engine, args.model, args.max_queued_requests)
         from .lora import runtime_updating_allowed
 
-        app = build_app(state, args.api_keys, args.max_request_body_bytes,
-                        runtime_updating_allowed(args.allow_runtime_lora_updating) and args.enable_lora)
+        runtime_lora = runtime_updating_allowed(args.allow_runtime_lora_updating) and args.enable_lora
+        app = build_app(state, args.api_keys, args.max_request_body_bytes, runtime_lora,
+                        admin_port=args.admin_port is not None)
+        sockets = None
+        if args.admin_port is not None:
+            admin = build_admin_app(state, args.max_request_body_bytes, runtime_lora)
+            app = PortDispatch(app, admin, args.admin_port)
+            sockets = [uvicorn.Config(app, host=args.host, port=port).bind_socket()
+                       for port in (args.port, args.admin_port)]
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=1, timeout_keep_alive=5)
         server = DrainingServer(config, state.admission, args.shutdown_timeout, engine.abort_all)
         engine.on_dead = server.engine_died
-        await server.serve()
+        await server.serve(sockets)
     finally:
         await engine.shutdown()
     if server.engine_error is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from ..flags import (ENGINE_FLAGS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, RUNNERS, SCHEDULING_POLICIES, TASKS,
                      LoRAModuleSpec)
@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    kv_hash_key: str | None = field(default=None, repr=False)  # a secret: never in a log line
     tensor_parallel_size: int = 1
     seed: int = 0
     enable_lora: bool = False

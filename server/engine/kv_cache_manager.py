@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from .block_pool import BlockPool
-from .kv_events import KVEventLog, KVEventPublisher
+from .kv_events import BlockHasher, KVEventLog, KVEventPublisher
 from .radix_cache import RadixCache
 from .sequence import Sequence
 from .stats import DecayingSum
@@ -18,7 +18,8 @@ NULL_BLOCK = 0
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 sliding_window: int | None = None, event_publisher: KVEventPublisher | None = None) -> None:
+                 sliding_window: int | None = None, event_publisher: KVEventPublisher | None = None,
+                 hash_key: str | None = None) -> None:
         """`sliding_window`: every layer attends to the last `sliding_window` positions only
         (Mistral, Phi-3, an all-local Gemma): blocks no future query can see go back to the pool
         while their sequence runs. None when any layer attends to the whole context.
@@ -27,7 +28,8 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         # what routers read to send requests where their prefix is cached (GET /kv/blocks)
-        self.events = KVEventLog(block_size, publisher=event_publisher) if enable_prefix_caching else None
+        self.events = (KVEventLog(block_size, publisher=event_publisher, hasher=BlockHasher(hash_key))
+                       if enable_prefix_caching else None)
         self.cache = RadixCache(self.pool, block_size, self.events) if enable_prefix_caching else None
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens

@@ -10,7 +10,10 @@ named by one (vLLM's KV events do the same):
     block i     = blake2b-64(le_u64(block i-1, or root(extra) for the first block)
                              + le_u32 of each of the block's token ids)
 
-blake2b-64 is blake2b with an 8-byte digest, read as an unsigned little-endian integer;
+blake2b-64 is blake2b with an 8-byte digest, read as an unsigned little-endian integer.
+Keyed (`kubeinfer-blake2b64-keyed-v1`, an engine given --kv-hash-key), every blake2b above is
+blake2b's own keyed mode (a MAC) with key = blake2b-256 of the secret's text, so a hash that
+leaves the pod tells nobody without the key whether a guessed prompt is cached;
 `extra` is the cache namespace of the request (its `cache_salt`) and `adapter` its LoRA adapter
 (`ExtraKey`), so salted tenants and adapters get disjoint hashes. Only full blocks are hashed. This module imports nothing heavy: the router
 (no torch) computes the same hashes with `block_hashes`.
@@ -27,6 +30,7 @@ from collections import deque
 from typing import Any, Iterable, NamedTuple, Protocol, Sequence
 
 HASH_SCHEME = "kubeinfer-blake2b64-v1"
+KEYED_HASH_SCHEME = "kubeinfer-blake2b64-keyed-v1"
 
 
 class ExtraKey(NamedTuple):
@@ -38,35 +42,45 @@ class ExtraKey(NamedTuple):
     adapter: str | None = None
 
 
-def root_hash(extra: str | None, adapter: str | None = None) -> int:
-    """The parent of a namespace's first block."""
-    if adapter is not None:
-        data = b"".join(len(part).to_bytes(4, "little") + part for part in (adapter.encode(), (extra or "").encode()))
-        return int.from_bytes(hashlib.blake2b(b"kubeinfer-adapter\0" + data, digest_size=8).digest(), "little")
-    if extra is None:
-        return 0
-    digest = hashlib.blake2b(b"kubeinfer-extra\0" + extra.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+class BlockHasher:
+    """The chain of block hashes, unkeyed (the public scheme) or keyed with a secret shared by
+    one InferenceService's engines and routers."""
+
+    def __init__(self, secret: str | None = None) -> None:
+        self.key = hashlib.blake2b(secret.encode(), digest_size=32).digest() if secret else b""
+        self.scheme = KEYED_HASH_SCHEME if secret else HASH_SCHEME
+
+    def _digest(self, data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=self.key).digest(), "little")
+
+    def root(self, extra: str | None, adapter: str | None = None) -> int:
+        """The parent of a namespace's first block."""
+        if adapter is not None:
+            data = b"".join(len(part).to_bytes(4, "little") + part for part in (adapter.encode(), (extra or "").encode()))
+            return self._digest(b"kubeinfer-adapter\0" + data)
+        if extra is None:
+            return 0
+        return self._digest(b"kubeinfer-extra\0" + extra.encode())
+
+    def block(self, parent: int, tokens: Sequence[int]) -> int:
+        return self._digest(parent.to_bytes(8, "little") + struct.pack(f"<{len(tokens)}I", *tokens))
+
+    def chain(self, parent: int, tokens: Sequence[int], block_size: int) -> list[int]:
+        """Hashes of the full blocks of `tokens`, continuing the chain after `parent`."""
+        hashes = []
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            parent = self.block(parent, tokens[start:start + block_size])
+            hashes.append(parent)
+        return hashes
+
+    def prompt(self, tokens: Sequence[int], block_size: int, extra: str | None = None,
+               adapter: str | None = None) -> list[int]:
+        """The hash of every full block of a prompt's `tokens` in namespace `extra` (and `adapter`)."""
+        return self.chain(self.root(extra, adapter), tokens, block_size)
 
 
-def block_hash(parent: int, tokens: Sequence[int]) -> int:
-    data = parent.to_bytes(8, "little") + struct.pack(f"<{len(tokens)}I", *tokens)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def chain_hashes(parent: int, tokens: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of the full blocks of `tokens`, continuing the chain after `parent`."""
-    hashes = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start:start + block_size])
-        hashes.append(parent)
-    return hashes
-
-
-def block_hashes(tokens: Sequence[int], block_size: int, extra: str | None = None,
-                 adapter: str | None = None) -> list[int]:
-    """The hash of every full block of a prompt's `tokens` in namespace `extra` (and `adapter`)."""
-    return chain_hashes(root_hash(extra, adapter), tokens, block_size)
+UNKEYED = BlockHasher()
+root_hash, block_hash, chain_hashes, block_hashes = UNKEYED.root, UNKEYED.block, UNKEYED.chain, UNKEYED.prompt
 
 
 class KVEventPublisher(Protocol):
@@ -92,8 +106,8 @@ class KVEventLog:
     """
 
     def __init__(self, block_size: int, capacity: int = 8192,
-                 publisher: KVEventPublisher | None = None) -> None:
-        self.block_size = block_size
+                 publisher: KVEventPublisher | None = None, hasher: BlockHasher = UNKEYED) -> None:
+        self.block_size, self.hasher = block_size, hasher
         self.publisher = publisher
         self.epoch = secrets.token_hex(8)
         self._lock = threading.Lock()
@@ -146,7 +160,7 @@ class KVEventLog:
         """The JSON body of `GET /kv/blocks?since=seq` (format in the README's engine section)."""
         with self._lock:
             oldest = self._seq - len(self._events) + 1   # seq of the first event kept
-            head = {"hash": HASH_SCHEME, "block_size": self.block_size, "epoch": self.epoch,
+            head = {"hash": self.hasher.scheme, "block_size": self.block_size, "epoch": self.epoch,
                     "seq": self._seq}
             if seq is None or seq < max(self._reset_seq, oldest - 1) or seq > self._seq:
                 return {**head, "reset": True, "stored": sorted(self._live), "removed": []}

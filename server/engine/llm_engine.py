@@ -81,7 +81,8 @@ class LLMEngine:
             raise ValueError("--kv-events-config: KV-cache events describe the prefix cache; "
                              "enable prefix caching (and use a generate model with it)")
         publisher = open_kv_event_publisher(config.kv_events_config, config.block_size)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching, window, publisher)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching, window, publisher,
+                                 hash_key=config.kv_hash_key)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    build_policy(config.scheduling_policy, config.priority_aging_seconds))
         self.adapters = self._adapters(config) if config.enable_lora else None

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
-from .kv_events import ExtraKey, KVEventLog, chain_hashes, root_hash
+from .kv_events import ExtraKey, KVEventLog
 
 Key = tuple[int, ...]
 
@@ -88,8 +88,9 @@ class RadixCache:
             child = Node(tokens[start:], list(rest), node)
             node.children[tuple(child.tokens[:self.block_size])] = child
             if self.events is not None:
+                hasher = self.events.hasher
                 parent = node.hashes[-1] if node.parent is not None else None
-                child.hashes = chain_hashes(root_hash(*key) if parent is None else parent,
+                child.hashes = hasher.chain(hasher.root(*key) if parent is None else parent,
                                             child.tokens, self.block_size)
                 self.events.stored(child.hashes, parent, child.tokens, key)
             for block in rest:

@@ -30,6 +30,11 @@ class LoRAError(ValueError):
     """An adapter the engine cannot serve; the message names the adapter and what is wrong."""
 
 
+class LoRAPathError(LoRAError):
+    """Nothing readable as an adapter at the path: its message says what the filesystem holds
+    there, which the runtime API must not tell its caller (`server/api/lora.py`)."""
+
+
 @dataclass
 class LoRAWeights:
     """One adapter in host memory: per checkpoint module, A [r, in] and scaled B [out, r]."""
@@ -47,13 +52,13 @@ class LoRAWeights:
 def _read_config(path: Path, name: str) -> dict:
     config_file = path / "adapter_config.json"
     if not path.is_dir():
-        raise LoRAError(f"LoRA adapter {name!r}: {path} is not a directory")
+        raise LoRAPathError(f"LoRA adapter {name!r}: {path} is not a directory")
     if not config_file.is_file():
-        raise LoRAError(f"LoRA adapter {name!r}: {path} has no adapter_config.json (not a PEFT adapter)")
+        raise LoRAPathError(f"LoRA adapter {name!r}: {path} has no adapter_config.json (not a PEFT adapter)")
     try:
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not valid JSON: {error}") from error
+        raise LoRAPathError(f"LoRA adapter {name!r}: adapter_config.json is not valid JSON: {error}") from error
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
     for key, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (fully trained layers)")):
@@ -73,7 +78,7 @@ def _read_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
         return load_file(str(safetensors))
     if binary.is_file():
         return torch.load(binary, map_location="cpu", weights_only=True)
-    raise LoRAError(f"LoRA adapter {name!r}: {path} has neither adapter_model.safetensors nor adapter_model.bin")
+    raise LoRAPathError(f"LoRA adapter {name!r}: {path} has neither adapter_model.safetensors nor adapter_model.bin")
 
 
 def _alpha(config: dict, module: str, rank: int) -> float:
@@ -97,7 +102,7 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int, dtype: torch.d
                             "supported)")
         pairs.setdefault(match["module"], {})[match["which"]] = tensor
     if not pairs:
-        raise LoRAError(f"LoRA adapter {name!r}: no lora_A/lora_B weights in {path}")
+        raise LoRAPathError(f"LoRA adapter {name!r}: no lora_A/lora_B weights in {path}")
     weights = LoRAWeights(name, str(path), 0)
     for module, pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:

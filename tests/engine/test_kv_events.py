@@ -99,3 +99,27 @@ def test_an_adapter_gets_its_own_hash_chain_and_no_adapter_keeps_the_salt_one():
     pool, cache, events = _cache()
     _store(pool, cache, list(range(8)), salt="tenant", adapter="lora-a")
     assert _live(events) == set(block_hashes(list(range(8)), BS, "tenant", "lora-a"))
+
+
+def test_keyed_hashes_are_blake2b_macs_that_match_no_unkeyed_hash():
+    """A keyed engine publishes blake2b's keyed mode over the same chain: recomputable with the
+    service's secret, disjoint from the public scheme and from another secret's hashes."""
+    import hashlib
+    import struct
+
+    from kubeinfer.server.engine.kv_events import KEYED_HASH_SCHEME, BlockHasher
+
+    hasher = BlockHasher("service-secret")
+    key = hashlib.blake2b(b"service-secret", digest_size=32).digest()
+    first = hashlib.blake2b((0).to_bytes(8, "little") + struct.pack("<4I", 1, 2, 3, 4), digest_size=8, key=key)
+    assert hasher.block(0, [1, 2, 3, 4]) == int.from_bytes(first.digest(), "little")
+    tokens = list(range(40))
+    for salt, adapter in ((None, None), ("tenant-a", None), (None, "sql")):
+        keyed = hasher.prompt(tokens, BS, salt, adapter)
+        assert not set(keyed) & set(block_hashes(tokens, BS, salt, adapter))
+        assert not set(keyed) & set(BlockHasher("other-secret").prompt(tokens, BS, salt, adapter))
+    pool, events = BlockPool(32), KVEventLog(BS, hasher=hasher)
+    cache = RadixCache(pool, BS, events)
+    _store(pool, cache, tokens[:12], salt="tenant-a")
+    assert _live(events) == set(hasher.prompt(tokens[:12], BS, "tenant-a"))
+    assert events.since(None)["hash"] == KEYED_HASH_SCHEME and KVEventLog(BS).since(None)["hash"] == HASH_SCHEME

@@ -17,6 +17,7 @@ from helpers.serve_process import wait_until_ready
 from kubeinfer.server.api.auth import OPEN_PATHS, api_keys_from_args
 from kubeinfer.server.flags import SERVER_FLAGS, add_flags, parse_api_keys
 
+ADMIN_PATHS = ("/kv/blocks", "/tokenizer_info")   # served on --admin-port when it is set
 KEY_FILE = "# team A, rotated 2026-11\nsk-alpha-0001\n\n  sk-beta-0002  \n# sk-revoked-9999\n"
 
 
@@ -93,12 +94,13 @@ def test_serve_with_a_key_file_guards_the_api_and_logs_no_key(tiny_model_path: s
                                                                tmp_path: Path) -> None:
     keys = tmp_path / "api-keys"
     keys.write_text(KEY_FILE)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    port, admin_port = free_port(), free_port()
+    url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     process = subprocess.Popen(
         [sys.executable, "-m", "kubeinfer.server.cli", "serve", "--model", tiny_model_path,
          "--port", str(port), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "8Mi",
-         "--max-model-len", "128", "--api-keys-file", str(keys), "--log-level", "debug"],
+         "--max-model-len", "128", "--api-keys-file", str(keys), "--log-level", "debug",
+         "--admin-port", str(admin_port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until_ready(process, url, timeout=180)
@@ -110,8 +112,11 @@ def test_serve_with_a_key_file_guards_the_api_and_logs_no_key(tiny_model_path: s
         ok = [httpx.post(url + "/v1/completions", json=body,
                          headers={"Authorization": f"Bearer {key}"})
               for key in ("sk-alpha-0001", "sk-beta-0002")]
-        open_paths = {path: httpx.get(url + path).status_code for path in sorted(OPEN_PATHS)}
+        open_paths = {path: httpx.get((admin if path in ADMIN_PATHS else url) + path).status_code
+                      for path in sorted(OPEN_PATHS)}
         guarded = {path: httpx.get(url + path).status_code for path in ("/v1/models",)}
+        not_public = {path: httpx.get(url + path, headers={"Authorization": "Bearer sk-alpha-0001"}).status_code
+                      for path in ADMIN_PATHS}
     finally:
         process.terminate()
         output = process.communicate(timeout=60)[0]
@@ -120,6 +125,7 @@ def test_serve_with_a_key_file_guards_the_api_and_logs_no_key(tiny_model_path: s
     assert [r.status_code for r in ok] == [200, 200]
     assert open_paths == {path: 200 for path in OPEN_PATHS}
     assert guarded == {"/v1/models": 401}
+    assert not_public == {path: 404 for path in ADMIN_PATHS}   # on --admin-port only
     assert "API keys required on the OpenAI routes (2 configured)" in output
     for secret in ("sk-alpha", "sk-beta", "sk-revoked"):
         assert secret not in output and secret not in cmdline
