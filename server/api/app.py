@@ -27,20 +27,9 @@ from .state import ServerState
 from .streams import ClientDisconnected
 
 
-def _api_routes(state: ServerState) -> APIRouter:
+def _model_routes(state: ServerState) -> APIRouter:
+    """The listing, on the API and on the admin port: the operator reads the adapters there."""
     router = APIRouter()
-
-    @router.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(body, request, state)
-
-    @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(body, request, state)
-
-    @router.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        return await create_embedding(body, request, state)
 
     def cards() -> list[ModelCard]:
         """The base model, then each LoRA adapter with `parent` = the base (vLLM's listing)."""
@@ -61,6 +50,24 @@ def _api_routes(state: ServerState) -> APIRouter:
         if card is None:   # an adapter unloaded in between
             raise OpenAIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return card
+
+    return router
+
+
+def _api_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request, state)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request, state)
+
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embedding(body, request, state)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -157,6 +164,7 @@ def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | Non
     app = _app(state, max_body_bytes)
     keyed = [Depends(ApiKeyCheck(api_keys))]
     app.include_router(_api_routes(state), dependencies=keyed)
+    app.include_router(_model_routes(state), dependencies=keyed)
     app.include_router(_ops_routes(state))
     if not admin_port:
         _admin_routes(app, state, runtime_lora_updating, keyed)
@@ -169,6 +177,7 @@ def build_admin_app(state: ServerState, max_body_bytes: int | None = None,
     reach the operator's routes); who may connect is the network's decision (no Service, and
     the chart's NetworkPolicy option)."""
     app = _app(state, max_body_bytes)
+    app.include_router(_model_routes(state))
     _admin_routes(app, state, runtime_lora_updating, [])
     return app
 
