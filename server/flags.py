@@ -282,6 +282,17 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     Flag("shutdown-timeout", float, 30.0,
          "Seconds SIGTERM waits for in-flight requests before exiting."),
     Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),
+    Flag("tenants-file", _optional(str), None,
+         "Tenant table (YAML or JSON: tenants with name, keys, priority, quotas "
+         "{tokens_per_minute, requests_per_minute}; optional priority_range and objectives; see "
+         "docs/tenancy.md): API keys name tenants, which are scheduled fairly, rate-limited and metered."),
+    Flag("trust-tenant-header", parse_bool, False,
+         "Let a trusted gateway name the tenant with x-gateway-inference-fairness-id (or llm-d's "
+         "x-llm-d-inference-fairness-id) and the priority with x-gateway-inference-objective (or "
+         "x-llm-d-inference-objective). Without it these headers are ignored."),
+    Flag("log-usage", parse_bool, False,
+         "Log one JSON usage record per finished request (logger kubeinfer.usage: tenant, prompt, "
+         "cached and completion tokens); with --tenants-file or --trust-tenant-header."),
     Flag("allow-runtime-lora-updating", parse_bool, False,
          "With --enable-lora: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which turns them on too)."),

@@ -24,6 +24,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
 from .responses import ModelCard, ModelList
 from .middleware import BodyLimit
 from .state import ServerState
+from .tenancy import Tenancy
 from .streams import ClientDisconnected
 
 
@@ -157,12 +158,14 @@ def _admin_routes(app: FastAPI, state: ServerState, runtime_lora_updating: bool,
 
 
 def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | None = None,
-              runtime_lora_updating: bool = False, admin_port: bool = False) -> FastAPI:
+              runtime_lora_updating: bool = False, admin_port: bool = False,
+              tenancy: Tenancy | None = None) -> FastAPI:
     """`max_body_bytes` defaults to `default_max_body_bytes` of the engine's context;
     `runtime_lora_updating` mounts the LoRA load/unload routes (with --enable-lora);
-    `admin_port`: those and the cache routes are left to `build_admin_app`."""
+    `admin_port`: those and the cache routes are left to `build_admin_app`; `tenancy` (the
+    state's) checks keys and names tenants in place of the plain key check."""
     app = _app(state, max_body_bytes)
-    keyed = [Depends(ApiKeyCheck(api_keys))]
+    keyed = [Depends(tenancy.authenticate if tenancy is not None else ApiKeyCheck(api_keys))]
     app.include_router(_api_routes(state), dependencies=keyed)
     app.include_router(_model_routes(state), dependencies=keyed)
     app.include_router(_ops_routes(state))

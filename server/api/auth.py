@@ -50,8 +50,12 @@ class ApiKeyCheck:
         self.keys = [key.encode() for key in keys]
 
     async def __call__(self, request: Request) -> None:
+        self.matched(request)
+
+    def matched(self, request: Request) -> int | None:
+        """The index of the key the request carries (None when no key is configured); 401 otherwise."""
         if not self.keys:
-            return
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'",
@@ -62,3 +66,4 @@ class ApiKeyCheck:
         if not any(matched):
             raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
+        return matched.index(True)

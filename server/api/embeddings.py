@@ -90,8 +90,9 @@ async def create_embedding(body: EmbeddingRequest, request: Request, state: Serv
                                            body.add_special_tokens, body.priority)
 
     request_id, created = new_request_id("embd"), int(time.time())
-    first, outputs = await submit(state, request, request_id, body.inputs, SamplingParams(), prompt_param="input",
-                                  make=make)
+    given = {"priority": body.priority} if "priority" in body.model_fields_set else {}   # for tenancy's bounds
+    first, outputs = await submit(state, request, request_id, body.inputs, SamplingParams(**given),
+                                  prompt_param="input", make=make)
     finals: dict[int, RequestOutput] = {}
     async for index, output in chain(first, outputs):
         finals[index] = output

@@ -17,10 +17,12 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None,
                     logprobs: int | None) -> SamplingParams:
     given: dict[str, Any] = {name: getattr(request, name) for name in _MODEL_DEFAULTED
                              if name in request.model_fields_set and getattr(request, name) is not None}
+    if "priority" in request.model_fields_set:   # unset: the tenant's default (server/api/tenancy.py)
+        given["priority"] = request.priority
     return SamplingParams(
         n=request.n, seed=request.seed, stop=request.stop_strings,
         stop_token_ids=list(request.stop_token_ids or []), max_tokens=max_tokens,
         min_tokens=request.min_tokens, ignore_eos=request.ignore_eos, logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
-        priority=request.priority, cache_salt=request.cache_salt, **given)
+        cache_salt=request.cache_salt, **given)

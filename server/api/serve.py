@@ -104,17 +104,24 @@ async def _serve(args: argparse.Namespace) -> int:
     from ..engine.config import EngineConfig
     from .app import PortDispatch, build_admin_app, build_app
     from .state import ServerState
+    from .tenancy import Tenancy, tenancy_enabled, tenancy_from_args
 
+    table = tenancy_from_args(args)
+    if tenancy_enabled(args) and args.scheduling_policy == "auto":
+        args.scheduling_policy = "fair"
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))
     if args.device in ("auto", "cpu"):   # the attention kernels: now, off the loading path
         cpu_build.start_building()
     try:
         state = ServerState.create(engine, args.model, args.max_queued_requests)
+        if tenancy_enabled(args):
+            state.tenancy = Tenancy.create(table, args.trust_tenant_header, args.api_keys, state.metrics.registry,
+                                           engine.served_model_name, args.log_usage)
         from .lora import runtime_updating_allowed
 
         runtime_lora = runtime_updating_allowed(args.allow_runtime_lora_updating) and args.enable_lora
         app = build_app(state, args.api_keys, args.max_request_body_bytes, runtime_lora,
-                        admin_port=args.admin_port is not None)
+                        admin_port=args.admin_port is not None, tenancy=state.tenancy)
         sockets = None
         if args.admin_port is not None:
             admin = build_admin_app(state, args.max_request_body_bytes, runtime_lora)

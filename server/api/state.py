@@ -14,6 +14,7 @@ from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from ..engine.async_engine import AsyncEngine
+    from .tenancy import Tenancy
 
 T = TypeVar("T")
 
@@ -24,6 +25,7 @@ class ServerState:
     model_source: str
     admission: Admission
     metrics: ServerMetrics
+    tenancy: Tenancy | None = None  # tenants, priorities, quotas, metering (--tenants-file, --trust-tenant-header)
     # Tokenizing and rendering templates: megabytes of text take seconds, and on the event
     # loop that would stall every other request, /health included.
     input_pool: ThreadPoolExecutor = field(

@@ -23,9 +23,10 @@ class ClientDisconnected(Exception):
     """The client closed the connection; its engine requests were aborted."""
 
 
-async def measured(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics,
-                   num_choices: int) -> AsyncIterator[RequestOutput]:
-    """Feed the latency histograms; a stream closed before its last output counts as an abort."""
+async def measured(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, num_choices: int,
+                   on_finished: Callable[[RequestOutput], None] | None = None) -> AsyncIterator[RequestOutput]:
+    """Feed the latency histograms (and `on_finished`, the tenant's metering, with the last
+    output); a stream closed before its last output counts as an abort."""
     last_delivery: dict[int, float] = {}  # per choice
     finished = rejected = False
     try:
@@ -41,6 +42,8 @@ async def measured(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics
             if output.finished:
                 finished = True
                 metrics.observe_finished(output)
+                if on_finished is not None:
+                    on_finished(output)
             yield output
     except InvalidRequestError:
         rejected = True
@@ -137,6 +140,10 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
     any byte is sent lets engine errors still become a status code instead of an error
     frame inside a 200 stream.
     """
+    identity = getattr(request.state, "identity", None)
+    if state.tenancy is not None and identity is not None:
+        requested = params.priority if "priority" in params.explicit_fields else None
+        priority = state.tenancy.admit(identity, requested, len(prompts))
     state.admission.admit(len(prompts))
     released = False
 
@@ -159,7 +166,18 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
         requests = await state.off_loop(make_requests)
         if adapter is not None:
             state.metrics.observe_lora_requests(adapter, len(requests))
-        streams = [measured(engine.generate(r.request_id, r), state.metrics, params.n) for r in requests]
+        finished: list[Callable[[RequestOutput], None] | None] = [None] * len(requests)
+        if state.tenancy is not None and identity is not None:
+            for index, engine_request in enumerate(requests):
+                engine_request.tenant = identity.name
+                engine_request.params.priority = priority
+                prompt_len = len(engine_request.prompt_token_ids)   # reserve the most it may use
+                reserved = prompt_len if engine_request.pooling is not None else (
+                    prompt_len + params.n * (engine_request.max_total_tokens - prompt_len))
+                state.tenancy.limiter.reserve(identity.name, reserved)
+                finished[index] = state.tenancy.on_finished(identity, reserved)
+        streams = [measured(engine.generate(r.request_id, r), state.metrics, params.n, done)
+                   for r, done in zip(requests, finished)]
         outputs = merged(request, streams, release)
         first = await anext(outputs)
     except BaseException:
