@@ -3,7 +3,7 @@
 Why: these machines have no container runtime, so kube-apiserver & co. run as plain processes.
 Each component is built once into ``<cache>/bin/<name>-<version>/`` and rebuilt only when its pin
 changes. ``python -m e2e.binaries`` builds everything; cold, on 2 busy cores, this took 13.5 min
-(Kubernetes 9.3 min; README.md's Timings), so CI machines should keep ``~/.cache/kubeinfer/bin``.
+(Kubernetes 9.3 min; docs/local-cluster.md's Timings), so CI machines should keep ``~/.cache/kubeinfer/bin``.
 A build says every 30 s which component it is on (n of m) and how far it got: modules
 downloaded, then packages compiled out of the total ``go list`` counted (``go build -v``).
 """

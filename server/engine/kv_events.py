@@ -157,7 +157,7 @@ class KVEventLog:
         return len(self._live)
 
     def since(self, seq: int | None) -> dict[str, Any]:
-        """The JSON body of `GET /kv/blocks?since=seq` (format in the README's engine section)."""
+        """The JSON body of `GET /kv/blocks?since=seq` (format in docs/engine.md)."""
         with self._lock:
             oldest = self._seq - len(self._events) + 1   # seq of the first event kept
             head = {"hash": self.hasher.scheme, "block_size": self.block_size, "epoch": self.epoch,

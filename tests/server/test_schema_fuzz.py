@@ -3,7 +3,7 @@ POST endpoint, bodies that follow the schema and bodies that break it, numbers u
 (no hook narrows a float or an int). No answer may be a 5xx and the engine must live on.
 
 `KUBEINFER_FUZZ_EXAMPLES` raises the number of requests for a longer run by hand
-(README, "Reliability"); the default keeps `make test` at about a minute on 2 vCPUs.
+(docs/engine.md, "Reliability"); the default keeps `make test` at about a minute on 2 vCPUs.
 `KUBEINFER_FUZZ_MODEL=tiny` fuzzes the tiny random test model instead (same server, ~50x less
 compute a token), for long runs on a busy machine.
 """
