@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 from kubernetes import client, config as kube_config
 
-from e2e import components, nodes, pki as pki_mod, processes, svcproxy
+from e2e import components, nodes, pki as pki_mod, processes, provisioner, svcproxy
 from e2e.binaries import binary, ensure_all
 from e2e.config import CLUSTER_ENV, ClusterConfig
 from e2e.health import http_ok, wait_until
@@ -85,6 +85,7 @@ def _start_runner(cfg: ClusterConfig) -> None:
     path = _pod_path()
     argv = [sys.executable, "-m", "e2e.podrunner", "--kubeconfig", str(cfg.kubeconfig),
             "--state-dir", str(cfg.state_dir / "pods"), "--pid-dir", str(cfg.state_dir / "pids"),
+            "--nodes-dir", str(cfg.state_dir / "nodes"), "--volumes-dir", str(cfg.state_dir / "volumes"),
             "--node-selector", "type=kwok"]
     processes.spawn("podrunner", argv, cfg.state_dir, env={"PATH": path, "PYTHONPATH": str(Path(__file__).parents[1])})
 
@@ -117,6 +118,7 @@ def _start_all(cfg: ClusterConfig) -> None:
         core = client.CoreV1Api(api)
         names = nodes.create_all(core, cfg)
         _install_kwok_crds(client.ApiextensionsV1Api(api))
+        client.StorageV1Api(api).create_storage_class(provisioner.storage_class())
         _start(cfg, "kwok", components.kwok(cfg, pki), f"https://127.0.0.1:{cfg.ports['kwok']}/healthz",
                env={"PATH": _pod_path()}, **auth)  # `kubectl exec` commands are looked up on kwok's PATH
         _start_runner(cfg)

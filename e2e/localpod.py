@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +23,19 @@ from kubernetes import client
 from e2e.pki import kubeconfig
 from e2e.podenv import ConfigError, command_line, container_env
 from e2e.podprocess import INHERITED_ENV, LocalContainer, now_iso
+from e2e.podvolumes import VolumeNotReady, container_mounts, link_root, path_rewriter, volume_dirs
 from e2e.runner_rules import image_prefixes
 
 WILDCARDS = ("0.0.0.0", "::", "")
 KWOK_GROUP, KWOK_VERSION = "kwok.x-k8s.io", "v1alpha1"
+SETUP_RETRY_SECONDS = 2.0  # how often an unbound claim or missing ConfigMap is looked at again
+
+
+def kernel_cache() -> str:
+    """Where pods find compiled CPU kernels: the host's build cache, as an image carries its
+    kernels prebuilt (HOME is the pod's own /tmp volume, which would rebuild them in every pod)."""
+    return os.environ.get("KUBEINFER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kubeinfer")
 
 
 @dataclass
@@ -49,6 +59,17 @@ class LocalPod:
     created: str = field(default_factory=now_iso)
     exec_env: dict[str, dict[str, str]] = field(default_factory=dict)  # container -> env without secrets
     ready_state: tuple[bool, str] = (False, "")  # (ready, lastTransitionTime)
+    init_containers: dict[str, LocalContainer] = field(default_factory=dict)
+    mounted: bool = False  # volumes set up and containers built
+    setup_error: str = ""  # why not yet (an unbound claim, a missing ConfigMap)
+    next_setup: float = 0.0
+    stopped: bool = False
+    published: bool = False
+    core: client.CoreV1Api | None = None
+    entrypoint: list[str] = field(default_factory=list)
+    pid_dir: Path = Path()
+    nodes_dir: Path = Path()
+    base_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def ip(self) -> str:
@@ -73,31 +94,81 @@ class LocalPod:
         (self.dir / "kubeconfig").write_text(kubeconfig(api.url, sa_dir / "ca.crt", token, sa_name))
         return {**env, "KUBECONFIG": str(self.dir / "kubeconfig")}
 
-    def start(self, core: client.CoreV1Api, api: Apiserver, entrypoint: list[str], pid_dir: Path) -> None:
-        """Start every container whose image is ours; other containers are reported as running."""
+    def start(self, core: client.CoreV1Api, api: Apiserver, entrypoint: list[str], pid_dir: Path,
+              nodes_dir: Path) -> None:
+        """Set the pod up and start its first init container (or its containers); an unbound
+        claim defers that to a later ``tick``."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        base = {**self._service_account(core, api), "HOSTNAME": self.pod["metadata"]["name"],
-                "POD_IP": self.ip, "KUBEINFER_HOST": self.ip}
+        self.core, self.entrypoint, self.pid_dir, self.nodes_dir = core, entrypoint, pid_dir, nodes_dir
+        self.base_env = {**self._service_account(core, api), "HOSTNAME": self.pod["metadata"]["name"],
+                         "POD_IP": self.ip, "KUBEINFER_HOST": self.ip, "KUBEINFER_CACHE_DIR": kernel_cache()}
+        self._set_up()
+
+    def _set_up(self) -> None:
+        """Volumes, then every container of ours (others are simulated), then the first to run."""
+        self.next_setup = time.monotonic() + SETUP_RETRY_SECONDS
+        try:
+            dirs = volume_dirs(self.core, self.pod, self.dir, self.nodes_dir)
+        except (VolumeNotReady, ConfigError) as err:
+            self.setup_error = str(err)
+            return
+        self.setup_error = ""
         spec = self.pod["spec"]
+        restart = spec.get("restartPolicy", "Always")
+        for container in spec.get("initContainers") or []:  # a kubelet retries failed ones unless Never
+            if local := self._container(container, dirs, "Never" if restart == "Never" else "OnFailure"):
+                self.init_containers[container["name"]] = local
         for container in spec["containers"]:
-            if not container.get("image", "").startswith(image_prefixes()):
+            if local := self._container(container, dirs, restart):
+                self.containers[container["name"]] = local
+        self.mounted = True
+        self._advance()
+
+    def _container(self, container: dict, dirs: dict[str, Path], restart: str) -> LocalContainer | None:
+        if not container.get("image", "").startswith(image_prefixes()):
+            return None
+        name, spec = container["name"], self.pod["spec"]
+        try:
+            secret: set[str] = set()
+            env = {**self.base_env, **container_env(self.core, self.pod, container, secret)}
+            if env.get("KUBEINFER_HOST") in WILDCARDS:  # one shared network namespace here:
+                env["KUBEINFER_HOST"] = self.ip  # a wildcard would take every pod's port
+            mounts = container_mounts(container, dirs)
+        except ConfigError as err:
+            self.errors[name] = str(err)
+            return None
+        link_root(self.dir / "root" / name, mounts)
+        host_path = path_rewriter(mounts)
+        env = {key: host_path(value) for key, value in env.items()}
+        argv = [host_path(arg) for arg in command_line(container, env, self.entrypoint)]
+        inherited = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        self.exec_env[name] = {k: v for k, v in {**inherited, **env}.items() if k not in secret}
+        return LocalContainer(container, argv, env, self.dir, self.dir / f"{name}.log", self.ip, restart,
+                              float(spec.get("terminationGracePeriodSeconds", 30)),
+                              self.pid_dir / f"pod-{self.dir.name}-{name}.pid")
+
+    @property
+    def initialized(self) -> bool:
+        return self.mounted and all(c["name"] not in self.errors and (
+            c["name"] not in self.init_containers or self.init_containers[c["name"]].succeeded)
+            for c in self.pod["spec"].get("initContainers") or [])
+
+    def _advance(self) -> None:
+        """Start the next init container once the one before succeeded; then the containers."""
+        if self.stopped:
+            return
+        for container in self.pod["spec"].get("initContainers") or []:
+            if container["name"] in self.errors:
+                return
+            local = self.init_containers.get(container["name"])
+            if local is None or local.succeeded:
                 continue
-            try:
-                secret: set[str] = set()
-                env = {**base, **container_env(core, self.pod, container, secret)}
-                if env.get("KUBEINFER_HOST") in WILDCARDS:  # one shared network namespace here:
-                    env["KUBEINFER_HOST"] = self.ip  # a wildcard would take every pod's port
-            except ConfigError as err:
-                self.errors[container["name"]] = str(err)
-                continue
-            inherited = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
-            self.exec_env[container["name"]] = {k: v for k, v in {**inherited, **env}.items() if k not in secret}
-            local = LocalContainer(container, command_line(container, env, entrypoint), env, self.dir,
-                                   self.dir / f"{container['name']}.log", self.ip, spec.get("restartPolicy", "Always"),
-                                   float(spec.get("terminationGracePeriodSeconds", 30)),
-                                   pid_dir / f"pod-{self.dir.name}-{container['name']}.pid")
-            self.containers[container["name"]] = local
-            local.start()
+            if local.proc is None and not local.terminated and not local.next_start:
+                local.start()
+            return
+        for local in self.containers.values():
+            if local.proc is None and not local.terminated and not local.next_start:
+                local.start()
 
     def kubelet_targets(self) -> list[tuple[str, dict]]:
         """(plural, body) of the kwok Logs, PortForward and Exec objects for this pod."""
@@ -105,7 +176,8 @@ class LocalPod:
         owner = {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}
         names = list(self.containers)
         logs = [{"containers": [name], "logsFile": str(local.logs.current), "previousLogsFile":
-                 str(local.logs.previous), "follow": True} for name, local in self.containers.items()]
+                 str(local.logs.previous), "follow": True}
+                for name, local in (*self.init_containers.items(), *self.containers.items())]
         ports = sorted({p["containerPort"] for c in self.pod["spec"]["containers"] if c["name"] in names
                         for p in c.get("ports") or [] if p.get("protocol", "TCP") == "TCP"})
         forwards = [{"ports": [port], "target": {"address": self.ip, "port": port}} for port in ports]
@@ -120,6 +192,7 @@ class LocalPod:
 
     def publish(self, custom: client.CustomObjectsApi) -> None:
         """Create (or take over a dead namesake's) kwok objects for this pod."""
+        self.published = True
         for plural, body in self.kubelet_targets():
             namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
             try:
@@ -133,29 +206,61 @@ class LocalPod:
 
     def tick(self) -> None:
         with self.lock:
-            for container in self.containers.values():
+            if not self.mounted:
+                if time.monotonic() >= self.next_setup and not self.stopped:
+                    self._set_up()
+                return
+            for container in (*self.init_containers.values(), *self.containers.values()):
                 container.tick()
+            self._advance()
 
     def stop(self) -> None:
         with self.lock:
-            for container in self.containers.values():
+            self.stopped = True
+            for container in (*self.init_containers.values(), *self.containers.values()):
                 container.stop()
                 container.next_start = 0.0
 
-    def status(self) -> dict:
-        """Pod status fields the runner owns: phase, Ready/ContainersReady, containerStatuses."""
-        statuses = []
-        for container in self.pod["spec"]["containers"]:
+    def _waiting(self, container: dict, reason: str, message: str = "") -> dict:
+        waiting = {"reason": reason, **({"message": message} if message else {})}
+        return {"name": container["name"], "image": container.get("image", ""), "ready": False, "restartCount": 0,
+                "state": {"waiting": waiting}}
+
+    def _status_of(self, container: dict, local: dict[str, LocalContainer], before: str = "") -> dict:
+        """One container's status; ``before``: why it has not started yet (PodInitializing...)."""
+        name = container["name"]
+        if name in self.errors:
+            return self._waiting(container, "CreateContainerConfigError", self.errors[name])
+        if not self.mounted:
+            return self._waiting(container, "ContainerCreating", self.setup_error)
+        if name in local and (local[name].started_iso or not before):
+            return local[name].status()
+        if before:
+            return self._waiting(container, before)
+        # not our image: simulated, like kwok does for every other pod
+        return {"name": name, "image": container.get("image", ""), "ready": True, "restartCount": 0,
+                "started": True, "state": {"running": {"startedAt": self.created}}}
+
+    def _init_statuses(self) -> list[dict]:
+        statuses, blocked = [], False
+        for container in self.pod["spec"].get("initContainers") or []:
             name = container["name"]
-            if name in self.containers:
-                statuses.append(self.containers[name].status())
-            elif name in self.errors:
-                statuses.append({"name": name, "image": container.get("image", ""), "ready": False, "restartCount": 0,
-                                 "state": {"waiting": {"reason": "CreateContainerConfigError",
-                                                       "message": self.errors[name]}}})
-            else:  # not our image: simulated, like kwok does for every other pod
-                statuses.append({"name": name, "image": container.get("image", ""), "ready": True, "restartCount": 0,
-                                 "started": True, "state": {"running": {"startedAt": self.created}}})
+            if container.get("image", "").startswith(image_prefixes()) or name in self.errors:
+                status = self._status_of(container, self.init_containers, "PodInitializing" if blocked else "")
+                blocked = blocked or name not in self.init_containers or not self.init_containers[name].succeeded
+            else:  # not our image: reported Completed, as kwok would
+                status = {"name": name, "image": container.get("image", ""), "ready": True, "restartCount": 0,
+                          "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                                   "startedAt": self.created, "finishedAt": self.created}}}
+            statuses.append(status)
+        return statuses
+
+    def status(self) -> dict:
+        """Pod status fields the runner owns: phase, conditions, init and container statuses."""
+        init = self._init_statuses()
+        initialized = self.initialized
+        statuses = [self._status_of(c, self.containers, "" if initialized else "PodInitializing")
+                    for c in self.pod["spec"]["containers"]]
         ready = all(s["ready"] for s in statuses)
         if ready != self.ready_state[0] or not self.ready_state[1]:
             self.ready_state = (ready, now_iso())
@@ -163,12 +268,13 @@ class LocalPod:
         phase = "Running" if any("running" in s["state"] for s in statuses) else "Pending"
         if terminated and len(terminated) == len(statuses):
             phase = "Succeeded" if all(t["exitCode"] == 0 for t in terminated) else "Failed"
+        failed_init = [s for s in init if s["state"].get("terminated", {}).get("exitCode", 0) != 0]
+        if failed_init and self.pod["spec"].get("restartPolicy") == "Never":
+            phase = "Failed"  # a kubelet does not retry init containers of such a pod
         conditions = [{"type": kind, "status": str(ready), "lastTransitionTime": self.ready_state[1],
                        "reason": None if ready else "ContainersNotReady"}
                       for kind in ("Ready", "ContainersReady")]
-        init = [{"name": c["name"], "image": c.get("image", ""), "ready": True, "restartCount": 0,
-                 "state": {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": self.created,
-                                          "finishedAt": self.created}}}
-                for c in self.pod["spec"].get("initContainers") or []]  # simulated, not run (see podrunner)
+        conditions.append({"type": "Initialized", "status": str(initialized), "lastTransitionTime": self.created,
+                           "reason": None if initialized else "ContainersNotInitialized"})
         return {"phase": phase, "conditions": conditions, "containerStatuses": statuses,
                 "initContainerStatuses": init}

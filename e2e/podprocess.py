@@ -117,6 +117,11 @@ class LocalContainer:
             self._exited(137, "Error")
 
     @property
+    def succeeded(self) -> bool:
+        """Exited 0 and will not run again (an init container that is done)."""
+        return self.proc is None and not self.next_start and (self.terminated or {}).get("exitCode") == 0
+
+    @property
     def ready(self) -> bool:
         readiness = self.probes.get("readinessProbe")
         startup = self.probes.get("startupProbe")

@@ -7,8 +7,9 @@ token and ``KUBERNETES_SERVICE_HOST/PORT`` of the local apiserver; sets ``KUBEIN
 pod IP (also over a wildcard the pod sets: all pods share one network namespace here) so
 ``kubeinfer serve`` binds there; restarts per restartPolicy;
 reflects probes into Ready/ContainersReady and containerStatuses; stops the process group when
-the pod goes away. Init containers and volumes are not run/mounted (init containers are
-reported Completed). Logs: ``<state>/pods/<namespace>_<pod>/<container>.log``, and in the
+the pod goes away. Init containers run in order before the containers, retried with back-off
+unless restartPolicy is Never (then the pod fails); volumes are host directories that the
+containers' mount paths are rewritten to (e2e/podvolumes.py). Logs: ``<state>/pods/<namespace>_<pod>/<container>.log``, and in the
 CRI format under ``…/cri/`` for ``kubectl logs``, which reaches them (and ``exec``,
 ``port-forward``) through kwok's kubelet API and the kwok objects each pod gets (e2e/localpod.py).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from kubernetes import client, config, watch
 
+from e2e import provisioner
 from e2e.localpod import Apiserver, LocalPod
 from e2e.runner_rules import runner_managed
 
@@ -32,8 +34,8 @@ log = logging.getLogger("podrunner")
 
 class Runner:
     def __init__(self, core: client.CoreV1Api, api: Apiserver, state: Path, pid_dir: Path, node_selector: str,
-                 entrypoint: list[str]):
-        self.core, self.api, self.state, self.pid_dir = core, api, state, pid_dir
+                 entrypoint: list[str], nodes_dir: Path):
+        self.core, self.api, self.state, self.pid_dir, self.nodes_dir = core, api, state, pid_dir, nodes_dir
         self.node_selector, self.entrypoint = node_selector, entrypoint
         self.pods: dict[str, LocalPod] = {}
         self.reported: dict[str, dict] = {}
@@ -56,13 +58,16 @@ class Runner:
             local = LocalPod(pod, self.state / f"{meta['namespace']}_{meta['name']}")
             log.info("starting %s/%s on %s", meta["namespace"], meta["name"], local.ip)
             self.pods[uid] = local
-            local.start(self.core, self.api, self.entrypoint, self.pid_dir)
-            try:
-                local.publish(client.CustomObjectsApi(self.core.api_client))
-            except client.ApiException as err:  # the pod runs; only kubectl logs/exec/port-forward miss it
-                log.warning("kwok objects for %s/%s: %s", meta["namespace"], meta["name"], err.reason)
+            local.start(self.core, self.api, self.entrypoint, self.pid_dir, self.nodes_dir)
         elif uid in self.pods:
             self.pods[uid].pod = pod
+
+    def publish(self, local: LocalPod) -> None:
+        meta = local.pod["metadata"]
+        try:
+            local.publish(client.CustomObjectsApi(self.core.api_client))
+        except client.ApiException as err:  # the pod runs; only kubectl logs/exec/port-forward miss it
+            log.warning("kwok objects for %s/%s: %s", meta["namespace"], meta["name"], err.reason)
 
     def watch(self) -> None:
         """List then watch all pods; on any error (e.g. 410 Gone) list again."""
@@ -89,6 +94,8 @@ class Runner:
         while not self.stopping.wait(interval):
             for uid, local in list(self.pods.items()):
                 local.tick()
+                if local.mounted and not local.published:
+                    self.publish(local)
                 status = local.status()
                 if self.reported.get(uid) == status:
                     continue
@@ -112,6 +119,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m e2e.podrunner", description=__doc__.splitlines()[0])
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--nodes-dir", type=Path, required=True,
+                        help="each node's root for hostPath volumes (<dir>/<node>/<path>)")
+    parser.add_argument("--volumes-dir", type=Path, required=True,
+                        help="where the local-path provisioner puts claims' volumes (e2e/provisioner.py)")
     parser.add_argument("--pid-dir", type=Path, required=True, help="where process pids are recorded for `down`")
     parser.add_argument("--node-selector", default="type=kwok", help="label selector of the local fake nodes")
     parser.add_argument("--entrypoint", default="kubeinfer", help="command for containers that set none")
@@ -121,10 +132,11 @@ def main() -> None:
     host, port = api_client.configuration.host.removeprefix("https://").rsplit(":", 1)
     api = Apiserver(host, int(port), Path(api_client.configuration.ssl_ca_cert))
     runner = Runner(client.CoreV1Api(api_client), api, args.state_dir, args.pid_dir, args.node_selector,
-                    args.entrypoint.split())
+                    args.entrypoint.split(), args.nodes_dir)
     signal.signal(signal.SIGTERM, runner.shutdown)
     signal.signal(signal.SIGINT, runner.shutdown)
     threading.Thread(target=runner.supervise, daemon=True).start()
+    threading.Thread(target=provisioner.run, args=(runner.core, args.volumes_dir, runner.stopping), daemon=True).start()
     runner.watch()
 
 

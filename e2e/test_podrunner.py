@@ -135,3 +135,50 @@ def test_failing_liveness_probe_restarts_the_container(local_cluster: Cluster, n
 
     status = wait_for(restarted, "a liveness restart", timeout=60)
     assert status.last_state.terminated.exit_code == 137
+
+
+def test_init_containers_and_volumes_run_as_on_a_node(local_cluster: Cluster, namespace: str) -> None:
+    """An init container fills a claim (bound by the local-path provisioner) and a hostPath; the
+    container reads them, a ConfigMap's file and its emptyDir at their mount paths."""
+    core, state = local_cluster.core, local_cluster.config.state_dir
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "cfg"}, "data": {"greeting": "hello"}})
+    core.create_namespaced_persistent_volume_claim(namespace, {"metadata": {"name": "data"}, "spec": {
+        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    mounts = [{"name": "data", "mountPath": "/data"}, {"name": "node", "mountPath": "/var/cache/node"},
+              {"name": "cfg", "mountPath": "/etc/cfg"}, {"name": "scratch", "mountPath": "/scratch"}]
+    fill = "echo filled > /data/weights && echo $HOSTNAME >> /var/cache/node/seen"
+    show = "cat /data/weights /etc/cfg/greeting /var/cache/node/seen; touch /scratch/x; exec sleep 300"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "volumes"}, "spec": {
+        "terminationGracePeriodSeconds": 2,
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+                    {"name": "node", "hostPath": {"path": "/var/cache/node", "type": "DirectoryOrCreate"}},
+                    {"name": "cfg", "configMap": {"name": "cfg"}}, {"name": "scratch", "emptyDir": {}}],
+        "initContainers": [{"name": "fill", "image": IMAGE, "command": ["sh", "-c", fill], "volumeMounts": mounts}],
+        "containers": [{"name": "main", "image": IMAGE, "command": ["sh", "-c", show], "volumeMounts": mounts}]}}
+    core.create_namespaced_pod(namespace, pod)
+    running = wait_for(lambda: (p := core.read_namespaced_pod("volumes", namespace)).status.phase == "Running" and p,
+                       "pod volumes Running", timeout=60)
+    assert running.status.init_container_statuses[0].state.terminated.reason == "Completed"
+    assert any(c.type == "Initialized" and c.status == "True" for c in running.status.conditions)
+    claim = core.read_namespaced_persistent_volume_claim("data", namespace)
+    assert claim.status.phase == "Bound"
+    assert (state / "volumes" / claim.spec.volume_name / "weights").read_text() == "filled\n"
+    log = state / "pods" / f"{namespace}_volumes" / "main.log"
+    wait_for(lambda: "hello" in log.read_text(), "the container's output", timeout=30)
+    assert "filled\nhellovolumes\n" in log.read_text()  # the ConfigMap's value has no newline
+    assert (state / "nodes" / running.spec.node_name / "var/cache/node/seen").read_text() == "volumes\n"
+
+
+def test_failing_init_container_shows_init_error_with_its_message(local_cluster: Cluster, namespace: str) -> None:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "initfail"}, "spec": {
+        "restartPolicy": "Never",
+        "initContainers": [{"name": "fetch", "image": IMAGE, "terminationMessagePolicy": "FallbackToLogsOnError",
+                            "command": ["sh", "-c", "echo 'revision nope not found' >&2; exit 2"]}],
+        "containers": [{"name": "main", "image": IMAGE, "command": ["sleep", "300"]}]}}
+    local_cluster.core.create_namespaced_pod(namespace, pod)
+    failed = wait_for(lambda: (p := local_cluster.core.read_namespaced_pod("initfail", namespace)).status.phase
+                      == "Failed" and p, "pod initfail Failed", timeout=60)
+    terminated = failed.status.init_container_statuses[0].state.terminated
+    assert terminated.exit_code == 2 and "revision nope not found" in terminated.message
+    shown = local_cluster.kubectl("get", "pod", "initfail", "-n", namespace, "--no-headers").stdout.split()
+    assert shown[2] == "Init:Error"
