@@ -144,6 +144,7 @@ def test_init_containers_and_volumes_run_as_on_a_node(local_cluster: Cluster, na
     core.create_namespaced_config_map(namespace, {"metadata": {"name": "cfg"}, "data": {"greeting": "hello"}})
     core.create_namespaced_persistent_volume_claim(namespace, {"metadata": {"name": "data"}, "spec": {
         "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    node_dir = f"/var/cache/{namespace}"  # the node's directory outlives the test
     mounts = [{"name": "data", "mountPath": "/data"}, {"name": "node", "mountPath": "/var/cache/node"},
               {"name": "cfg", "mountPath": "/etc/cfg"}, {"name": "scratch", "mountPath": "/scratch"}]
     fill = "echo filled > /data/weights && echo $HOSTNAME >> /var/cache/node/seen"
@@ -151,7 +152,7 @@ def test_init_containers_and_volumes_run_as_on_a_node(local_cluster: Cluster, na
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "volumes"}, "spec": {
         "terminationGracePeriodSeconds": 2,
         "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
-                    {"name": "node", "hostPath": {"path": "/var/cache/node", "type": "DirectoryOrCreate"}},
+                    {"name": "node", "hostPath": {"path": node_dir, "type": "DirectoryOrCreate"}},
                     {"name": "cfg", "configMap": {"name": "cfg"}}, {"name": "scratch", "emptyDir": {}}],
         "initContainers": [{"name": "fill", "image": IMAGE, "command": ["sh", "-c", fill], "volumeMounts": mounts}],
         "containers": [{"name": "main", "image": IMAGE, "command": ["sh", "-c", show], "volumeMounts": mounts}]}}
@@ -166,7 +167,7 @@ def test_init_containers_and_volumes_run_as_on_a_node(local_cluster: Cluster, na
     log = state / "pods" / f"{namespace}_volumes" / "main.log"
     wait_for(lambda: "hello" in log.read_text(), "the container's output", timeout=30)
     assert "filled\nhellovolumes\n" in log.read_text()  # the ConfigMap's value has no newline
-    assert (state / "nodes" / running.spec.node_name / "var/cache/node/seen").read_text() == "volumes\n"
+    assert (state / "nodes" / running.spec.node_name / node_dir.lstrip("/") / "seen").read_text() == "volumes\n"
 
 
 def test_failing_init_container_shows_init_error_with_its_message(local_cluster: Cluster, namespace: str) -> None:
