@@ -18,6 +18,7 @@ such headers from untrusted clients are ignored (documented in docs/tenancy.md).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -114,6 +115,21 @@ def load_tenants(path: str | Path) -> TenantTable:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"] if part != "keys") or "file"
         raise ValueError(f"{path}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def table_from_args(args: argparse.Namespace) -> TenantTable | None:
+    """The --tenants-file table, for `kubeinfer serve` and `kubeinfer route`; exits with a
+    message (never a key) when the file is unusable."""
+    if not args.tenants_file:
+        return None
+    try:
+        return load_tenants(args.tenants_file)
+    except ValueError as error:
+        raise SystemExit(f"--tenants-file {error}") from None
+
+
+def tenancy_enabled(args: argparse.Namespace) -> bool:
+    return bool(args.tenants_file) or bool(args.trust_tenant_header)
 
 
 @dataclass(frozen=True)

@@ -104,9 +104,10 @@ async def _serve(args: argparse.Namespace) -> int:
     from ..engine.config import EngineConfig
     from .app import PortDispatch, build_admin_app, build_app
     from .state import ServerState
-    from .tenancy import Tenancy, tenancy_enabled, tenancy_from_args
+    from ..tenancy import table_from_args, tenancy_enabled
+    from .tenancy import Tenancy
 
-    table = tenancy_from_args(args)
+    table = table_from_args(args)
     if tenancy_enabled(args) and args.scheduling_policy == "auto":
         args.scheduling_policy = "fair"
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))

@@ -9,7 +9,6 @@ tenant for the fair scheduling policy, and `finished` meters each request once.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from dataclasses import dataclass
@@ -106,17 +105,3 @@ class Tenancy:
                     "completion_tokens": used - len(output.prompt_token_ids),
                     "finish_reasons": [c.finish_reason for c in output.outputs]}))
         return finished
-
-
-def tenancy_from_args(args: argparse.Namespace) -> TenantTable | None:
-    """The --tenants-file table (exits with a message, never a key, when it is unusable)."""
-    if not args.tenants_file:
-        return None
-    try:
-        return load_tenants(args.tenants_file)
-    except ValueError as error:
-        raise SystemExit(f"--tenants-file {error}") from None
-
-
-def tenancy_enabled(args: argparse.Namespace) -> bool:
-    return bool(args.tenants_file) or bool(args.trust_tenant_header)

@@ -24,6 +24,7 @@ import uvicorn
 from ..api.auth import api_keys_from_args
 from ..flags import add_flags
 from ..model.tokenizer_files import load_tokenizer
+from ..tenancy import table_from_args, tenancy_enabled
 from .activator import Activator, ActivatorConfig, GatewayMetrics
 from .backends import Backends, KubeBackends, StaticBackends
 from .deletion_cost import DeletionCosts
@@ -32,6 +33,7 @@ from .flags import BACKEND, PROCESS_FLAGS, ROUTING_FLAGS, TARGET_FLAGS, parse_ur
 from .pickers import Picker, PrefixAwareConfig, make_picker
 from .proxy import build_app
 from .routing import Routing
+from .tenancy import RouterTenancy
 from .warmup import HotPrefixes, Warmer, WarmupConfig
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -98,6 +100,13 @@ def build_routing(args: argparse.Namespace, client: httpx.AsyncClient, metrics: 
     return picker, routing
 
 
+def router_tenancy(args: argparse.Namespace, api_keys: list[str]) -> RouterTenancy | None:
+    """Tenants and quotas at the router, with --tenants-file or --trust-tenant-header."""
+    if not tenancy_enabled(args):
+        return None
+    return RouterTenancy(table_from_args(args), args.trust_tenant_header, args.quota_replicas, api_keys)
+
+
 def run(args: argparse.Namespace) -> int:
     mode = mode_defaults(args)
     # uvicorn configures only its own loggers: show ours (wake-ups, API trouble) at the
@@ -124,6 +133,6 @@ def run(args: argparse.Namespace) -> int:
     routing.views.in_flight = activator.in_flight
     routing.views.api_key = next(iter(api_keys), None)   # to read the engines' adapters
     app = build_app(activator, name, retry_after=args.retry_after, http=client,
-                    api_keys=api_keys, routing=routing)
+                    api_keys=api_keys, routing=routing, tenancy=router_tenancy(args, api_keys))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

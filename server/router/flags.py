@@ -76,4 +76,8 @@ PROCESS_FLAGS: tuple[Flag, ...] = (
     Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),
     # the engine's own key flags, so the operator gives both processes the same env
     *(f for f in SERVER_FLAGS if f.dest in ("api_keys", "api_keys_file", "require_api_key")),
+    # the engine's tenant flags (docs/tenancy.md): quotas are enforced here too, per replica
+    *(f for f in SERVER_FLAGS if f.dest in ("tenants_file", "trust_tenant_header")),
+    Flag("quota-replicas", int, 1,
+         "Router replicas sharing the tenants' quotas: each enforces quota / this (server/router/tenancy.py)."),
 )

@@ -25,6 +25,7 @@ from ..api.auth import OPEN_PATHS, ApiKeyCheck
 from ..api.error_body import OpenAIError, error_body, error_response
 from .activator import Activator, NoReadyPod
 from .routing import Routing
+from .tenancy import RouterTenancy
 
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -39,11 +40,12 @@ USAGE_TAIL = 4096  # bytes of a response kept to read its usage (the last object
 
 def build_app(activator: Activator, name: str, retry_after: int = 10,
               http: httpx.AsyncClient | None = None, api_keys: list[str] | None = None,
-              routing: Routing | None = None) -> FastAPI:
+              routing: Routing | None = None, tenancy: RouterTenancy | None = None) -> FastAPI:
     """`name` is the InferenceService, for error messages. With `api_keys` (the engines' own),
     a request without a valid key gets the engines' 401 here, before it can hold or wake
     anything; the Authorization header is forwarded untouched and the engine checks it again.
-    With `routing`, requests carry routing keys and the engines' views are polled meanwhile."""
+    With `routing`, requests carry routing keys and the engines' views are polled meanwhile.
+    With `tenancy`, the key check also names the tenant and its quotas apply here (429)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,8 +78,12 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
+        identity = None
         if "/" + path not in OPEN_PATHS:
-            await check_key(request)
+            if tenancy is not None:
+                identity = tenancy.admit(request)
+            else:
+                await check_key(request)
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         started = time.perf_counter()
@@ -114,7 +120,10 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             stack.push_async_callback(upstream.aclose)
             reply = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
             observe = activator.metrics.actual_cached.observe if key is not None else None
-            return StreamingResponse(_relay(upstream, stack, observe), status_code=upstream.status_code,
+            usage = None
+            if tenancy is not None and identity is not None:
+                usage = lambda tail, who=identity: tenancy.charge(who, tail)  # noqa: E731
+            return StreamingResponse(_relay(upstream, stack, observe, usage), status_code=upstream.status_code,
                                      headers=dict(reply))
         counts.labels("502").inc()
         return JSONResponse(error_body(502, "no engine pod could be reached"), status_code=502)
@@ -123,15 +132,17 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
 
 
 async def _relay(upstream: httpx.Response, stack: AsyncExitStack,
-                 observe_cached: Callable[[float], None] | None = None) -> AsyncIterator[bytes]:
+                 observe_cached: Callable[[float], None] | None = None,
+                 on_usage: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
     """Pass the body through as it arrives; the pod stays counted in flight until the end.
     With `observe_cached`, the `cached_tokens` of the answer's usage (its last object) is
-    reported once the whole body went through."""
+    reported once the whole body went through; `on_usage` gets that last part of the body."""
     tail = b""
+    keep_tail = observe_cached is not None or on_usage is not None
     try:
         try:
             async for chunk in upstream.aiter_raw():
-                if observe_cached is not None:
+                if keep_tail:
                     tail = (tail + chunk)[-USAGE_TAIL:]
                 yield chunk
         except httpx.HTTPError as error:   # the pod went away mid-answer
@@ -145,5 +156,7 @@ async def _relay(upstream: httpx.Response, stack: AsyncExitStack,
         found = CACHED_TOKENS.findall(tail) if plain and upstream.status_code == 200 else []
         if observe_cached is not None and found:
             observe_cached(int(found[-1]))
+        if on_usage is not None and plain and upstream.status_code == 200:
+            on_usage(tail)
     finally:
         await stack.aclose()

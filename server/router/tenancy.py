@@ -1,0 +1,56 @@
+"""Tenants at the router (`kubeinfer route --tenants-file / --trust-tenant-header`): the same
+tenant table and headers as the engine (server/tenancy.py), checked before a request holds or
+wakes anything, with each router replica enforcing its share of every quota.
+
+Replicas agree by division, not by talking: with `--quota-replicas N` each enforces
+`quota / N`. When the Service spreads requests evenly, N replicas admit the quota together
+within one second's worth of it plus one request per replica; a replica that receives more than
+its share of a tenant's traffic refuses early (the error is bounded by the imbalance).
+
+Tokens: a request is admitted while its tenant's token bucket is above zero, and the tokens
+its answer's `usage` reports (always in a plain answer; in a stream with
+`stream_options.include_usage`) are charged when it ends. A stream without usage is counted
+against the requests-per-minute quota only; the engine's own limit (same table) counts it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import Request
+
+from ..api.auth import ApiKeyCheck
+from ..api.error_body import OpenAIError
+from ..tenancy import Identity, RateLimiter, TenantError, TenantResolver, TenantTable
+
+PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+class RouterTenancy:
+    def __init__(self, table: TenantTable | None, trust_header: bool, replicas: int,
+                 api_keys: list[str]) -> None:
+        if replicas < 1:
+            raise ValueError(f"--quota-replicas must be >= 1, got {replicas}")
+        self.resolver = TenantResolver(table, trust_header)
+        self.keys = ApiKeyCheck(self.resolver.keys() + api_keys)
+        self.limiter = RateLimiter(self.resolver.table, share=1.0 / replicas)
+
+    def admit(self, request: Request) -> Identity:
+        """Check the key, name the tenant and take one request of its quota: 401, 400 or 429."""
+        index = self.keys.matched(request)
+        try:
+            identity = self.resolver.identify(index, request.headers)
+        except TenantError as error:
+            raise OpenAIError(400, str(error), param=error.param, code="invalid_tenant") from None
+        refusal = self.limiter.check(identity.name)
+        if refusal is not None:
+            raise OpenAIError(429, refusal.message, code="rate_limit_exceeded", headers=refusal.headers(),
+                              error_type="tokens" if refusal.limit == "tokens_per_minute" else "requests")
+        return identity
+
+    def charge(self, identity: Identity, tail: bytes) -> None:
+        """Charge the tokens of the answer's usage (its last object, in `tail`)."""
+        prompt, completion = PROMPT_TOKENS.findall(tail), COMPLETION_TOKENS.findall(tail)
+        if prompt and completion:
+            self.limiter.reserve(identity.name, int(prompt[-1]) + int(completion[-1]))

@@ -1,0 +1,101 @@
+"""Tenants at the router: the engine's tenant table names a request's tenant from its key, a
+replica enforces its share of each quota (429 in OpenAI's form before anything is forwarded),
+tokens are charged from the answer's usage, and a fairness header counts only when trusted."""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from test_autoscaler_scrape import serving
+from test_gateway import CHAT, FakeBackends
+
+from kubeinfer.server.router.activator import Activator, ActivatorConfig, GatewayMetrics
+from kubeinfer.server.router.cli import add_arguments, router_tenancy
+from kubeinfer.server.router.proxy import build_app
+from kubeinfer.server.router.tenancy import RouterTenancy
+from kubeinfer.server.tenancy import TenantTable
+
+TABLE = TenantTable.model_validate({"tenants": [
+    {"name": "chat", "keys": ["sk-chat"], "quotas": {"requests_per_minute": 2}},
+    {"name": "batch", "keys": ["sk-batch"], "quotas": {"tokens_per_minute": 600}},
+]})
+
+
+def engine() -> FastAPI:
+    """Answers every completion with 30 tokens of usage and echoes the fairness header."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        return JSONResponse({"tenant_header": request.headers.get("x-gateway-inference-fairness-id"),
+                             "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30}})
+
+    return app
+
+
+def router(url: str, tenancy: RouterTenancy) -> FastAPI:
+    config = ActivatorConfig(activation_timeout=1, poll_interval=0.05, wake_interval=60)
+    return build_app(Activator(FakeBackends([url]), config, GatewayMetrics()), "llm", tenancy=tenancy)
+
+
+def post(port: int, key: str | None, **headers: str) -> httpx.Response:
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, headers=headers, timeout=10)
+
+
+def test_each_replica_enforces_its_share_of_the_request_quota() -> None:
+    with serving(engine()) as upstream:
+        url = f"http://127.0.0.1:{upstream}"
+        replicas = [router(url, RouterTenancy(TABLE, False, 2, [])) for _ in range(2)]
+        with serving(replicas[0]) as first, serving(replicas[1]) as second:
+            assert post(first, None).status_code == 401
+            assert post(first, "sk-chat").status_code == 200   # 2 a minute over 2 replicas: 1 each
+            assert post(second, "sk-chat").status_code == 200
+            refused = post(first, "sk-chat")
+            assert refused.status_code == 429
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            assert refused.json()["error"]["type"] == "requests"
+            assert refused.headers["x-kubeinfer-rate-limit"] == "requests_per_minute"
+            assert refused.headers["x-ratelimit-limit-requests"] == "2"   # the tenant's quota, all replicas
+            assert 50 <= int(refused.headers["retry-after"]) <= 60
+            assert post(first, "sk-batch").status_code == 200   # another tenant is not affected
+
+
+def test_tokens_are_charged_from_the_answers_usage() -> None:
+    with serving(engine()) as upstream:
+        app = router(f"http://127.0.0.1:{upstream}", RouterTenancy(TABLE, False, 1, []))
+        with serving(app) as port:
+            assert post(port, "sk-batch").status_code == 200   # 10 a second: 30 tokens are a 2 s debt
+            refused = post(port, "sk-batch")
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"
+            assert refused.headers["x-kubeinfer-rate-limit"] == "tokens_per_minute"
+            assert 2 <= int(refused.headers["retry-after"]) <= 3
+
+
+def test_fairness_headers_count_only_from_a_trusted_gateway() -> None:
+    with serving(engine()) as upstream:
+        url = f"http://127.0.0.1:{upstream}"
+        with serving(router(url, RouterTenancy(TABLE, False, 1, []))) as untrusted:
+            # named "batch" by a header it may not set: still "chat" by its key, so its quota applies
+            for _ in range(2):
+                post(untrusted, "sk-chat", **{"x-gateway-inference-fairness-id": "batch"})
+            assert post(untrusted, "sk-chat", **{"x-gateway-inference-fairness-id": "batch"}).status_code == 429
+        with serving(router(url, RouterTenancy(TABLE, True, 1, []))) as trusted:
+            bad = post(trusted, "sk-batch", **{"x-gateway-inference-objective": "whenever"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-gateway-inference-objective"
+            named = post(trusted, "sk-chat", **{"x-gateway-inference-fairness-id": "team-z"})
+            assert named.status_code == 200 and named.json()["tenant_header"] == "team-z"   # forwarded as sent
+
+
+@pytest.mark.parametrize("argv, enabled", [([], False), (["--trust-tenant-header"], True)])
+def test_route_takes_the_engines_tenant_flags(argv: list[str], enabled: bool) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--backend", "http://127.0.0.1:1", "--quota-replicas", "3", *argv])
+    tenancy = router_tenancy(args, [])
+    assert (tenancy is not None) == enabled
