@@ -203,7 +203,16 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "Secret that keys the block hashes routers read (GET /kv/blocks): without it anyone who "
          "reads them can test a guessed prompt against the cache. Give it through the env var (the "
          "operator does, from a Secret shared with the service's routers), never as an argument."),
-    Flag("tensor-parallel-size", int, 1, "Worker processes (one per GPU) sharing the model."),
+    Flag("tensor-parallel-size", int, 1, "Ranks (one per GPU) sharing each layer's weights, over all nodes."),
+    Flag("pipeline-parallel-size", int, 1,
+         "Pipeline stages, each holding a consecutive run of the layers; a step's sequences go through "
+         "them in micro-batches so the stages overlap. Ranks: tensor x pipeline, over all nodes."),
+    Flag("nnodes", int, 1, "Nodes (pods) the ranks are spread over, each with tensor x pipeline / nnodes of them "
+         "(stage by stage, tensor-parallel ranks innermost)."),
+    Flag("node-rank", int, 0, "This node's index: 0 serves the API (and hosts the rendezvous), others run "
+         "--headless."),
+    Flag("master-addr", str, "127.0.0.1", "Address of node 0 (with --nnodes > 1), e.g. LWS_LEADER_ADDRESS."),
+    Flag("master-port", int, 29500, "Rendezvous port on node 0 (with --nnodes > 1)."),
     Flag("seed", int, 0, "Seed for requests that do not set their own."),
     Flag("enable-lora", parse_bool, False, "Serve LoRA adapters of the base model (PEFT format); a request "
          "names one as its 'model'."),
@@ -254,6 +263,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (
+    Flag("headless", parse_bool, False,
+         "Run this node's ranks only, without the API (with --nnodes > 1 and --node-rank > 0); exits "
+         "non-zero when node 0 or any of its ranks goes away."),
     Flag("host", str, "127.0.0.1", "Address to bind."),
     Flag("port", int, 8000, "Port to bind."),
     Flag("admin-port", _optional(int), None,

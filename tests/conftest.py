@@ -18,6 +18,7 @@ SLOW = (
     "tests/parallel/test_tp_parity.py::test_embedded_model_tp3_matches_tp1",
     "tests/parallel/test_serve_tp.py::test_tp3_serves_the_openai_client_on_the_embedded_model",
     "tests/parallel/test_serve_tp.py::test_killing_a_worker_fails_health_and_exits_non_zero",
+    "tests/parallel/test_multinode.py::test_embedded_model_pp2_across_two_processes_matches_one",
     "tests/engine/test_kv_cache_fp8.py::test_fp8_logits_close_to_float32_cache_teacher_forced",
     "tests/engine/test_kv_cache_fp8.py::test_prefix_cache_and_chunked_prefill_read_the_fp8_cache",
 )

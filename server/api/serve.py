@@ -152,6 +152,16 @@ def run(args: argparse.Namespace) -> int:
         cpu_build.start_building(cpu_build.LOADING_KERNELS)
     from ..model.loader import DeviceUnavailableError
     try:
+        if args.headless:   # this node's ranks only: node 0 serves the API
+            from ..engine.config import EngineConfig
+            from ..parallel.launch import run_headless
+
+            try:
+                return run_headless(EngineConfig.from_args(args))
+            except ValueError as exc:   # flags that cannot work: one line, and a restart will not help
+                logger.error("%s", exc)
+                _write_termination_message(str(exc))
+                return 1
         return asyncio.run(_serve(args))
     except DeviceUnavailableError as exc:  # one line, not a traceback, and an exit code that says so
         logger.error("%s", exc)

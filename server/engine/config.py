@@ -31,6 +31,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_hash_key: str | None = field(default=None, repr=False)  # a secret: never in a log line
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     seed: int = 0
     enable_lora: bool = False
     lora_modules: list[LoRAModuleSpec] | None = None
@@ -83,9 +88,21 @@ class EngineConfig:
             raise ValueError(f"priority_aging_seconds must be positive, got {self.priority_aging_seconds}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes); got node_rank {self.node_rank} of nnodes {self.nnodes}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks cannot be "
+                             f"spread evenly over {self.nnodes} nodes")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+        if self.pipeline_parallel_size > 1 and self.enable_lora:
+            raise ValueError("--enable-lora with --pipeline-parallel-size > 1 is not supported yet")
         if (self.speculative_config is not None and self.speculative_config.method == "draft_model"
-                and self.tensor_parallel_size > 1):
-            raise ValueError("a speculative draft model with tensor_parallel_size > 1 is not supported yet "
+                and self.world_size > 1):
+            raise ValueError("a speculative draft model with tensor_parallel_size > 1 is not supported yet, nor "
+                             "with pipeline_parallel_size > 1 "
                              "(the draft would run on one device beside the sharded target); use method "
                              "ngram or suffix")
         if self.lora_modules and not self.enable_lora:
@@ -98,6 +115,11 @@ class EngineConfig:
         names = [module.name for module in self.lora_modules or ()]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {', '.join(names)}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks over all nodes."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -60,7 +60,7 @@ def why_eager(*, enforce_eager: bool, enable_lora: bool, calculate_kv_scales: bo
     if enforce_eager:
         return "--enforce-eager"
     if tensor_parallel_size > 1:
-        return "--tensor-parallel-size > 1 (collectives are not captured yet)"
+        return "more than one rank (--tensor-parallel-size or --pipeline-parallel-size > 1: collectives are not captured yet)"
     if enable_lora:
         return "--enable-lora (each step's adapter segments are host lists)"
     if calculate_kv_scales:

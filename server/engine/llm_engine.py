@@ -43,11 +43,12 @@ class LLMEngine:
         from .model_runner import ModelRunner
 
         self.task = resolve_task(config.task, config.model)
-        if self.task == "embed" and config.tensor_parallel_size > 1:
-            raise ValueError("--task embed: embedding models run on one device (--tensor-parallel-size 1)")
+        if self.task == "embed" and config.world_size > 1:
+            raise ValueError("--task embed: embedding models run on one device (--tensor-parallel-size 1, "
+                             "--pipeline-parallel-size 1)")
         if self.task == "embed" and (config.speculative_config is not None or config.enable_lora):
             raise ValueError("--task embed: speculative decoding and LoRA adapters apply to text generation only")
-        if loaded is None and config.tensor_parallel_size > 1:  # TP hook: shards + worker processes
+        if loaded is None and config.world_size > 1:  # TP / PP hook: shards + worker processes
             from ..parallel.launch import load_tensor_parallel
 
             loaded = load_tensor_parallel(config)

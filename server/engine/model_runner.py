@@ -45,7 +45,8 @@ class ModelRunner:
         self._check_kv_cache_dtype(config.kv_cache_dtype)
         mc = loaded.config
         shape = (config.block_size, kv_heads_per_rank(mc, config.tensor_parallel_size), mc.head_dim)
-        bytes_per_block = 2 * mc.num_hidden_layers * int(np.prod(shape)) * self.kv_cache_dtype.itemsize
+        layers = loaded.kv_cache_layers or mc.num_hidden_layers
+        bytes_per_block = 2 * layers * int(np.prod(shape)) * self.kv_cache_dtype.itemsize
         budget = self._kv_cache_budget(config)
         self.num_blocks = budget // bytes_per_block
         if self.num_blocks < 1:
@@ -53,7 +54,7 @@ class ModelRunner:
                              f"{bytes_per_block} bytes; raise --kv-cache-memory")
         zeros = lazy_zeros if self.device.type == "cpu" else self._device_zeros
         dtype = self.kv_cache_dtype
-        scales = layer_kv_scales(mc.num_hidden_layers, dtype, loaded.kv_scales, config.calculate_kv_scales)
+        scales = layer_kv_scales(layers, dtype, loaded.kv_scales, config.calculate_kv_scales)
         self.kv_caches = [LayerKVCache(zeros((self.num_blocks, *shape), dtype), zeros((self.num_blocks, *shape), dtype),
                                        layer_scales) for layer_scales in scales]
         if self.device.type == "cpu":
@@ -171,7 +172,7 @@ class ModelRunner:
         tokens by expert) raises at capture: decode then stays eager."""
         options = dict(device=self.device, enforce_eager=config.enforce_eager, enable_lora=config.enable_lora,
                        calculate_kv_scales=config.calculate_kv_scales,
-                       tensor_parallel_size=config.tensor_parallel_size)
+                       tensor_parallel_size=config.world_size)
         if self.device.type == "cpu":
             reason = why_not_cpu_graphed(self.model, **options)
             if reason is None:

@@ -84,8 +84,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, FusedExperts)):
                 module.pack()
-        embedding = self.input_embeddings().weight
-        if self.lm_head is None and self.packed_tied_head is None and can_pack(embedding):
+        embedding = getattr(self.input_embeddings(), "weight", None)   # None: a pipeline stage without them
+        if self.lm_head is None and self.packed_tied_head is None and embedding is not None and can_pack(embedding):
             self.packed_tied_head = pack_weight(embedding)   # a copy: the embedding lookup needs the plain table
 
     @torch.no_grad()

@@ -50,6 +50,8 @@ class LoadedModel:
     device: torch.device
     # fp8 KV-cache scales the checkpoint carries, by attention module name (`kv_cache_quant`)
     kv_scales: dict[str, KVScales] = field(default_factory=dict)
+    # decoder layers whose KV this process caches (a pipeline stage's); None = all the config's
+    kv_cache_layers: int | None = None
 
 
 class DeviceUnavailableError(ValueError):

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from ..model.linear import Linear, linear
 from ..model.moe import FusedExperts
+from .group import tensor_group
 
 
 class RowParallelLinear(Linear):
@@ -27,7 +28,7 @@ class RowParallelLinear(Linear):
             out = linear(x, self.weight, self.packed, None, self.quantized)
         if self.lora is not None:   # this rank's partial delta (A sliced by input columns) joins the sum
             self.lora.apply(x, out)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=tensor_group())
         return out if self.bias is None else out + self.bias
 
 
@@ -37,7 +38,7 @@ class RowParallelExperts(FusedExperts):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = super().forward(x, weights, ids)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=tensor_group())
         return out
 
 
@@ -57,5 +58,5 @@ class VocabParallelEmbedding(nn.Embedding):
         owned = (local >= 0) & (local < self.num_embeddings)
         out = F.embedding(torch.where(owned, local, 0), self.weight)
         out.masked_fill_(~owned[:, None], 0)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=tensor_group())
         return out

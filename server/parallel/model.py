@@ -29,6 +29,7 @@ from ..model.quantization.base import QuantizationMethod
 from ..model.quantization.weights import QuantizedLinearWeight
 from ..model.registry import ModelFamily
 from .layers import RowParallelExperts, RowParallelLinear, VocabParallelEmbedding
+from .pipeline import PipelineStage, drop_other_stages
 from .plan import ShardPlan
 from .quantized import shard_quantized
 from .step_broadcast import send_step
@@ -106,10 +107,12 @@ def quantized_reshard(plan: ShardPlan) -> Reshard:
 class TensorParallelModel(nn.Module):
     """One rank's shard of a model; to the engine (rank 0) the plain model contract."""
 
-    def __init__(self, shard: CausalLM, plan: ShardPlan, kv_scales: dict[str, KVScales] | None = None) -> None:
+    def __init__(self, shard: CausalLM, plan: ShardPlan, kv_scales: dict[str, KVScales] | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.shard, self.plan = shard, plan
         self.kv_scales = kv_scales or {}   # the checkpoint's fp8 KV-cache scales (per tensor: every rank's)
+        self.stage = PipelineStage(shard, plan, dtype) if plan.stages > 1 else None
 
     def forward(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
         """Rank 0 (the engine's side): send the step to the workers, then compute it with them."""
@@ -120,6 +123,8 @@ class TensorParallelModel(nn.Module):
 
     def compute(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor | None:
         """Every rank: the step over its shard; rank 0 gets the float32 logits, workers None."""
+        if self.stage is not None:
+            return self.stage.compute(batch, kv_caches)
         local = self.shard(batch, kv_caches)
         vocab = self.plan.config.vocab_size
         if local.shape[0] == 0:
@@ -133,6 +138,8 @@ def build_shard(family: ModelFamily, plan: ShardPlan, device: torch.device) -> C
     """This rank's model with parallel layers swapped in; call under `uninitialized_modules`."""
     local = plan.local_config()
     model = family.build(local, get_attention_backend(device, local.sliding_window))
+    if plan.stages > 1:
+        drop_other_stages(model, plan)
     shard_model(model, plan)
     return model
 
@@ -155,7 +162,8 @@ def load_shard(source: Path, family: ModelFamily, plan: ShardPlan, dtype: torch.
             slices.pop(f"{layer}.weight", None)
     fused = family.resolve().fused_checkpoint_parts(plan.config)
     kv_scales: dict[str, KVScales] = {}
-    weights = sharded_weights(source, plan, slices, family.gguf, dtype, fused, 
+    slices = {plan.checkpoint_name(name): part for name, part in slices.items()}
+    weights = sharded_weights(source, plan, slices, family.gguf, dtype, fused,
                               keep_quantized=method is not None and not method.dense_checkpoint)
     fill_model(model, split_kv_scales(weights, kv_scales), device, hook)
-    return TensorParallelModel(model, plan, kv_scales)
+    return TensorParallelModel(model, plan, kv_scales, dtype)

@@ -5,18 +5,27 @@ vocab: the rows of embeddings and lm_head, padded to equal size. Row-parallel (i
 split): the partial sums one all-reduce adds up. When there are fewer KV heads than ranks, each
 KV head is replicated on N / num_kv_heads consecutive ranks (as vLLM does). Which layer has
 which role is the model's business (`model.linear.ParallelRole`), not this module's.
+
+Pipeline parallelism cuts the decoder layers into `stages` consecutive runs (earlier stages take
+the remainder); a stage builds only its layers, numbered from 0, and reads the checkpoint's
+`model.layers.N` under its local numbers (`local_name`). The embeddings live on the first stage
+(and on the last when the head is tied to them), the final norm and head on the last.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from ..model.checkpoint import Slice
 from ..model.config import ModelConfig
 from ..model.linear import ParallelRole
 
-__all__ = ["ShardPlan", "Slice", "check_tensor_parallel", "kv_heads_per_rank"]
+__all__ = ["ShardPlan", "Slice", "check_pipeline_parallel", "check_tensor_parallel", "kv_heads_per_rank",
+           "stage_layers"]
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
@@ -37,6 +46,23 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
                          f"{config.moe.intermediate_size}")
 
 
+def check_pipeline_parallel(config: ModelConfig, stages: int) -> None:
+    if stages < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {stages}")
+    if stages > config.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size {stages} exceeds the model's {config.num_hidden_layers} layers")
+    if stages > 1 and config.layer_types:
+        raise ValueError(f"{config.architecture}: pipeline parallelism of models that mix sliding-window and "
+                         "full-attention layers is not supported yet")
+
+
+def stage_layers(num_layers: int, stage: int, stages: int) -> range:
+    """The decoder layers of pipeline stage `stage`: an even split, earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
 def kv_heads_per_rank(config: ModelConfig, size: int) -> int:
     """KV heads each rank caches: a share of them, or one replicated head when there are fewer than ranks."""
     return max(1, config.num_key_value_heads // size)
@@ -45,11 +71,58 @@ def kv_heads_per_rank(config: ModelConfig, size: int) -> int:
 @dataclass(frozen=True)
 class ShardPlan:
     config: ModelConfig
-    rank: int
-    size: int
+    rank: int              # within the stage's tensor-parallel group
+    size: int              # tensor-parallel ranks per stage
+    stage: int = 0
+    stages: int = 1
 
     def __post_init__(self) -> None:
         check_tensor_parallel(self.config, self.size)
+        check_pipeline_parallel(self.config, self.stages)
+
+    @property
+    def global_rank(self) -> int:
+        """Rank in the whole group: stages of `size` consecutive ranks (tensor parallelism innermost)."""
+        return self.stage * self.size + self.rank
+
+    @property
+    def layers(self) -> range:
+        return stage_layers(self.config.num_hidden_layers, self.stage, self.stages)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def holds_embeddings(self) -> bool:
+        return self.first_stage or (self.last_stage and self.config.tie_word_embeddings)
+
+    def local_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this stage's model, or None when the stage does not hold it."""
+        if self.stages == 1:
+            return name
+        match = _LAYER.match(name)
+        if match:
+            layer = int(match[1])
+            if layer not in self.layers:
+                return None
+            return f"model.layers.{layer - self.layers.start}.{name[match.end():]}"
+        if name.startswith("model.embed_tokens."):
+            return name if self.holds_embeddings else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.last_stage else None
+        return name
+
+    def checkpoint_name(self, name: str) -> str:
+        """The inverse of `local_name` for a tensor this stage holds."""
+        match = _LAYER.match(name)
+        if self.stages == 1 or not match:
+            return name
+        return f"model.layers.{int(match[1]) + self.layers.start}.{name[match.end():]}"
 
     @property
     def num_heads(self) -> int:
@@ -70,11 +143,14 @@ class ShardPlan:
     def local_config(self) -> ModelConfig:
         """The config a rank builds its layers from: its share of heads and intermediate units
         (every expert's too)."""
-        moe = self.config.moe
+        moe, layers = self.config.moe, self.layers
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size,
+                                      dense_layers=frozenset(i - layers.start for i in moe.dense_layers if i in layers))
         return dataclasses.replace(self.config, num_attention_heads=self.num_heads,
                                    num_key_value_heads=self.num_kv_heads,
                                    intermediate_size=self.config.intermediate_size // self.size,
-                                   moe=moe and dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size))
+                                   num_hidden_layers=len(layers), moe=moe)
 
     def slice_for(self, role: ParallelRole, local: int, is_bias: bool = False) -> Slice | None:
         """The part of a checkpoint matrix this rank loads into a layer of `role` that has `local`

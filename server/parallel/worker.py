@@ -1,4 +1,4 @@
-"""A tensor-parallel worker process (ranks 1..N-1): load its shard, then run every step rank 0 sends."""
+"""A worker process (every rank but 0, on any node): load its shard, then run every step rank 0 sends."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..model.lora import read_peft_adapter
 from ..model.quantization import resolve_for_checkpoint
 from ..model.lora_layers import LoRAModel
 from ..model.registry import ModelFamily, register_model
-from .group import agree_on_load, init_group
+from .group import Topology, agree_on_load, init_group
 from .model import KVCaches, TensorParallelModel, load_shard, weight_slices
 from .plan import ShardPlan
 from .step_broadcast import receive_step
@@ -37,9 +37,8 @@ class WorkerSpec:
     family: ModelFamily   # rank 0's registry entry: a family registered at run time reaches the workers
     dtype: torch.dtype
     device: str
-    rank: int
-    size: int
-    port: int
+    rank: int                 # in the whole group
+    topology: Topology
     block_size: int
     log_level: int
     max_loras: int = 0        # LoRA device slots (--enable-lora); 0 = none
@@ -56,11 +55,12 @@ def run_worker(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent(os.getppid())
-    device = init_group(spec.rank, spec.size, spec.port, torch.device(spec.device))
+    device, _ = init_group(spec.rank, spec.topology, torch.device(spec.device))
     start = time.perf_counter()
     register_model(spec.architecture, spec.family)
     checkpoint = read_checkpoint(spec.source)
-    plan = ShardPlan(checkpoint.config, spec.rank, spec.size)
+    tensor = spec.topology.tensor
+    plan = ShardPlan(checkpoint.config, spec.rank % tensor, tensor, spec.rank // tensor, spec.topology.pipeline)
     try:
         model = load_shard(Path(spec.source), spec.family, plan, spec.dtype, device,
                            resolve_for_checkpoint(checkpoint, spec.quantization))
@@ -72,8 +72,9 @@ def run_worker(spec: WorkerSpec) -> None:
             pass
         dist.destroy_process_group()
         return
-    log.info("rank %d/%d: shard of %d heads, %d KV heads loaded in %.2fs", spec.rank, spec.size, plan.num_heads,
-             plan.num_kv_heads, time.perf_counter() - start)
+    log.info("rank %d/%d: shard of %d heads, %d KV heads, layers %d-%d loaded in %.2fs", spec.rank,
+             spec.topology.world, plan.num_heads, plan.num_kv_heads, plan.layers.start, plan.layers.stop - 1,
+             time.perf_counter() - start)
     lora = _lora_slots(model, plan, spec, device) if spec.max_loras else None
     with torch.inference_mode():
         serve_steps(model, spec, device, lora)
@@ -106,12 +107,12 @@ def serve_steps(model: TensorParallelModel, spec: WorkerSpec, device: torch.devi
 
 def _allocate_kv_caches(model: TensorParallelModel, num_blocks: int, spec: WorkerSpec,
                         device: torch.device) -> KVCaches:
-    """This rank's share of the heads, in rank 0's cache dtype (an fp8 cache with its own scales:
+    """This rank's share of the heads of its stage's layers, in rank 0's cache dtype (an fp8 cache with its own scales:
     the checkpoint's, or calculated from this rank's heads)."""
     config = model.plan.config
     shape = (num_blocks, spec.block_size, model.plan.num_kv_heads, config.head_dim)
     dtype = kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
-    scales = layer_kv_scales(config.num_hidden_layers, dtype, model.kv_scales, spec.calculate_kv_scales)
+    scales = layer_kv_scales(len(model.plan.layers), dtype, model.kv_scales, spec.calculate_kv_scales)
     return [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                          layer_scales) for layer_scales in scales]
 
