@@ -21,6 +21,16 @@ MANAGED_BY = "kubeinfer-operator"
 # `keda` makes the operator check that KEDA is installed and that the two do not both scale.
 AUTOSCALER_CLASS_ANNOTATION = "kubeinfer.io/autoscaler-class"
 KEDA_CRD = "scaledobjects.keda.sh"
+# Multi-pod replicas are LeaderWorkerSet groups (sigs.k8s.io/lws): the leader serves, workers hold ranks.
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+LWS_VERSION = "v0.7.0"
+LWS_INSTALL = (f"kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/download/"
+               f"{LWS_VERSION}/manifests.yaml")
+LWS_EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/exclusive-topology"
+MASTER_PORT = 29500   # the leader's rendezvous (--master-port), reached by the group's workers
+WORKER_COMPONENT = "engine-worker"   # a group's worker pods: never behind the Service, the router or the autoscaler
 # Room left under the 63-character DNS-1035 label limit for suffixed children (`-gateway`).
 MAX_NAME_LENGTH = 50
 

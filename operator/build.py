@@ -1,4 +1,5 @@
-"""InferenceService → engine Deployment, as a plain dict ready for server-side apply.
+"""InferenceService → engine Deployment (single-pod replicas) or LeaderWorkerSet (replicas that
+span pods), as a plain dict ready for server-side apply.
 
 Pure: the same input always yields the same object, so re-applying it is a no-op and any
 drift (an edited arg, a deleted Deployment) is undone by applying it again.
@@ -43,9 +44,24 @@ def engine_args(isvc: InferenceService, model_path: str, served_name: str | None
               "max_num_batched_tokens": engine.max_num_batched_tokens,
               "max_model_len": model.max_model_len, "task": model.task,
               "enable_prefix_caching": engine.prefix_cache.enabled,
-              "tensor_parallel_size": engine.tensor_parallel_size, **lora_values(isvc),
+              "tensor_parallel_size": engine.tensor_parallel_size,
+              "pipeline_parallel_size": engine.pipeline_parallel_size, **lora_values(isvc),
               "speculative_config": speculative_config(isvc)}
     return ["serve", *to_args(values, ENGINE_FLAGS), *engine.extra_args]
+
+
+def group_args(isvc: InferenceService, worker: bool) -> list[str]:
+    """vLLM's multi-node flags from LWS's environment (the kubelet expands `$(VAR)` in args):
+    the group's size, this pod's index in it (0: the leader) and the leader's address."""
+    values = {"nnodes": isvc.spec.engine.pods_per_replica, "node_rank": "$(LWS_WORKER_INDEX)",
+              "master_addr": "$(LWS_LEADER_ADDRESS)", "master_port": api.MASTER_PORT}
+    args = [arg for name, value in values.items() for arg in (flag(name).option, str(value))]
+    return [*args, flag("headless").option] if worker else args
+
+
+def gpus_per_pod(isvc: InferenceService) -> int:
+    engine = isvc.spec.engine
+    return engine.tensor_parallel_size * engine.pipeline_parallel_size // engine.pods_per_replica
 
 
 def speculative_config(isvc: InferenceService) -> SpeculativeConfig | None:
@@ -107,7 +123,7 @@ def engine_resources(isvc: InferenceService) -> dict[str, Any]:
     res = isvc.spec.resources
     limits: dict[str, Any] = {"memory": str(res.memory)}
     if device(isvc) == "cuda":
-        limits[GPU_RESOURCE] = isvc.spec.engine.tensor_parallel_size
+        limits[GPU_RESOURCE] = gpus_per_pod(isvc)
     return {"requests": {"cpu": str(res.cpu), "memory": str(res.memory)}, "limits": limits}
 
 
@@ -120,18 +136,21 @@ def probes() -> dict[str, Any]:
             "livenessProbe": get("/health", 10, 6)}
 
 
-def pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+def pod_spec(isvc: InferenceService, config: OperatorConfig, role: str = "single") -> dict[str, Any]:
+    """The engine pod; `role` "leader" / "worker" for the pods of a multi-pod group (a worker
+    runs its ranks headless: no API, so no port and no HTTP probes)."""
     spec = isvc.spec
     mounts = model_mounts(isvc, spec.engine.image or config.engine_image)
     adapter_vols, adapter_mounts = adapter_volumes(isvc)
     volumes = [{"name": "tmp", "emptyDir": {}}, *mounts.volumes, *adapter_vols]
     volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts.volume_mounts, *adapter_mounts]
-    if spec.engine.tensor_parallel_size > 1:  # NCCL/ranks exchange tensors through /dev/shm
+    if gpus_per_pod(isvc) > 1:  # NCCL/ranks exchange tensors through /dev/shm
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         volume_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     container = {
         "name": api.ENGINE_CONTAINER, "image": spec.engine.image or config.engine_image,
-        "command": ["kubeinfer"], "args": engine_args(isvc, mounts.model_path, mounts.served_name),
+        "command": ["kubeinfer"], "args": engine_args(isvc, mounts.model_path, mounts.served_name)
+        + (group_args(isvc, role == "worker") if role != "single" else []),
         "env": engine_env(isvc),
         "ports": [{"name": "http", "containerPort": api.HTTP_PORT, "protocol": "TCP"}],
         "resources": engine_resources(isvc), **probes(),
@@ -139,6 +158,9 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "securityContext": restricted_container(), "volumeMounts": volume_mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",  # crash reasons reach status
     }
+    if role == "worker":   # its ranks exit (and LWS recreates the group) when they cannot serve
+        for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe"):
+            del container[key]
     node_selector = dict(spec.node_selector)
     tolerations = list(spec.tolerations)
     if spec.resources.gpu_product:
@@ -159,16 +181,50 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         pod["affinity"] = spec.affinity
     if spec.priority_class_name:
         pod["priorityClassName"] = spec.priority_class_name
-    if spec.lora_enabled:  # no traffic before the operator has loaded the adapters (adapters.py)
+    if spec.lora_enabled and role != "worker":  # no traffic before the operator has loaded the adapters
         pod["readinessGates"] = [{"conditionType": api.ADAPTERS_GATE}]
     return {k: v for k, v in pod.items() if v != [] and v != {}}
+
+
+def scrape_annotations() -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(api.HTTP_PORT), "prometheus.io/path": "/metrics"}
+
+
+def workload(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    """The engines: a Deployment of single-pod replicas, or a LeaderWorkerSet of pod groups."""
+    return leader_worker_set(isvc, config) if isvc.spec.multi_pod else deployment(isvc, config)
+
+
+def leader_worker_set(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    """One LWS group per replica (size = pods per replica, replicas = groups; the scale
+    subresource writes spec.replicas here as for a Deployment). Any pod's restart recreates its
+    group, so no group ever serves with ranks missing or of two generations, and a rolling
+    update replaces whole groups. Only the leader carries the engine labels."""
+    rollout = isvc.spec.rollout
+    metadata = isvc.metadata()
+    if isvc.spec.exclusive_topology:
+        metadata["annotations"] = {api.LWS_EXCLUSIVE_TOPOLOGY: isvc.spec.exclusive_topology}
+    return {
+        "apiVersion": api.LWS_API_VERSION, "kind": api.LWS_KIND, "metadata": metadata,
+        "spec": {
+            "replicas": isvc.spec.replicas, "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {
+                "maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}},
+            "leaderWorkerTemplate": {
+                "size": isvc.spec.engine.pods_per_replica, "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {"metadata": {"labels": isvc.labels, "annotations": scrape_annotations()},
+                                   "spec": pod_spec(isvc, config, "leader")},
+                "workerTemplate": {"metadata": {"labels": isvc.worker_labels},
+                                   "spec": pod_spec(isvc, config, "worker")},
+            },
+        },
+    }
 
 
 def deployment(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
     """The engine Deployment; replicas come from spec.replicas (the scale subresource)."""
     rollout = isvc.spec.rollout
-    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(api.HTTP_PORT),
-                   "prometheus.io/path": "/metrics"}
+    annotations = scrape_annotations()
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": isvc.metadata(),
         "spec": {

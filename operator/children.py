@@ -1,10 +1,12 @@
-"""Everything an InferenceService owns: Deployment, ClusterIP Service, PodDisruptionBudget,
-and the gateway — the router, also holding requests at zero replicas (operator/router_build.py).
+"""Everything an InferenceService owns: Deployment (or LeaderWorkerSet for multi-pod replicas),
+ClusterIP Service, PodDisruptionBudget, and the gateway — the router, also holding requests at
+zero replicas (operator/router_build.py).
 
 `desired_children` is the whole answer to "what should exist"; `stale_children` names what
 must go (the PDB once replicas drop to 1 or less, where it would block node drains; the
 gateway with `routing.strategy: none` once the service can no longer scale to zero, and its
-PodDisruptionBudget below 2 router replicas).
+PodDisruptionBudget below 2 router replicas; the engines' Deployment once replicas span pods,
+their LeaderWorkerSet once they no longer do).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import api
-from .build import deployment
+from .build import workload
 from .router_build import (gateway_children, gateway_name, gateway_replicas,
                           needs_gateway, service_selector)
 from .resource import InferenceService, OperatorConfig
@@ -34,13 +36,26 @@ def pod_disruption_budget(isvc: InferenceService) -> dict[str, Any]:
     """At most one engine evicted at a time, so a drain never takes the whole model down."""
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": isvc.metadata(),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": isvc.selector_labels}},
+        "spec": {"maxUnavailable": 1, "selector": engine_pods_selector(isvc)},
     }
 
 
-def desired_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[str, Any]]:
-    """In apply order: the gateway exists before the Service is pointed at it."""
-    children = [deployment(isvc, config)]
+def engine_pods_selector(isvc: InferenceService) -> dict[str, Any]:
+    """Every engine pod: with multi-pod replicas leaders and workers alike, so a drain evicts one
+    pod at a time and breaks at most one group at a time."""
+    if not isvc.spec.multi_pod:
+        return {"matchLabels": isvc.selector_labels}
+    return {"matchLabels": {api.INSTANCE_LABEL: isvc.name},
+            "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                  "values": [isvc.selector_labels["app.kubernetes.io/component"],
+                                             api.WORKER_COMPONENT]}]}
+
+
+def desired_children(isvc: InferenceService, config: OperatorConfig, lws_installed: bool = True
+                     ) -> list[dict[str, Any]]:
+    """In apply order: the gateway exists before the Service is pointed at it. Multi-pod
+    replicas without the LeaderWorkerSet CRD get no engines (a condition says why)."""
+    children = [] if isvc.spec.multi_pod and not lws_installed else [workload(isvc, config)]
     if needs_gateway(isvc):
         children += gateway_children(isvc, config)
     children.append(service(isvc))
@@ -49,9 +64,14 @@ def desired_children(isvc: InferenceService, config: OperatorConfig) -> list[dic
     return children
 
 
-def stale_children(isvc: InferenceService) -> list[tuple[str, str]]:
-    """(kind, name) of children that must not exist for this spec."""
+def stale_children(isvc: InferenceService, lws_installed: bool = False) -> list[tuple[str, str]]:
+    """(kind, name) of children that must not exist for this spec (a LeaderWorkerSet is only
+    looked for where its CRD exists)."""
     stale = [] if isvc.spec.replicas > 1 else [("PodDisruptionBudget", isvc.name)]
+    if isvc.spec.multi_pod:
+        stale.append(("Deployment", isvc.name))
+    elif lws_installed:
+        stale.append((api.LWS_KIND, isvc.name))
     if not needs_gateway(isvc):
         stale += [(kind, gateway_name(isvc)) for kind in GATEWAY_KINDS]
     elif gateway_replicas(isvc) < 2:

@@ -41,7 +41,11 @@ PRINTER_COLUMNS = [
     {"name": "Served", "type": "string", "jsonPath": ".status.servedModelName",
      "description": "the model id clients send"},
     {"name": "TP", "type": "integer", "jsonPath": ".spec.engine.tensorParallelSize",
-     "description": "tensor-parallel size (GPUs per replica)"},
+     "description": "tensor-parallel size"},
+    {"name": "PP", "type": "integer", "jsonPath": ".spec.engine.pipelineParallelSize", "priority": 1,
+     "description": "pipeline stages"},
+    {"name": "Pods", "type": "integer", "jsonPath": ".spec.engine.podsPerReplica", "priority": 1,
+     "description": "pods per replica (a LeaderWorkerSet group when more than 1)"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1},
 ]

@@ -19,7 +19,7 @@ from kubeinfer.server.kube.pods import pod_ready
 
 from . import api
 from .adapters import AdapterReport, adapter_condition, adapter_status
-from .build import GPU_RESOURCE, device
+from .build import GPU_RESOURCE, device, gpus_per_pod
 from .model_source import model_mounts
 from .resource import InferenceService, OperatorConfig
 from .router_build import gateway_name, scales_from_zero
@@ -43,13 +43,33 @@ class Observed:
     gateway_pods: list[dict[str, Any]] = field(default_factory=list)  # at minReplicas 0
     adapters: AdapterReport | None = None  # the Ready engines' LoRA adapters after a sync
     keda_installed: bool | None = None  # looked up when the autoscaler class is keda; None: unknown
+    worker_pods: list[dict[str, Any]] = field(default_factory=list)  # multi-pod replicas' workers
+    lws_missing: bool = False  # multi-pod replicas asked for on a cluster without the LeaderWorkerSet CRD
+
+
+def lws_as_workload(lws: dict[str, Any]) -> dict[str, Any]:
+    """A LeaderWorkerSet in a Deployment's terms, a group counting as one replica: its status
+    counts groups (readyReplicas: groups whose every pod is Ready) and has no observedGeneration
+    or availableReplicas."""
+    status = lws.get("status") or {}
+    ready = status.get("readyReplicas", 0)
+    return {**lws, "status": {"observedGeneration": lws["metadata"].get("generation", 0),
+                              "replicas": status.get("replicas", 0), "readyReplicas": ready,
+                              "updatedReplicas": status.get("updatedReplicas", 0), "availableReplicas": ready}}
+
+
+def lws_missing_problem(isvc: InferenceService) -> tuple[str, str]:
+    return ("LeaderWorkerSetMissing",
+            f"engine.podsPerReplica {isvc.spec.engine.pods_per_replica} makes each replica a LeaderWorkerSet group, "
+            f"but the cluster has no CustomResourceDefinition {api.LWS_CRD}: install LeaderWorkerSet "
+            f"({api.LWS_INSTALL}) or set engine.podsPerReplica to 1")
 
 
 def gpu_problems(isvc: InferenceService, gpus_allocatable: int | None) -> list[tuple[str, str]]:
     """GPUs asked for on a cluster whose nodes advertise none: the scheduler only says 'Insufficient'."""
     if gpus_allocatable != 0 or device(isvc) != "cuda" or isvc.spec.resources.gpu_product:  # that one says more
         return []
-    return [("GPUUnavailable", f"engine.device is cuda ({isvc.spec.engine.tensor_parallel_size} "
+    return [("GPUUnavailable", f"engine.device is cuda ({gpus_per_pod(isvc)} "
                                f"{GPU_RESOURCE} per pod) but no node advertises {GPU_RESOURCE}: set "
                                "spec.engine.device to cpu or auto (auto is cpu unless resources.gpuProduct "
                                "names a GPU), or add GPU nodes with the NVIDIA device plugin")]
@@ -152,7 +172,9 @@ def conditions(isvc: InferenceService, seen: Observed, ready: int,
     problems = ([("ReconcileError", seen.error)] if seen.error else []) \
         + gpu_problems(isvc, seen.gpus_allocatable) \
         + gpu_product_problems(isvc.spec.resources.gpu_product, seen.gpu_products) \
-        + pod_problems(seen.pods) + pod_problems(seen.gateway_pods)
+        + pod_problems(seen.pods) + pod_problems(seen.worker_pods) + pod_problems(seen.gateway_pods)
+    if seen.lws_missing:
+        problems.insert(0, lws_missing_problem(isvc))
     gateway_up = gateway and any(pod_ready(p) for p in seen.gateway_pods)
     if seen.deployment is not None:
         problems += deployment_problems(seen.deployment)
@@ -174,8 +196,10 @@ def conditions(isvc: InferenceService, seen: Observed, ready: int,
         reason = problems[0][0] if problems else "ReplicasNotReady"
         ready_c = (False, reason, f"0/{desired} replicas ready" +
                    (f": {problem_text}" if problem_text else ""))
-    if seen.deployment is None:
-        progressing = (True, "Creating", "creating the engine Deployment")
+    if seen.lws_missing:
+        progressing = (False, *lws_missing_problem(isvc))
+    elif seen.deployment is None:
+        progressing = (True, "Creating", f"creating the engine {'LeaderWorkerSet' if isvc.spec.multi_pod else 'Deployment'}")
     elif any(r == "ProgressDeadlineExceeded" for r, _ in problems):
         progressing = (False, "ProgressDeadlineExceeded", problem_text)
     elif seen.applied_generation != isvc.generation or rollout_in_flight(seen.deployment, desired):

@@ -28,13 +28,24 @@ from .children import desired_children, stale_children
 from .events import Event, transition_events
 from .metrics import RECONCILE_SECONDS, RECONCILES
 from .build import GPU_PRODUCT_LABEL, GPU_RESOURCE, device
-from .observe import Observed, observe, pod_problems
+from .observe import Observed, lws_as_workload, observe, pod_problems
 from .resource import InferenceService, OperatorConfig, label_selector
 from .router_build import needs_gateway
 from .status import Condition, InferenceServiceStatus
 
 
 log = logging.getLogger(__name__)
+LWS_CHECK_SECONDS = 60.0
+
+
+def workload_kind(isvc: InferenceService) -> str:
+    return api.LWS_KIND if isvc.spec.multi_pod else "Deployment"
+
+
+def pod_templates(workload: dict[str, Any]) -> dict[str, Any]:
+    """What a change of rolls out: a Deployment's pod template, an LWS's leader and worker templates."""
+    spec = workload["spec"]
+    return spec["template"] if workload["kind"] == "Deployment" else spec["leaderWorkerTemplate"]
 
 
 def spec_error(error: ValidationError) -> str:
@@ -61,6 +72,7 @@ class Reconciler:
         self._written: dict[str, InferenceServiceStatus] = {}
         # The engine Deployment's pod template as last applied, by uid: a change is a rollout.
         self._templates: dict[str, dict[str, Any] | None] = {}
+        self._lws_checked, self._lws_known = -LWS_CHECK_SECONDS, None
 
     def forget(self, uid: str, namespace: str, name: str) -> None:
         """Drop what is kept per InferenceService once it is deleted (else one entry per deleted
@@ -95,22 +107,27 @@ class Reconciler:
         except ValidationError as exc:  # the CRD schema let it by, the models did not
             return self._write_invalid(body, previous, spec_error(exc))
         rolling_out = False
+        lws_installed = self._lws_installed(lookup=isvc.spec.multi_pod)
         if apply:
             try:
-                rolling_out = self._apply_children(isvc)
+                rolling_out = self._apply_children(isvc, lws_installed)
                 applied = isvc.generation
             except KubeError as exc:
                 error = f"applying children failed: {exc.message}"
         pods = self.kube.list("Pod", isvc.namespace, isvc.selector)
+        worker_pods = self.kube.list("Pod", isvc.namespace, label_selector(isvc.worker_labels)) \
+            if isvc.spec.multi_pod else []
         gateway_pods = self.kube.list("Pod", isvc.namespace,
                                       label_selector(gateway_selector_labels(isvc.name))) \
             if needs_gateway(isvc) else []
         adapters = self._sync_adapters(isvc, pods) if isvc.spec.lora_enabled else None
         gpu_products, gpus = self._gpu_nodes(isvc, pods)
-        seen = Observed(deployment=self.kube.get("Deployment", isvc.namespace, isvc.name),
+        lws_missing = isvc.spec.multi_pod and lws_installed is False
+        seen = Observed(deployment=None if lws_missing else self._workload(isvc),
                         pods=pods, applied_generation=applied, error=error,
                         gpu_products=gpu_products, gpus_allocatable=gpus, gateway_pods=gateway_pods,
-                        keda_installed=self._keda_installed(isvc), adapters=adapters)
+                        keda_installed=self._keda_installed(isvc), adapters=adapters,
+                        worker_pods=worker_pods, lws_missing=lws_missing)
         status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
         self._write(isvc.uid, isvc.namespace, isvc.name, status)
         events = action_events(adapters) + transition_events(previous.conditions, status.conditions)
@@ -118,30 +135,53 @@ class Reconciler:
             # A rollout can finish before it is observed (simulated pods, a fast start), and one
             # begun while another was in flight keeps Progressing True: announce it either way.
             events.append(Event("Normal", "RollingOut", f"generation {isvc.generation} changed the "
-                                "engine's pod template; the Deployment rolls it out"))
+                                f"engine's pod template; the {workload_kind(isvc)} rolls it out"))
         log.info("%s/%s generation %d applied %d: %s; events %s", isvc.namespace, isvc.name,
                  isvc.generation, applied, ", ".join(f"{c.type}={c.status}/{c.reason}" for c in status.conditions),
                  [e.reason for e in events] or "none")
         return events
 
-    def _apply_children(self, isvc: InferenceService) -> bool:
-        """Apply every child, delete stale ones; True when the engine Deployment already existed
-        and this apply changed its pod template, i.e. a rollout began."""
+    def _apply_children(self, isvc: InferenceService, lws_installed: bool | None) -> bool:
+        """Apply every child, delete stale ones; True when the engines' workload already existed
+        and this apply changed its pod template(s), i.e. a rollout began."""
+        kind = workload_kind(isvc)
         if isvc.uid in self._templates:
             before = self._templates[isvc.uid]
         else:   # first reconcile since the operator started: what is live is the baseline
-            live = self.kube.get("Deployment", isvc.namespace, isvc.name)
-            before = live["spec"]["template"] if live else None
+            live = None if isvc.spec.multi_pod and lws_installed is False else \
+                self.kube.get(kind, isvc.namespace, isvc.name)
+            before = pod_templates(live) if live else None
         rolling_out = False
-        for child in desired_children(isvc, self.config):
+        for child in desired_children(isvc, self.config, lws_installed is not False):
             result = self.kube.apply(child)
-            if child["kind"] == "Deployment" and child["metadata"]["name"] == isvc.name and result:
-                after = result["spec"]["template"]
+            if child["kind"] == kind and child["metadata"]["name"] == isvc.name and result:
+                after = pod_templates(result)
                 rolling_out = before is not None and after != before
                 self._templates[isvc.uid] = after
-        for kind, name in stale_children(isvc):
-            self.kube.delete(kind, isvc.namespace, name)
+        for stale_kind, name in stale_children(isvc, lws_installed is True):
+            self.kube.delete(stale_kind, isvc.namespace, name)
         return rolling_out
+
+    def _workload(self, isvc: InferenceService) -> dict[str, Any] | None:
+        """The engines' Deployment, or their LeaderWorkerSet seen as one (groups as replicas)."""
+        if not isvc.spec.multi_pod:
+            return self.kube.get("Deployment", isvc.namespace, isvc.name)
+        lws = self.kube.get(api.LWS_KIND, isvc.namespace, isvc.name)
+        return lws_as_workload(lws) if lws else None
+
+    def _lws_installed(self, lookup: bool) -> bool | None:
+        """Whether the LeaderWorkerSet CRD exists (None: cannot tell), looked up for multi-pod
+        services only and at most once a minute: installing LWS later needs no operator restart.
+        Single-pod services get what is known (a stale LWS is deleted where one may exist)."""
+        now = time.monotonic()
+        if not lookup or now - self._lws_checked < LWS_CHECK_SECONDS:
+            return self._lws_known
+        try:
+            self._lws_known = self.kube.get("CustomResourceDefinition", "", api.LWS_CRD) is not None
+        except KubeError:   # e.g. RBAC: apply anyway, the error then says what is wrong
+            self._lws_known = None
+        self._lws_checked = now
+        return self._lws_known
 
     def _sync_adapters(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> AdapterReport:
         """Load and unload adapters in the Ready engines; with spec.auth, as a client holding

@@ -50,6 +50,12 @@ class InferenceService:
                 "app.kubernetes.io/instance": self.name, "app.kubernetes.io/part-of": "kubeinfer",
                 "app.kubernetes.io/managed-by": api.MANAGED_BY}
 
+    @property
+    def worker_labels(self) -> dict[str, str]:
+        """A multi-pod group's worker pods: the engine labels but for the component, so only
+        leaders are found by the engine selector (Service, router, autoscaler, status.selector)."""
+        return {**self.labels, "app.kubernetes.io/component": api.WORKER_COMPONENT}
+
     def url(self, config: OperatorConfig) -> str:
         return f"http://{self.name}.{self.namespace}.svc.{config.cluster_domain}"
 

@@ -207,6 +207,16 @@ class SpeculativeSpec(Section):
 class EngineSpec(Section):
     """The serving engine each pod runs (`kubeinfer serve`)."""
 
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("(self.tensorParallelSize * self.pipelineParallelSize) % self.podsPerReplica == 0",
+         "engine.tensorParallelSize x engine.pipelineParallelSize ranks must spread evenly over "
+         "engine.podsPerReplica pods"),
+        ("self.tensorParallelSize * self.pipelineParallelSize / self.podsPerReplica <= 8",
+         "engine.tensorParallelSize x engine.pipelineParallelSize / engine.podsPerReplica is the GPUs each "
+         "pod asks for: at most 8 (a node); spread the ranks over more pods"),
+        ("self.podsPerReplica == 1 || !has(self.speculative) || self.speculative.method != 'draft_model'",
+         "engine.speculative.method draft_model runs on one pod: use ngram or suffix with podsPerReplica > 1")))
+
     image: str | None = Field(None, max_length=512,
                               description="Engine image (default: the operator's --engine-image).")
     device: Literal["auto", "cuda", "cpu"] = Field(
@@ -214,7 +224,19 @@ class EngineSpec(Section):
                             "auto is cuda when resources.gpuProduct names a GPU, cpu otherwise.")
     tensor_parallel_size: int = Field(
         flag("tensor_parallel_size").default, ge=1, le=8,
-        description="GPUs per replica, one rank each; must divide the model's attention heads.")
+        description="Ranks (one GPU each) that share every layer; must divide the model's attention heads. "
+                    "Keep it within a node (NVLink): see docs/multi-node.md.")
+    pipeline_parallel_size: int = Field(
+        flag("pipeline_parallel_size").default, ge=1, le=16,
+        description="Pipeline stages, each holding a consecutive run of the model's layers (Llama-shaped "
+                    "families); a replica has tensorParallelSize x pipelineParallelSize ranks, one GPU each.")
+    pods_per_replica: int = Field(
+        1, ge=1, le=16,
+        description="Pods one replica spans. 1: a Deployment of single-pod replicas. More: each replica is a "
+                    "LeaderWorkerSet group (LWS must be installed) whose leader serves the API and whose "
+                    "workers hold the other ranks; each pod asks for tensorParallelSize x "
+                    "pipelineParallelSize / podsPerReplica GPUs; the group is created, restarted and "
+                    "scaled as one replica.")
     block_size: Literal[8, 16, 32, 64, 128] = Field(flag("block_size").default,
                                                     description=flag("block_size").help)
     quantization: Literal[flag("quantization").choices] = Field(  # type: ignore[valid-type]
@@ -363,7 +385,14 @@ class InferenceServiceSpec(Section):
          "adapters[].name must differ from model.servedName: both are model ids clients send"),
         ("!has(self.adapters) || size(self.adapters) == 0 || !has(self.engine.lora.enabled) || "
          "self.engine.lora.enabled",
-         "engine.lora.enabled is false but spec.adapters names adapters")))
+         "engine.lora.enabled is false but spec.adapters names adapters"),
+        ("!has(self.exclusiveTopology) || (has(self.engine) && has(self.engine.podsPerReplica) && "
+         "self.engine.podsPerReplica > 1)",
+         "exclusiveTopology places the pods of multi-pod replicas: it needs engine.podsPerReplica > 1"),
+        ("!has(self.engine) || !has(self.engine.pipelineParallelSize) || self.engine.pipelineParallelSize == 1 || "
+         "((!has(self.engine.lora) || !has(self.engine.lora.enabled) || !self.engine.lora.enabled) && "
+         "(!has(self.adapters) || size(self.adapters) == 0))",
+         "LoRA adapters with engine.pipelineParallelSize > 1 are not supported yet")))
     model: ModelSpec = section(ModelSpec, ModelSpec.__doc__ or "")
     adapters: Annotated[list[AdapterSpec], AfterValidator(_unique_names)] = Field(
         default_factory=list, max_length=MAX_ADAPTERS,
@@ -377,8 +406,8 @@ class InferenceServiceSpec(Section):
     engine: EngineSpec = section(EngineSpec, EngineSpec.__doc__ or "")
     resources: ResourcesSpec = section(ResourcesSpec, ResourcesSpec.__doc__ or "")
     replicas: int = Field(1, ge=0, le=1000,
-                          description="Engine pods; the scale subresource (kubectl scale, HPA, "
-                                      "KEDA, the built-in autoscaler) writes here.")
+                          description="Engine replicas: pods, or groups of engine.podsPerReplica pods; the scale "
+                                      "subresource (kubectl scale, HPA, KEDA, the built-in autoscaler) writes here.")
     autoscaling: AutoscalingSpec = section(AutoscalingSpec, AutoscalingSpec.__doc__ or "")
     rollout: RolloutSpec = section(RolloutSpec, RolloutSpec.__doc__ or "")
     auth: AuthSpec = section(AuthSpec, AuthSpec.__doc__ or "")
@@ -390,6 +419,36 @@ class InferenceServiceSpec(Section):
     affinity: KubeObject | None = Field(None, description="Pod affinity (core Affinity object).")
     priority_class_name: str | None = Field(None, max_length=253,
                                             description="PriorityClass of the pods.")
+    exclusive_topology: str | None = Field(
+        None, max_length=317,
+        description="Multi-pod replicas (engine.podsPerReplica > 1): a node label key, e.g. "
+                    "kubernetes.io/hostname or a rack / NVLink-domain label; each group gets a topology "
+                    "domain of its own and never shares it with another group (LWS exclusive placement).")
+
+    @model_validator(mode="after")
+    def _ranks_fit(self) -> InferenceServiceSpec:
+        """The CEL rules on ranks and pods, for objects that did not pass an API server."""
+        engine = self.engine
+        ranks = engine.tensor_parallel_size * engine.pipeline_parallel_size
+        if ranks % engine.pods_per_replica:
+            raise ValueError("engine.tensorParallelSize x engine.pipelineParallelSize ranks must spread evenly "
+                             "over engine.podsPerReplica pods")
+        if ranks // engine.pods_per_replica > 8:
+            raise ValueError("engine.tensorParallelSize x engine.pipelineParallelSize / engine.podsPerReplica is "
+                             "the GPUs each pod asks for: at most 8 (a node); spread the ranks over more pods")
+        if engine.pods_per_replica > 1 and engine.speculative is not None and engine.speculative.method == "draft_model":
+            raise ValueError("engine.speculative.method draft_model runs on one pod: use ngram or suffix with "
+                             "podsPerReplica > 1")
+        if engine.pipeline_parallel_size > 1 and self.lora_enabled:
+            raise ValueError("LoRA adapters with engine.pipelineParallelSize > 1 are not supported yet")
+        if self.exclusive_topology is not None and engine.pods_per_replica == 1:
+            raise ValueError("exclusiveTopology places the pods of multi-pod replicas: it needs "
+                             "engine.podsPerReplica > 1")
+        return self
+
+    @property
+    def multi_pod(self) -> bool:
+        return self.engine.pods_per_replica > 1
 
     @model_validator(mode="after")
     def _adapters_fit(self) -> InferenceServiceSpec:

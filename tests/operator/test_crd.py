@@ -74,7 +74,7 @@ def test_scale_status_and_printer_columns() -> None:
         "labelSelectorPath": ".status.selector"}
     assert version["subresources"]["status"] == {}
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Ready", "Replicas", "Model", "Served", "TP", "Age", "URL"]
+    assert list(columns) == ["Ready", "Replicas", "Model", "Served", "TP", "PP", "Pods", "Age", "URL"]
     assert columns["Served"]["jsonPath"] == ".status.servedModelName"
     assert columns["URL"]["priority"] == 1
 
