@@ -14,7 +14,7 @@ import time
 from collections import Counter as Tally
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Collection
+from typing import AsyncIterator, Collection, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -100,19 +100,26 @@ class Activator:
         failed it), counted as in flight until the caller has streamed the answer. `spent`: the
         seconds the caller took to make the key, observed with the pick's own time."""
         url = await self._acquire(key, exclude, spent)
-        self.in_flight[url] += 1
-        self.metrics.in_flight.labels(url).set(self.in_flight[url])
+        self.hold(url)
         try:
             yield url
         finally:
-            self.in_flight[url] -= 1
-            self.metrics.in_flight.labels(url).set(self.in_flight[url])
-            self.picker.release(url, key)
+            self.unhold(url, key)
+
+    def hold(self, url: str) -> None:
+        """Count a request sent to `url` as in flight (until `unhold`)."""
+        self.in_flight[url] += 1
+        self.metrics.in_flight.labels(url).set(self.in_flight[url])
+
+    def unhold(self, url: str, key: RoutingKey | None) -> None:
+        self.in_flight[url] -= 1
+        self.metrics.in_flight.labels(url).set(self.in_flight[url])
+        self.picker.release(url, key)
 
     async def _acquire(self, key: RoutingKey | None, exclude: Collection[str], spent: float | None) -> str:
         urls = [url for url in await self._ready() if url not in exclude]
         if urls:
-            return self._pick(urls, key, spent)
+            return self.pick(urls, key, spent)
         started = time.monotonic()
         deadline = started + self.config.activation_timeout
         self.metrics.held.inc()
@@ -121,7 +128,7 @@ class Activator:
                 await self._wake()
                 urls = [url for url in await self._ready() if url not in exclude]
                 if urls:
-                    return self._pick(urls, key)
+                    return self.pick(urls, key)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise NoReadyPod(f"no Ready engine pod within "
@@ -148,7 +155,9 @@ class Activator:
             log.warning("could not list engine pods: %s", error)
             return []
 
-    def _pick(self, urls: list[str], key: RoutingKey | None, spent: float | None = None) -> str:
+    def pick(self, urls: Sequence[str], key: RoutingKey | None, spent: float | None = None) -> str:
+        """The picker's choice among `urls` (Ready, non-empty), counted in the metrics; `spent`:
+        the seconds the caller took to make the key."""
         started = time.perf_counter()
         decision = self.picker.pick(urls, key, self.in_flight)
         if spent is not None:   # not after a hold: that wait is no overhead of routing

@@ -13,6 +13,7 @@ downward API or the service-account mount.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -29,7 +30,7 @@ from .activator import Activator, ActivatorConfig, GatewayMetrics
 from .backends import Backends, KubeBackends, StaticBackends
 from .deletion_cost import DeletionCosts
 from .engine_views import EngineViews
-from .flags import BACKEND, PROCESS_FLAGS, ROUTING_FLAGS, TARGET_FLAGS, parse_urls
+from .flags import BACKEND, EPP_FLAGS, PROCESS_FLAGS, ROUTING_FLAGS, TARGET_FLAGS, parse_urls
 from .pickers import Picker, PrefixAwareConfig, make_picker
 from .proxy import build_app
 from .routing import Routing
@@ -56,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = parse_urls(os.environ[BACKEND.env]) if BACKEND.env in os.environ else None
     parser.add_argument(BACKEND.option, dest=BACKEND.dest, action="extend", type=parse_urls,
                         default=default, help=f"{BACKEND.help} [env {BACKEND.env}]")
-    add_flags(parser, TARGET_FLAGS + PROCESS_FLAGS + ROUTING_FLAGS)
+    add_flags(parser, TARGET_FLAGS + PROCESS_FLAGS + ROUTING_FLAGS + EPP_FLAGS)
 
 
 def mode_defaults(args: argparse.Namespace) -> str:
@@ -134,5 +135,16 @@ def run(args: argparse.Namespace) -> int:
     routing.views.api_key = next(iter(api_keys), None)   # to read the engines' adapters
     app = build_app(activator, name, retry_after=args.retry_after, http=client,
                     api_keys=api_keys, routing=routing, tenancy=router_tenancy(args, api_keys))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if args.ext_proc_port is None:
+        if not args.http:
+            raise SystemExit("kubeinfer route: --no-http needs --ext-proc-port")
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    from .ext_proc import EndpointPicker, PickerSettings, serve   # grpc: only in this mode
+
+    endpoint_picker = EndpointPicker(activator, routing, PickerSettings(
+        fallbacks=args.fallback_endpoints, shed_queue_depth=args.shed_queue_depth,
+        max_body_bytes=args.max_body_bytes, retry_after=args.retry_after))
+    asyncio.run(serve(endpoint_picker, args.host, args.ext_proc_port, app if args.http else None,
+                      args.port, args.log_level, routing))
     return 0

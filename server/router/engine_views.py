@@ -60,6 +60,7 @@ class EngineView:
     cache_value: float = 0.0   # prompt tokens its prefix cache served of late (decaying)
     metrics_at: float = float("-inf")
     adapters: frozenset[str] = frozenset()   # LoRA adapters it holds (its /v1/models)
+    models: frozenset[str] = frozenset()     # every model name it serves (its /v1/models)
 
     def has(self, block: int, now: float) -> bool:
         return block in self.cached or self.pending.get(block, 0.0) > now
@@ -114,6 +115,10 @@ class EngineViews:
         """Every LoRA adapter some engine holds: the model names that route by adapter."""
         return frozenset().union(*(view.adapters for view in self.views.values()))
 
+    def models(self) -> frozenset[str]:
+        """Every model name some engine serves (base models and adapters); empty until one answered."""
+        return frozenset().union(*(view.models for view in self.views.values()))
+
     def get(self, url: str) -> EngineView:
         view = self.views.get(url)
         if view is None:
@@ -163,7 +168,7 @@ class EngineViews:
                 view.running, view.waiting = gauges[GAUGES[0]], gauges[GAUGES[1]]
                 view.others = max(0.0, view.running + view.waiting - self.in_flight.get(view.url, 0))
                 view.kv_usage, view.cache_value, view.metrics_at = gauges[GAUGES[2]], gauges[GAUGES[3]], now
-                view.adapters = await self._adapters(view.url)
+                view.models, view.adapters = await self._models(view.url)
         except (httpx.HTTPError, ValueError, KeyError) as error:
             log.debug("engine %s: %s", view.url, error or type(error).__name__)
         if view.pending:
@@ -178,13 +183,16 @@ class EngineViews:
         if response.status_code == 200:
             view.apply(response.json())
 
-    async def _adapters(self, url: str) -> frozenset[str]:
-        """The adapters `/v1/models` lists (vLLM gives each a `parent`); none if it will not say."""
+    async def _models(self, url: str) -> tuple[frozenset[str], frozenset[str]]:
+        """(every model, the adapters) `/v1/models` lists (vLLM gives each adapter a `parent`);
+        none if it will not say."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         response = await self.client.get(f"{url}/v1/models", headers=headers, timeout=self.timeout)
         if response.status_code != 200:
-            return frozenset()
-        return frozenset(card["id"] for card in response.json().get("data") or [] if card.get("parent"))
+            return frozenset(), frozenset()
+        cards = response.json().get("data") or []
+        return (frozenset(card["id"] for card in cards),
+                frozenset(card["id"] for card in cards if card.get("parent")))
 
     async def run(self, ready: Callable[[], Awaitable[list[str]]]) -> None:
         """Poll forever (the router's lifetime), over whichever engines are Ready."""

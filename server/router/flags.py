@@ -9,7 +9,7 @@ engine's.
 
 from __future__ import annotations
 
-from ..flags import SERVER_FLAGS, Flag, _optional
+from ..flags import SERVER_FLAGS, Flag, _optional, parse_bool
 
 # The pickers (`pickers.py`) implement these; `none` (CRD only) means no router unless the
 # service scales from zero, whose router then balances by load.
@@ -80,4 +80,20 @@ PROCESS_FLAGS: tuple[Flag, ...] = (
     *(f for f in SERVER_FLAGS if f.dest in ("tenants_file", "trust_tenant_header")),
     Flag("quota-replicas", int, 1,
          "Router replicas sharing the tenants' quotas: each enforces quota / this (server/router/tenancy.py)."),
+)
+# The endpoint-picker mode (`ext_proc.py`): what a Gateway API Inference Extension gateway asks.
+EPP_FLAGS: tuple[Flag, ...] = (
+    Flag("ext-proc-port", _optional(int), None,
+         "Also serve Envoy's ext_proc on this port: the router as a Gateway API Inference Extension "
+         "endpoint picker (GIE's EPP protocol and gRPC health), with the same picker as the HTTP mode."),
+    Flag("http", parse_bool, True, "Serve the HTTP router on --port (--no-http: ext_proc only)."),
+    Flag("fallback-endpoints", int, 0,
+         "ext_proc: endpoints listed after the picked one in x-gateway-destination-endpoint and the "
+         "envoy.lb metadata, least loaded first, for gateways that retry down the list (0: the picked "
+         "one only, which an ORIGINAL_DST cluster keyed on the header needs)."),
+    Flag("shed-queue-depth", int, 0,
+         "ext_proc: answer 429 when every candidate endpoint has this many requests waiting "
+         "(vllm:num_requests_waiting); 0: never shed."),
+    Flag("max-body-bytes", int, 16 << 20,
+         "ext_proc: the largest request body held until the pick (it holds the prompt); larger: 413."),
 )
