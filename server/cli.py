@@ -14,6 +14,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kubeinfer.server.generate", "Generate offline from prompts on a model."),
     "serve": ("kubeinfer.server.api.serve", "Run the OpenAI-compatible server."),
+    "fetch": ("kubeinfer.server.weights.fetch",
+              "Fetch a model (hf://org/name[@revision], s3://bucket/prefix) into the local cache; prints JSON."),
     "bench": ("kubeinfer.server.bench.cli", "Load-test an OpenAI-compatible endpoint."),
     "operator": ("kubeinfer.operator.main", "Run the InferenceService operator (kopf)."),
     "route": ("kubeinfer.server.router.cli",

