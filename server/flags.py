@@ -307,6 +307,12 @@ SERVER_FLAGS: tuple[Flag, ...] = (
          "Let a trusted gateway name the tenant with x-gateway-inference-fairness-id (or llm-d's "
          "x-llm-d-inference-fairness-id) and the priority with x-gateway-inference-objective (or "
          "x-llm-d-inference-objective). Without it these headers are ignored."),
+    Flag("otlp-traces-endpoint", _optional(str), None,
+         "OTLP/HTTP endpoint for OpenTelemetry traces, e.g. http://collector:4318/v1/traces (vLLM's flag; "
+         "off by default): one llm_request span per request with gen_ai.* attributes and admission, "
+         "queue, prefill and decode children, under the client's W3C traceparent. Needs the 'tracing' extra."),
+    Flag("otlp-traces-sampling-ratio", float, 1.0,
+         "Fraction of new traces sampled (a client's sampled traceparent is always followed)."),
     Flag("log-usage", parse_bool, False,
          "Log one JSON usage record per finished request (logger kubeinfer.usage: tenant, prompt, "
          "cached and completion tokens); with --tenants-file or --trust-tenant-header."),

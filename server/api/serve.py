@@ -102,8 +102,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from ..engine.async_engine import AsyncEngine
     from ..engine.config import EngineConfig
     from .app import PortDispatch, build_admin_app, build_app
-    from .state import ServerState
     from ..tenancy import table_from_args, tenancy_enabled
+    from .state import ServerState
     from .tenancy import Tenancy
 
     table = table_from_args(args)
@@ -112,8 +112,14 @@ async def _serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))
     if args.device in ("auto", "cpu"):   # the attention kernels: now, off the loading path
         cpu_build.start_building()
+    tracing = None
     try:
         state = ServerState.create(engine, args.model_source, args.max_queued_requests)
+        if args.otlp_traces_endpoint:
+            from .tracing import Tracing
+
+            tracing = state.tracing = Tracing(args.otlp_traces_endpoint, args.otlp_traces_sampling_ratio,
+                                              engine.served_model_name)
         if tenancy_enabled(args):
             state.tenancy = Tenancy.create(table, args.trust_tenant_header, args.api_keys, state.metrics.registry,
                                            engine.served_model_name, args.log_usage)
@@ -135,6 +141,8 @@ async def _serve(args: argparse.Namespace) -> int:
         await server.serve(sockets)
     finally:
         await engine.shutdown()
+        if tracing is not None:
+            tracing.shutdown()
     if server.engine_error is not None:
         logger.error("exiting with status 1: the engine loop failed (%r)", server.engine_error)
         return 1

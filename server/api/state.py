@@ -15,6 +15,7 @@ from .metrics import ServerMetrics
 if TYPE_CHECKING:
     from ..engine.async_engine import AsyncEngine
     from .tenancy import Tenancy
+    from .tracing import Tracing
 
 T = TypeVar("T")
 
@@ -26,6 +27,7 @@ class ServerState:
     admission: Admission
     metrics: ServerMetrics
     tenancy: Tenancy | None = None  # tenants, priorities, quotas, metering (--tenants-file, --trust-tenant-header)
+    tracing: Tracing | None = None  # OpenTelemetry spans of requests (--otlp-traces-endpoint)
     # Tokenizing and rendering templates: megabytes of text take seconds, and on the event
     # loop that would stall every other request, /health included.
     input_pool: ThreadPoolExecutor = field(

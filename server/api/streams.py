@@ -4,8 +4,9 @@ and cut the moment the client goes away (closing an engine stream aborts its req
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import Request
 
@@ -24,9 +25,9 @@ class ClientDisconnected(Exception):
 
 
 async def measured(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics, num_choices: int,
-                   on_finished: Callable[[RequestOutput], None] | None = None) -> AsyncIterator[RequestOutput]:
-    """Feed the latency histograms (and `on_finished`, the tenant's metering, with the last
-    output); a stream closed before its last output counts as an abort."""
+                   on_finished: Sequence[Callable[[RequestOutput], None]] = ()) -> AsyncIterator[RequestOutput]:
+    """Feed the latency histograms (and `on_finished`: the tenant's metering, the trace, with
+    the last output); a stream closed before its last output counts as an abort."""
     last_delivery: dict[int, float] = {}  # per choice
     finished = rejected = False
     try:
@@ -42,8 +43,8 @@ async def measured(outputs: AsyncIterator[RequestOutput], metrics: ServerMetrics
             if output.finished:
                 finished = True
                 metrics.observe_finished(output)
-                if on_finished is not None:
-                    on_finished(output)
+                for callback in on_finished:
+                    callback(output)
             yield output
     except InvalidRequestError:
         rejected = True
@@ -140,6 +141,8 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
     any byte is sent lets engine errors still become a status code instead of an error
     frame inside a 200 stream.
     """
+    started = time.monotonic()
+    trace_context = state.tracing.context(request.headers) if state.tracing is not None else None
     identity = getattr(request.state, "identity", None)
     if state.tenancy is not None and identity is not None:
         requested = params.priority if "priority" in params.explicit_fields else None
@@ -166,7 +169,7 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
         requests = await state.off_loop(make_requests)
         if adapter is not None:
             state.metrics.observe_lora_requests(adapter, len(requests))
-        finished: list[Callable[[RequestOutput], None] | None] = [None] * len(requests)
+        finished: list[list[Callable[[RequestOutput], None]]] = [[] for _ in requests]
         if state.tenancy is not None and identity is not None:
             for index, engine_request in enumerate(requests):
                 engine_request.tenant = identity.name
@@ -175,7 +178,13 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
                 reserved = prompt_len if engine_request.pooling is not None else (
                     prompt_len + params.n * (engine_request.max_total_tokens - prompt_len))
                 state.tenancy.limiter.reserve(identity.name, reserved)
-                finished[index] = state.tenancy.on_finished(identity, reserved)
+                finished[index].append(state.tenancy.on_finished(identity, reserved))
+        if state.tracing is not None:
+            tenant = identity.label if identity is not None else None
+            for index, engine_request in enumerate(requests):
+                finished[index].append(functools.partial(state.tracing.finished, trace_context, started,
+                                                         model=state.model_name, params=engine_request.params,
+                                                         tenant=tenant))
         streams = [measured(engine.generate(r.request_id, r), state.metrics, params.n, done)
                    for r, done in zip(requests, finished)]
         outputs = merged(request, streams, release)

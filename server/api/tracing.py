@@ -1,0 +1,98 @@
+"""OpenTelemetry traces of requests (`--otlp-traces-endpoint`, vLLM's flag), off by default.
+
+One `llm_request` span per engine request (vLLM's name and `gen_ai.*` attributes), a child of
+the client's W3C `traceparent` when it sends one, with children for where the time went:
+`admission` (tokenizing and validation), `queue` (waiting to be scheduled), `prefill` (to the
+first token) and `decode` (to the last). Their durations add up to the parent's.
+
+The spans are built from the request's own timestamps when it finishes, on the HTTP side:
+the engine's step creates no span object and does no tracing work at all, traced or not.
+Prompt and output text never enter a span. The OpenTelemetry SDK is imported only when
+tracing is on (the `tracing` extra: opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from .error_body import OpenAIError
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+# W3C Trace Context: version-traceid-parentid-flags, lowercase hex, ids not all zeros
+TRACEPARENT = re.compile(r"^[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+class Tracing:
+    def __init__(self, endpoint: str, sampling_ratio: float = 1.0, service_name: str = "kubeinfer") -> None:
+        """`endpoint`: an OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces)."""
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        if not 0.0 <= sampling_ratio <= 1.0:
+            raise ValueError(f"--otlp-traces-sampling-ratio must be in [0, 1], got {sampling_ratio}")
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
+                                       sampler=ParentBased(TraceIdRatioBased(sampling_ratio)))
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self.tracer = self.provider.get_tracer("kubeinfer.server")
+        self.propagator = TraceContextTextMapPropagator()
+
+    def context(self, headers: Mapping[str, str]) -> "Context":
+        """The client's trace context; a malformed `traceparent` is the client's 400."""
+        traceparent = headers.get("traceparent")
+        if traceparent is not None and not TRACEPARENT.match(traceparent.strip()):
+            raise OpenAIError(400, "traceparent: not a W3C Trace Context header "
+                              "(version-traceid-parentid-flags in lowercase hex, e.g. "
+                              "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01)", param="traceparent",
+                              code="invalid_traceparent")
+        return self.propagator.extract({"traceparent": traceparent.strip()} if traceparent else {})
+
+    def finished(self, context: "Context", started: float, output: RequestOutput, *, model: str,
+                 params: SamplingParams, tenant: str | None) -> None:
+        """Emit the request's spans; `started` is when the HTTP side took it (time.monotonic())."""
+        from opentelemetry.trace import SpanKind
+
+        m = output.metrics
+        end = m.finished_time or time.monotonic()
+        offset = time.time_ns() - int(time.monotonic() * 1e9)   # monotonic -> epoch ns
+
+        def ns(stamp: float) -> int:
+            return int(stamp * 1e9) + offset
+
+        arrival = m.arrival_time or started
+        scheduled = m.first_scheduled_time or end
+        first_token = m.first_token_time or end
+        attributes: dict[str, Any] = {
+            "gen_ai.request.id": output.request_id, "gen_ai.response.model": model,
+            "gen_ai.request.max_tokens": params.max_tokens or 0, "gen_ai.request.n": params.n,
+            "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+            "gen_ai.usage.prompt_tokens": len(output.prompt_token_ids),
+            "gen_ai.usage.completion_tokens": sum(len(c.token_ids) for c in output.outputs),
+            "gen_ai.usage.cached_tokens": output.num_cached_tokens,
+            "gen_ai.latency.time_in_queue": scheduled - arrival,
+            "gen_ai.latency.time_to_first_token": first_token - arrival,
+            "gen_ai.latency.e2e": end - arrival,
+            "gen_ai.request.priority": params.priority,
+        }
+        if tenant:
+            attributes["kubeinfer.tenant"] = tenant
+        span = self.tracer.start_span("llm_request", context, SpanKind.SERVER, attributes, start_time=ns(started))
+        from opentelemetry import trace
+
+        inner = trace.set_span_in_context(span)
+        for name, begin, finish in (("admission", started, arrival), ("queue", arrival, scheduled),
+                                    ("prefill", scheduled, first_token), ("decode", first_token, end)):
+            self.tracer.start_span(name, inner, start_time=ns(begin)).end(end_time=ns(max(begin, finish)))
+        span.end(end_time=ns(end))
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()   # flushes what is batched
