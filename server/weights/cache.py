@@ -21,6 +21,7 @@ in use.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -233,12 +234,18 @@ def write_checked(partial: Path, name: str, chunks: Iterable[bytes], check: Call
     target.parent.mkdir(parents=True, exist_ok=True)
     temp = target.with_name(target.name + ".incomplete")
     written = 0
-    with open(temp, "wb") as out:
-        for chunk in chunks:
-            out.write(chunk)
-            written += len(chunk)
-        out.flush()
-        os.fsync(out.fileno())
+    try:
+        with open(temp, "wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+                written += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        temp.unlink(missing_ok=True)
+        raise errors.CacheFull(f"the cache volume filled up writing {target} ({error.strerror})") from error
     try:
         check(written)
     except BaseException:
