@@ -101,6 +101,28 @@ def auth_env(isvc: InferenceService) -> list[tuple[str, dict[str, Any]]]:
             (flag("require_api_key").env, {"value": "true"})]
 
 
+TENANTS_DIR = "/etc/kubeinfer/tenants"
+
+
+def tenancy_env(isvc: InferenceService) -> list[tuple[str, dict[str, Any]]]:
+    """`spec.tenancy` for engines and routers: the tenant file's path in the mounted Secret."""
+    tenancy, env = isvc.spec.tenancy, []
+    if tenancy.tenants_secret_ref is not None:
+        env.append((flag("tenants_file").env, {"value": f"{TENANTS_DIR}/{tenancy.tenants_secret_ref.key}"}))
+    if tenancy.trust_tenant_header:
+        env.append((flag("trust_tenant_header").env, {"value": "true"}))
+    return env
+
+
+def tenancy_volumes(isvc: InferenceService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) of the tenant file's Secret, read-only; none without one."""
+    ref = isvc.spec.tenancy.tenants_secret_ref
+    if ref is None:
+        return [], []
+    volume = {"name": "tenants", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}}
+    return [volume], [{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}]
+
+
 def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
     """Server flags as env vars (named by the flag table); the user's `engine.env` wins.
 
@@ -111,7 +133,11 @@ def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
         ("HOME", {"value": "/tmp"}), (flag("host").env, {"value": "0.0.0.0"}),
         (flag("port").env, {"value": str(api.HTTP_PORT)}),
         (flag("shutdown_timeout").env, {"value": str(isvc.spec.rollout.drain_seconds)}),
-        *auth_env(isvc)]
+        *auth_env(isvc), *tenancy_env(isvc)]
+    tracing = isvc.spec.tracing
+    if tracing.otlp_endpoint:
+        ours += [(flag("otlp_traces_endpoint").env, {"value": tracing.otlp_endpoint}),
+                 (flag("otlp_traces_sampling_ratio").env, {"value": str(tracing.sampling_ratio)})]
     if isvc.spec.lora_enabled:
         ours.append((flag("allow_runtime_lora_updating").env, {"value": "true"}))
     merged = {name: {"name": name, **source} for name, source in ours}
@@ -142,8 +168,9 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig, role: str = "single
     spec = isvc.spec
     mounts = model_mounts(isvc, spec.engine.image or config.engine_image)
     adapter_vols, adapter_mounts = adapter_volumes(isvc)
-    volumes = [{"name": "tmp", "emptyDir": {}}, *mounts.volumes, *adapter_vols]
-    volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts.volume_mounts, *adapter_mounts]
+    tenant_vols, tenant_mounts = tenancy_volumes(isvc)
+    volumes = [{"name": "tmp", "emptyDir": {}}, *mounts.volumes, *adapter_vols, *tenant_vols]
+    volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts.volume_mounts, *adapter_mounts, *tenant_mounts]
     if gpus_per_pod(isvc) > 1:  # NCCL/ranks exchange tensors through /dev/shm
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         volume_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})

@@ -15,9 +15,9 @@ from typing import Any
 
 from kubeinfer.server.flags import to_args
 from kubeinfer.server.kube.api import gateway_selector_labels
-from kubeinfer.server.router.flags import ROUTING_FLAGS
+from kubeinfer.server.router.flags import PROCESS_FLAGS, ROUTING_FLAGS
 from . import api
-from .build import auth_env
+from .build import auth_env, tenancy_env, tenancy_volumes
 from .resource import InferenceService, OperatorConfig
 from .security import restricted_container, restricted_pod
 
@@ -108,6 +108,14 @@ def routing_args(isvc: InferenceService) -> list[str]:
     return to_args(values, ROUTING_FLAGS)
 
 
+def router_quota_env(isvc: InferenceService) -> list[dict[str, Any]]:
+    """With a tenant file, each router replica enforces its share of the quotas."""
+    if isvc.spec.tenancy.tenants_secret_ref is None:
+        return []
+    env = next(f.env for f in PROCESS_FLAGS if f.dest == "quota_replicas")
+    return [{"name": env, "value": str(max(1, gateway_replicas(isvc)))}]
+
+
 def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
                        meta: dict[str, Any]) -> dict[str, Any]:
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5}
@@ -121,7 +129,8 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
         # wakes a service at zero; the kubelet reads the Secret, the Role needs no access to it.
         "env": [{"name": "POD_NAMESPACE",
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-                *({"name": name, **source} for name, source in auth_env(isvc))],
+                *({"name": name, **source} for name, source in auth_env(isvc) + tenancy_env(isvc)),
+                *router_quota_env(isvc)],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",  # crash reasons reach status
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
@@ -129,6 +138,9 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
         "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 10},
         "securityContext": restricted_container(),
     }
+    tenant_volumes, tenant_mounts = tenancy_volumes(isvc)
+    if tenant_mounts:
+        container["volumeMounts"] = tenant_mounts
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(GATEWAY_PORT),
                    "prometheus.io/path": "/metrics"}
     return {
@@ -140,6 +152,7 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
                 "metadata": {"labels": meta["labels"], "annotations": annotations},
                 "spec": {"serviceAccountName": meta["name"], "enableServiceLinks": False,
                          "securityContext": restricted_pod(), "containers": [container],
+                         **({"volumes": tenant_volumes} if tenant_volumes else {}),
                          # held requests finish or get their 503 before the pod goes away
                          "terminationGracePeriodSeconds":
                              isvc.spec.autoscaling.activation_timeout_seconds + 10},

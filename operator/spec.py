@@ -333,6 +333,38 @@ class AuthSpec(Section):
                           "changing the Secret. Unset: no key needed.")
 
 
+class TenantsSecretRef(SecretKeyRef):
+    """A key of a Secret in the InferenceService's namespace holding the tenant file."""
+
+    key: str = Field("tenants.yaml", min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN,
+                     description="Key in the Secret. Its value is the tenant file (YAML or JSON): "
+                                 "tenants with name, keys, priority and quotas {tokens_per_minute, "
+                                 "requests_per_minute}; optional priority_range and objectives.")
+
+
+class TenancySpec(Section):
+    """Tenants sharing this service (docs/tenancy.md): API keys name tenants, which the engines
+    schedule fairly by priority then tokens, and which engines and routers hold to their quotas
+    and meter per tenant."""
+
+    tenants_secret_ref: TenantsSecretRef | None = Field(
+        None, description="Secret holding the tenant table (it holds API keys, so it lives in a "
+                          "Secret): mounted read-only into the engine and router pods as their "
+                          "--tenants-file. Each router replica enforces its share of the quotas "
+                          "(quota / routing replicas). Pods read it when they start.")
+    trust_tenant_header: bool = Field(bool(flag("trust_tenant_header").default),
+                                      description=flag("trust_tenant_header").help)
+
+
+class TracingSpec(Section):
+    """OpenTelemetry traces of the engines' requests (docs/tenancy.md#tracing)."""
+
+    otlp_endpoint: str | None = Field(None, max_length=2048, pattern=r"^https?://[^\s]+$",
+                                      description=flag("otlp_traces_endpoint").help)
+    sampling_ratio: float = Field(flag("otlp_traces_sampling_ratio").default, ge=0, le=1,
+                                  description=flag("otlp_traces_sampling_ratio").help)
+
+
 class RoutingSpec(Section):
     """The router in front of the engines (`kubeinfer route`): which replica serves a request."""
 
@@ -412,6 +444,8 @@ class InferenceServiceSpec(Section):
     rollout: RolloutSpec = section(RolloutSpec, RolloutSpec.__doc__ or "")
     auth: AuthSpec = section(AuthSpec, AuthSpec.__doc__ or "")
     routing: RoutingSpec = section(RoutingSpec, RoutingSpec.__doc__ or "")
+    tenancy: TenancySpec = section(TenancySpec, TenancySpec.__doc__ or "")
+    tracing: TracingSpec = section(TracingSpec, TracingSpec.__doc__ or "")
     node_selector: dict[str, str] = Field(default_factory=dict,
                                           description="Extra node labels pods must match.")
     tolerations: list[KubeObject] = Field(default_factory=list, max_length=32,
