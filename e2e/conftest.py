@@ -1,6 +1,7 @@
 """pytest fixtures for end-to-end tests on the local cluster (see e2e/cluster.py).
 
-Stable API for every e2e test (operator, autoscaler, ...); mark tests ``@pytest.mark.e2e``:
+Stable API for every e2e test (operator, autoscaler, ...); mark each module with its tier,
+``pytestmark = pytest.mark.e2e`` (e2e/tiers.py):
 
 - ``cluster`` (session): an ``e2e.helpers.Cluster`` — ``.kubeconfig``, ``.api`` (kubernetes
   ApiClient), ``.core``/``.apps``, ``.kubectl(*args, stdin=...)``, ``.kubectl_json(...)``,
@@ -40,10 +41,15 @@ from e2e import cluster as cluster_mod
 from e2e import processes
 from e2e.config import ClusterConfig, use_test_cluster
 from e2e.helpers import Cluster, foreign_release, wait_for
+from e2e.tiers import check_tiers
 
 use_test_cluster()
 
 STARTED_BY_PYTEST = "started-by-pytest"  # absent when a developer ran `make cluster-up`
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    check_tiers(items, Path(__file__).resolve().parent)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ import pytest
 
 from e2e import binaries
 
+pytestmark = pytest.mark.unit
+
 LOG = """$ go mod download -json k8s.io/kubernetes@v1.33.13  (in /c)
 go: downloading k8s.io/api v0.33.13
 go: downloading github.com/spf13/cobra v1.8.1

@@ -14,6 +14,8 @@ from e2e.binaries import binary
 from e2e.cluster import env_lines
 from e2e.config import TEST_CLUSTER_ENV, ClusterConfig
 
+pytestmark = pytest.mark.integration
+
 
 def test_env_lines_set_kubeconfig_path_and_the_chosen_cluster(monkeypatch: pytest.MonkeyPatch,
                                                              tmp_path: Path) -> None:

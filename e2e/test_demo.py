@@ -12,6 +12,7 @@ from e2e import demo
 from e2e.helpers import TEST_RELEASE_DESCRIPTION, Cluster
 
 
+@pytest.mark.unit
 def test_a_failing_stage_carries_its_diagnostics() -> None:
     def never_ready() -> tuple[bool, str]:
         return False, "Ready=False ReplicasNotReady: 0/1 replicas ready"

@@ -12,6 +12,8 @@ import pytest
 from e2e.config import TEST_CLUSTER_ENV, ClusterConfig, use_test_cluster
 from e2e.helpers import TEST_RELEASE_DESCRIPTION, foreign_release
 
+pytestmark = pytest.mark.integration
+
 
 def config_under(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> ClusterConfig:
     for name in TEST_CLUSTER_ENV:

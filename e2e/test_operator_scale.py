@@ -15,7 +15,7 @@ import yaml
 from e2e.config import ClusterConfig
 from e2e.helpers import SYSTEM_NS, Cluster, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 COUNT = 100
 
 

@@ -6,6 +6,8 @@ import pytest
 from e2e.podenv import ConfigError, command_line, expand, field_value
 from e2e.runner_rules import runner_managed, runner_managed_jq
 
+pytestmark = pytest.mark.unit
+
 POD = {"metadata": {"name": "engine-0", "namespace": "ml", "uid": "u-1", "labels": {"app": "llm"}},
        "spec": {"nodeName": "kubeinfer-gpu-0", "serviceAccountName": "engine",
                 "containers": [{"name": "engine", "image": "kubeinfer/kubeinfer:latest"}]},

@@ -7,7 +7,11 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
+
 from e2e.podlogs import ContainerLog, cri_line
+
+pytestmark = pytest.mark.integration
 
 CRI = re.compile(rb"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z (stdout|stderr) F (.*)$")
 

@@ -29,7 +29,7 @@ import pytest
 
 from e2e.binaries import CACHE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.release
 REPO = Path(__file__).resolve().parents[1]
 MARK = "<!-- readme-test -->"
 DEMO_PORTS, NESTED_PORTS = 62300, 62400  # apart from the session's and the default clusters

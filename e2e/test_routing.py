@@ -23,7 +23,7 @@ import pytest
 
 from e2e.helpers import SYSTEM_NS, Cluster, pod_ready, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 NAME = "routed"
 ENGINES = f"app.kubernetes.io/component=engine,kubeinfer.io/inferenceservice={NAME}"
 ROUTERS = f"app.kubernetes.io/component=gateway,kubeinfer.io/inferenceservice={NAME}"

@@ -15,6 +15,8 @@ import pytest
 
 from e2e import svcproxy
 
+pytestmark = pytest.mark.integration
+
 
 def service(name: str, selector: dict[str, str] | None, target: int | str = "http", **spec: object) -> dict:
     return {"metadata": {"namespace": "ns", "name": name},

@@ -20,6 +20,10 @@ from collections import deque
 from functools import cache
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = {"server": "kubeinfer.server", "kernels": "kubeinfer.kernels", "operator": "kubeinfer.operator"}
 FORBIDDEN_IN_CONTROL_PLANE = {"torch", "triton"}

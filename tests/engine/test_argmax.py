@@ -5,6 +5,8 @@ import torch
 
 from kubeinfer.server.engine.argmax import BLOCK, argmax_rows
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("vocab", [7, 2 * BLOCK, 49152, 49152 + 5, 151936])
 def test_equals_torch_argmax(vocab):

@@ -13,6 +13,8 @@ from kubeinfer.server.engine.config import EngineConfig
 from kubeinfer.server.engine.llm_engine import LLMEngine
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 async def engine(tiny_qwen2):

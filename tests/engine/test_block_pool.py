@@ -5,6 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 from kubeinfer.server.engine.block_pool import BlockPool
 
+pytestmark = pytest.mark.unit
+
 
 def test_free_count_is_exact_and_blocks_come_back():
     pool = BlockPool(8)

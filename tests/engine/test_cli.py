@@ -9,6 +9,8 @@ import pytest
 from helpers.tiny_models import make_tiny_llama
 from kubeinfer.server.cli import main
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):

@@ -8,6 +8,8 @@ import torch
 
 from kubeinfer.server.engine.cpu_cache_memory import lazy_zeros, map_in_background
 
+pytestmark = pytest.mark.unit
+
 PAGE = 4096
 
 

@@ -15,6 +15,8 @@ from kubeinfer.server.engine.cpu_graphs import CpuDecodeGraphs, RecordingRefused
 from kubeinfer.server.engine.llm_engine import LLMEngine
 from kubeinfer.server.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 W8A8 = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
         "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
                               "dynamic": True}}

@@ -2,7 +2,11 @@
 
 import os
 
+import pytest
+
 from kubeinfer.server.engine.cpu_threads import cpu_budget
+
+pytestmark = pytest.mark.unit
 
 
 def test_cpu_budget_follows_the_cgroup_quota(tmp_path):

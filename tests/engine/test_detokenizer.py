@@ -8,6 +8,8 @@ from tokenizers import Tokenizer
 from helpers.tiny_models import tiny_tokenizer_json
 from kubeinfer.server.engine.detokenizer import IncrementalDetokenizer
 
+pytestmark = pytest.mark.unit
+
 
 class HFDecoder:
     """The real byte-level BPE of the tiny test models, behind the engine's decode signature."""

@@ -15,6 +15,8 @@ from helpers.embedding_models import build_embedding_model, reference_embedding
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = [[5, 17, 250, 33, 90], list(range(3, 60)), [7] + list(range(100, 140)), [300]]
 ATOL = 1e-5
 

@@ -9,6 +9,8 @@ import pytest
 
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
+import pytest
+
 from kubeinfer.server.engine.config import EngineConfig
 from kubeinfer.server.flags import ENGINE_FLAGS
+
+pytestmark = pytest.mark.unit
 
 
 def test_every_engine_flag_is_a_config_field_with_the_same_default():

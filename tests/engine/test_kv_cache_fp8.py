@@ -27,6 +27,8 @@ from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.model.attention import TorchAttention
 from kubeinfer.server.model.loader import load_model
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three laws of thermodynamics are", "To bake bread you need", "SELECT name FROM users WHERE"]
 NEW_TOKENS = 16

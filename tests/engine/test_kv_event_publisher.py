@@ -19,6 +19,8 @@ from kubeinfer.server.engine.kv_events import ExtraKey, KVEventLog, block_hashes
 from kubeinfer.server.engine.radix_cache import RadixCache
 from kubeinfer.server.flags import ENGINE_FLAGS, add_flags, to_args
 
+pytestmark = pytest.mark.unit
+
 BS = 4
 
 

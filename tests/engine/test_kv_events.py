@@ -1,10 +1,14 @@
 """The prefix cache names its blocks by chain hashes a router can recompute, and publishes
 what enters and leaves it (GET /kv/blocks) as net changes since a sequence number."""
 
+import pytest
+
 from kubeinfer.server.engine.block_pool import BlockPool
 from kubeinfer.server.engine.kv_events import (HASH_SCHEME, ExtraKey, KVEventLog, block_hash, block_hashes,
                                                root_hash)
 from kubeinfer.server.engine.radix_cache import RadixCache
+
+pytestmark = pytest.mark.unit
 
 BS = 4
 

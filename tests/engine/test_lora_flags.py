@@ -10,6 +10,8 @@ import pytest
 from kubeinfer.server.engine.config import EngineConfig
 from kubeinfer.server.flags import ENGINE_FLAGS, LoRAModuleSpec, add_flags, to_args
 
+pytestmark = pytest.mark.unit
+
 
 def _parse(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

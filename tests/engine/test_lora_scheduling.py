@@ -13,6 +13,8 @@ from kubeinfer.server.engine.sampling_params import InvalidRequestError, Samplin
 from kubeinfer.server.flags import LoRAModuleSpec
 from kubeinfer.server.model.lora import LoRAError
 
+pytestmark = pytest.mark.unit
+
 PROMPT = [5, 17, 250, 33, 90, 91, 92, 7, 300, 12]
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 

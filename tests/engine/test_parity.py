@@ -22,6 +22,8 @@ from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.model.loader import load_model
 
+pytestmark = pytest.mark.integration
+
 # tie_gap: logit gap allowed between the two chosen tokens where a sequence diverges;
 # logprob: |ours - transformers| for each token before that; max_diverged: prompts allowed to
 # diverge at a near-tie at all (bfloat16 rounding moves many near-ties).

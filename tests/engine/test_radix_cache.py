@@ -2,11 +2,14 @@
 and adapters (one `ExtraKey`)."""
 
 from hypothesis import given, settings, strategies as st
+import pytest
 
 from kubeinfer.server.engine.block_pool import BlockPool
 from kubeinfer.server.engine.kv_cache_manager import KVCacheManager
 from kubeinfer.server.engine.kv_events import ExtraKey
 from kubeinfer.server.engine.radix_cache import RadixCache
+
+pytestmark = pytest.mark.unit
 
 BS = 4
 

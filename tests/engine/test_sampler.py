@@ -12,6 +12,8 @@ from kubeinfer.server.engine.sampler import Sampler, _inverse_transform
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Request, Sequence
 
+pytestmark = pytest.mark.unit
+
 EOS = 3
 
 

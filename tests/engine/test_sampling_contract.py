@@ -8,11 +8,14 @@ greedy decoding token for token, in fewer steps, with every KV block given back.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kubeinfer.server.engine.logits_processor import LogitsProcessor
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Sequence
+
+pytestmark = pytest.mark.unit
 
 GREEDY = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
 

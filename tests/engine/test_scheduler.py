@@ -10,11 +10,14 @@ correct), no block leaks or is double-freed, and every request finishes or is ab
 from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
+import pytest
 
 from kubeinfer.server.engine.kv_cache_manager import KVCacheManager
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.scheduler import Scheduler, SchedulerOutput
 from kubeinfer.server.engine.sequence import Request, Sequence, SequenceStatus
+
+pytestmark = pytest.mark.unit
 
 BS = 4
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 
 from hypothesis import given, settings, strategies as st
+import pytest
+
 from test_scheduler import FakeModel, _abort, _check_references, _run_step
 
 from kubeinfer.server.engine.kv_cache_manager import KVCacheManager
@@ -16,6 +18,8 @@ from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.scheduler import Scheduler
 from kubeinfer.server.engine.scheduling_policy import MAX_IDLE_TENANTS, FairPolicy, PriorityPolicy
 from kubeinfer.server.engine.sequence import Request, SequenceStatus
+
+pytestmark = pytest.mark.unit
 
 BS = 4
 

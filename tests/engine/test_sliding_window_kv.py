@@ -27,6 +27,8 @@ from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.scheduler import Scheduler, SchedulerOutput
 
+pytestmark = pytest.mark.integration
+
 WINDOW, BLOCK = 8, 4
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4   # K and V, 2 layers, 2 KV heads of 16, float32
 

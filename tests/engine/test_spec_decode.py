@@ -17,6 +17,8 @@ from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Sequence
 from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
+pytestmark = pytest.mark.integration
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 METHODS = ("ngram", "suffix", "draft_model")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -309,7 +311,6 @@ def test_a_draft_model_with_another_tokenizer_is_refused(make_llm, draft_model_p
         make_llm(speculative_config={"model": str(other), "num_speculative_tokens": 2})
 
 
-@pytest.mark.slow
 def test_embedded_model_fp32_greedy_output_is_unchanged_by_ngram_and_suffix_drafts():
     """SmolLM2-135M-Instruct in float32, chat prompts that ask to repeat and rewrite a passage of
     the benchmark corpus (answers copy from the prompt, so drafts are kept often)."""

@@ -14,6 +14,8 @@ from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig
 from kubeinfer.server.engine.spec_decode.ngram import NgramIndex
 from kubeinfer.server.engine.spec_decode.suffix import SuffixProposer, SuffixTrie
 
+pytestmark = pytest.mark.unit
+
 
 def _brute_force_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
     """The reference: scan the whole history for the latest earlier occurrence of the longest

@@ -15,6 +15,8 @@ from kubeinfer.server.engine.sampler import Sampler
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Request
 
+pytestmark = pytest.mark.unit
+
 ALPHA = 0.001
 NUM_SAMPLES = 20_000
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -3.0])

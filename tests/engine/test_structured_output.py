@@ -22,6 +22,8 @@ from kubeinfer.server.engine.logits_processor import LogitsProcessor
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubeinfer.server.engine.sampling_params import StructuredOutputsParams as Structured
 
+pytestmark = pytest.mark.integration
+
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
           "properties": {"name": {"type": "string", "pattern": "^[a-z ]{0,8}$"},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},

@@ -24,6 +24,8 @@ from kubeinfer.kernels.attention_ref import paged_attention_ref
 from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
 from kubeinfer.server.model.loader import load_model
 
+pytestmark = pytest.mark.integration
+
 CUDA = torch.device("cuda")
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 ATOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}

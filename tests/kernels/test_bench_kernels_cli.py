@@ -5,6 +5,8 @@ import torch
 
 from kubeinfer.server.cli import main
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
 def test_fails_loudly_without_cuda(capsys):

@@ -11,6 +11,8 @@ import pytest
 
 from kubeinfer.kernels import cpu_build
 
+pytestmark = pytest.mark.integration
+
 
 def test_build_is_cached_and_forgets_only_builds_unused_for_a_week(tmp_path, monkeypatch):
     """Another source's build used recently belongs to a server of another version sharing this

@@ -6,6 +6,8 @@ import torch
 
 from kubeinfer.kernels import cpu_build, fused_cpu, paged_decode_cpu, paged_prefill_cpu, quant_linear_cpu
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.cpu_isas("avx512", "avx2")
 def test_without_amx_nothing_uses_tiles_and_prefill_needs_avx512_bf16(cpu_isa):

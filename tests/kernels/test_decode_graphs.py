@@ -18,6 +18,8 @@ from kubeinfer.server.engine.llm_engine import LLMEngine
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.model.attention_triton import TritonAttention
 
+pytestmark = pytest.mark.integration
+
 
 class EagerDecodeGraphs(DecodeGraphs):
     """Replays run the forward pass on the static buffers instead of a captured graph."""

@@ -16,7 +16,8 @@ from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
 from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
 from kubeinfer.kernels.rotary_ref import rotate_signed_ref
 
-pytestmark = pytest.mark.usefixtures("cpu_isa")  # every build variant: AMX, AVX-512 without AMX, AVX2
+# every build variant: AMX, AVX-512 without AMX, AVX2
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("cpu_isa")]
 
 
 def _random(*shape, dtype, seed=0, scale=1.0):

@@ -8,6 +8,8 @@ import torch
 from kubeinfer.kernels import fused_cpu, int8_linear_cpu
 from kubeinfer.server.model.quantization.weights import Int8Weight, _int_mm
 
+pytestmark = pytest.mark.integration
+
 
 def _case(m, k, n, dtype, seed, per_tensor=False):
     generator = torch.Generator().manual_seed(seed)

@@ -7,6 +7,8 @@ from paged_batches import BATCH_KINDS, make_paged_batch
 from kubeinfer.kernels import ops
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 
+pytestmark = pytest.mark.unit
+
 
 def _all_ops():
     """Run every backend-dispatched op; returns every output tensor."""

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 def _compile_check(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -26,7 +28,6 @@ def test_every_kernel_and_config_compiles_for_hopper_bf16():
     assert result.stdout.count("ok    sm_90 bfloat16") == 49 and "0 failure(s)" in result.stdout
 
 
-@pytest.mark.slow
 def test_every_kernel_and_config_compiles_for_ampere_and_hopper_in_both_dtypes():
     result = _compile_check()
     assert result.returncode == 0, result.stdout + result.stderr

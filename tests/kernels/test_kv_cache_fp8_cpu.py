@@ -13,6 +13,8 @@ from kubeinfer.kernels import fused_cpu, paged_decode_cpu, paged_prefill_cpu
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 from kubeinfer.kernels.kv_cache_ref import FP8_MAX, quantize_fp8_ref, store_kv_cache_ref
 
+pytestmark = pytest.mark.integration
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 K_SCALE, V_SCALE = 0.37, 2.5   # scales that move values across fp8's exponent range
 

@@ -14,6 +14,8 @@ from kubeinfer.kernels.kv_cache_ref import quantize_fp8_ref, store_kv_cache_ref
 from kubeinfer.kernels.split_kv_attention import split_kv_attention
 from kubeinfer.kernels.unified_attention import unified_attention
 
+pytestmark = pytest.mark.integration
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 K_SCALE, V_SCALE = 0.37, 2.5
 TOLERANCES = {torch.float32: 1e-3, torch.float16: 1.5e-2}

@@ -10,6 +10,8 @@ import torch
 from kubeinfer.kernels.kv_cache import store_kv_cache
 from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
 
+pytestmark = pytest.mark.integration
+
 
 def _caches(num_blocks, block_size, kv_heads, head_dim, dtype):
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)

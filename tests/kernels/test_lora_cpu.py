@@ -9,6 +9,8 @@ from helpers.lora_adapters import per_token_delta
 from kubeinfer.kernels import lora_cpu
 from kubeinfer.kernels.lora_ref import lora_shrink_expand_ref
 
+pytestmark = pytest.mark.integration
+
 # float32: op order only; bfloat16: the kernel rounds the shrink to bf16 for the expand (as torch's
 # bf16 matmul does) and out + delta once, the loop stays in float32
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

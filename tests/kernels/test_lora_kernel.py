@@ -9,6 +9,8 @@ from kubeinfer.kernels import ops
 from kubeinfer.kernels.lora import lora_shrink_expand
 from kubeinfer.kernels.lora_ref import lora_shrink_expand_ref
 
+pytestmark = pytest.mark.integration
+
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 

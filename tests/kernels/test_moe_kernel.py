@@ -8,6 +8,8 @@ from torch.nn import functional as F
 from kubeinfer.kernels.moe import align_by_expert, fused_moe
 from kubeinfer.kernels.moe_ref import fused_moe_ref
 
+pytestmark = pytest.mark.integration
+
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 3e-3}
 
 

@@ -11,6 +11,8 @@ from paged_batches import BATCH_KINDS, make_paged_batch
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 from kubeinfer.kernels.unified_attention import unified_attention
 
+pytestmark = pytest.mark.integration
+
 TOLERANCES = {torch.float32: 1e-3, torch.float16: 1.5e-2}   # atol = rtol
 HEAD_RATIOS = [(8, 8), (8, 2), (5, 1), (32, 8)]
 
@@ -67,7 +69,6 @@ def test_padding_rows_past_the_last_sequence_are_left_alone():
     torch.testing.assert_close(out[:-3], paged_attention_ref(*batch.args(), 0.125)[:-3])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("heads", HEAD_RATIOS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 def test_long_chunked_prefill_with_deep_prefix(heads):
     lengths = [(70, 130), (1, 300), (45, 0)]

@@ -11,7 +11,8 @@ from paged_batches import BATCH_KINDS, make_paged_batch
 from kubeinfer.kernels import paged_decode_cpu
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 
-pytestmark = pytest.mark.usefixtures("cpu_isa")  # every build variant: AMX, AVX-512 without AMX, AVX2
+# every build variant: AMX, AVX-512 without AMX, AVX2
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("cpu_isa")]
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}   # bf16: one rounding of the output
 DECODES = BATCH_KINDS["decode"] + [(1, 0), (1, 200), (1, 16), (1, 17)]

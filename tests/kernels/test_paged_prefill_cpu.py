@@ -14,7 +14,7 @@ from kubeinfer.kernels.attention_ref import paged_attention_ref
 
 # native: AMX tiles where the CPU has them; avx512: the vdpbf16ps path (an AVX2-only CPU keeps
 # torch's SDPA: test_cpu_isa.py)
-pytestmark = [pytest.mark.usefixtures("cpu_isa"), pytest.mark.cpu_isas("native", "avx512")]
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("cpu_isa"), pytest.mark.cpu_isas("native", "avx512")]
 TOLERANCE = 2e-2   # bf16 probabilities and output, float32 sums
 
 CASES = {

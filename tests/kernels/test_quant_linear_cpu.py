@@ -18,7 +18,8 @@ from kubeinfer.kernels import cpu_build, quant_linear_cpu
 
 # The kernel needs AVX512-BF16 (an AVX2 build has none): it runs as built for this CPU and as
 # built without AMX (the register path alone, as on an AMD EPYC with AVX-512).
-pytestmark = [pytest.mark.skipif("avx512_bf16" in cpu_build.missing_cpu_flags("avx512"),
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif("avx512_bf16" in cpu_build.missing_cpu_flags("avx512"),
                                  reason="needs avx512_bf16, which this CPU lacks"),
               pytest.mark.usefixtures("cpu_isa"), pytest.mark.cpu_isas("native", "avx512")]
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]

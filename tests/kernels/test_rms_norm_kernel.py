@@ -6,6 +6,8 @@ import torch
 from kubeinfer.kernels.rms_norm import rms_norm
 from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
 
+pytestmark = pytest.mark.integration
+
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 

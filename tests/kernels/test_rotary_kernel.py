@@ -7,6 +7,8 @@ from kubeinfer.kernels.rope_cache import build_rope_cache, inverse_frequencies
 from kubeinfer.kernels.rotary import apply_rotary
 from kubeinfer.kernels.rotary_ref import apply_rotary_ref
 
+pytestmark = pytest.mark.integration
+
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 1e-3}

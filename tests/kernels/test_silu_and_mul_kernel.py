@@ -6,6 +6,8 @@ import torch
 from kubeinfer.kernels.activation import silu_and_mul
 from kubeinfer.kernels.activation_ref import silu_and_mul_ref
 
+pytestmark = pytest.mark.integration
+
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 

@@ -22,6 +22,8 @@ from kubeinfer.server.model.attention import TorchAttention
 from kubeinfer.server.model.attention_triton import TritonAttention
 from kubeinfer.server.model.loader import load_model
 
+pytestmark = pytest.mark.integration
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
@@ -29,7 +31,6 @@ def _prompts() -> list[list[int]]:
     return [[11, 12, 13, 14, 15] * 3 + [16, 17], [40, 41, 42, 43] * 4 + [44]]
 
 
-@pytest.mark.slow
 def test_triton_attention_verifies_drafts_as_the_torch_path_decodes(tmp_path):
     path = str(make_tiny_llama(tmp_path))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -10,6 +10,8 @@ from paged_batches import BATCH_KINDS, make_paged_batch
 from kubeinfer.kernels.attention_ref import paged_attention_ref
 from kubeinfer.kernels.split_kv_attention import split_kv_attention
 
+pytestmark = pytest.mark.integration
+
 TOLERANCES = {torch.float32: 1e-3, torch.float16: 1.5e-2}
 LONG_DECODE = [(1, 90), (1, 37), (1, 0)]   # contexts of 91, 38 and 1 tokens
 
@@ -39,7 +41,6 @@ def test_mixed_batch_with_window_and_softcap():
     _check(batch, num_splits=2, sliding_window=12, softcap=5.0)
 
 
-@pytest.mark.slow
 def test_long_context_decode():
     batch = make_paged_batch([(1, 700), (1, 333)], 32, 8, 128, 32, torch.float16, seed=3)
     _check(batch, num_splits=8)

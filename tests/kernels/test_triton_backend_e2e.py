@@ -20,6 +20,8 @@ from kubeinfer.server.model.attention import TorchAttention
 from kubeinfer.server.model.attention_triton import TritonAttention
 from kubeinfer.server.model.loader import load_model
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = {"a": list(range(10, 17)), "b": list(range(40, 53))}   # 7 and 13 prompt tokens
 SCHEDULE = [{"a": 7, "b": 6}, {"a": 1, "b": 7}, {"a": 1, "b": 1}, {"a": 1, "b": 1}, {"a": 1, "b": 1}]
 

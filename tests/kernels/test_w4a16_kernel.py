@@ -12,6 +12,8 @@ import torch
 from kubeinfer.kernels.w4a16 import matmul
 from kubeinfer.kernels.w4a16_ref import pack_rows, packed_matmul_ref, unpack_rows
 
+pytestmark = pytest.mark.integration
+
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 3e-3}
 
 

@@ -9,6 +9,8 @@ from helpers.paged import scattered_batch
 from kubeinfer.kernels import paged_prefill_cpu
 from kubeinfer.server.model.attention import TorchAttention, _similar_query_lengths, get_attention_backend
 
+pytestmark = pytest.mark.unit
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 6, 2, 8, 4, 48
 
 

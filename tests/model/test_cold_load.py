@@ -7,10 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch import nn
 
 from kubeinfer.server.model.loader import uninitialized_modules
+
+pytestmark = pytest.mark.integration
 
 _SLOW_MODULES = ("torch._dynamo", "sympy", "transformers")
 

@@ -9,6 +9,8 @@ from helpers.tiny_models import make_tiny_qwen2
 from kubeinfer.server.model import loader, tokenizer_files
 from kubeinfer.server.model.config import ModelConfig
 
+pytestmark = pytest.mark.unit
+
 LLAMA3_CONFIG = {
     "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,

@@ -8,10 +8,14 @@ past it; float32, max |logit diff| <= 1e-4."""
 from __future__ import annotations
 
 import torch
+import pytest
+
 from helpers.paged import PagedRunner, assert_stepwise_parity
 from helpers.tiny_models import build_tiny_llama
 
 from kubeinfer.server.model.loader import load_model
+
+pytestmark = pytest.mark.unit
 
 PROMPT = [5, 17, 250, 33, 90, 91, 92, 7, 300, 12, 64, 65, 66, 1, 120, 121, 122, 200, 201, 3, 44, 45]
 CONTINUATION = [14, 260, 77, 301, 8, 9, 150, 222, 31, 32]

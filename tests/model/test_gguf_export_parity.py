@@ -5,11 +5,15 @@ a Llama (GQA q/k permutation, untied output, Llama-3 rope scaling as `rope_freqs
 from __future__ import annotations
 
 import torch
+import pytest
+
 from helpers.gguf_export import export_gguf
 from helpers.paged import PagedRunner
 from helpers.tiny_models import build_tiny_llama, build_tiny_qwen2
 
 from kubeinfer.server.model.loader import load_model
+
+pytestmark = pytest.mark.integration
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}

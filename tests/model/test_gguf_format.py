@@ -14,6 +14,8 @@ from kubeinfer.server.model.gguf_reader import QUANT_SIZES, GGUFFile, GGUFTensor
 from kubeinfer.server.model.gguf_tokenizer import _byte_spelling, tokenizer_from_gguf
 from kubeinfer.server.model.loader import embedded_model_path
 
+pytestmark = pytest.mark.unit
+
 # byte offsets of the fp16 scale fields in each block, filled with sane values (random bytes can be NaN)
 _FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
 

@@ -21,6 +21,8 @@ from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.model.gguf_checkpoint import read_gguf_file
 from kubeinfer.server.model.loader import load_model
 
+pytestmark = pytest.mark.integration
+
 FP32_ATOL = 1e-4
 PROMPT = [5, 17, 250, 33, 90, 91, 92, 7, 300, 12, 64, 65, 66, 1, 120, 121, 122, 200, 201, 3, 44, 45]
 CONTINUATION = [14, 260, 77, 301, 8, 9, 150, 222]

@@ -16,6 +16,8 @@ from kubeinfer.kernels import quant_linear_cpu
 from kubeinfer.server.model.linear import Linear
 from kubeinfer.server.model.loader import embedded_model_path, load_model
 
+pytestmark = pytest.mark.integration
+
 FP32_ATOL = 2e-3
 # bf16 quantized vs dequantized weights: outputs of each linear are rounded to bf16 after float32
 # sums in another order, and a flipped last bit propagates; measured max |diff| 0.59 over 7 rows

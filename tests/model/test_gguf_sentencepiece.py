@@ -15,6 +15,8 @@ import pytest
 
 from kubeinfer.server.model.gguf_tokenizer import tokenizer_from_gguf
 
+pytestmark = pytest.mark.integration
+
 spm = pytest.importorskip("sentencepiece")
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Kubernetes schedules pods; the engine batches tokens.",

@@ -19,6 +19,8 @@ from helpers.tiny_models import build_tiny_llama, build_tiny_mistral, build_tiny
 
 from kubeinfer.server.model.loader import load_model
 
+pytestmark = pytest.mark.integration
+
 FP32_ATOL = 1e-4
 PROMPT = [5, 17, 250, 33, 90, 91, 92, 7, 300, 12, 64, 65, 66, 1, 120, 121, 122, 200, 201, 3, 44, 45]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

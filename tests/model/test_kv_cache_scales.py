@@ -14,6 +14,8 @@ from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.model.loader import load_model
 from kubeinfer.server.model.quantization.compressed_tensors import _check_kv_cache_scheme
 
+pytestmark = pytest.mark.unit
+
 PROMPT = [list(range(3, 40))]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
 

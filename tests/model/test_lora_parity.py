@@ -23,6 +23,8 @@ from kubeinfer.server.model.loader import load_model
 from kubeinfer.server.model.lora import read_peft_adapter
 from kubeinfer.server.model.lora_layers import LoRAModel
 
+pytestmark = pytest.mark.integration
+
 FP32_ATOL = 1e-4
 PROMPT = [5, 17, 250, 33, 90, 91, 92, 7, 300, 12, 64, 65, 66, 1, 120, 121, 122, 200, 201, 3, 44, 45]
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -231,7 +233,6 @@ def test_a_failing_adapter_fails_only_its_requests(tiny_llama_lora, monkeypatch)
     assert llm.generate([PROMPT[3:]], params, adapter="all16")[0].outputs[0].token_ids == clean[1].outputs[0].token_ids
 
 
-@pytest.mark.slow
 def test_embedded_smollm2_logits_and_greedy_equal_peft(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -29,6 +29,8 @@ from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.model.loader import load_model
 from kubeinfer.server.model.quantization.weights import Fp8Weight, Int8Weight, PackedIntWeight
 
+pytestmark = pytest.mark.integration
+
 FP32_ATOL = 1e-4
 PROMPT = [5, 17, 250, 33, 90, 91, 92, 7, 300, 12, 64, 65, 66, 1, 120, 121, 122, 200, 201, 3, 44, 45]
 DECODE_STEPS = 8
@@ -266,7 +268,6 @@ def test_missing_quantized_tensor_is_refused_naming_it(tmp_path):
         load_model(str(quantized), dtype="float32", device="cpu")
 
 
-@pytest.mark.slow
 def test_embedded_model_in_w8a8_int8_keeps_the_bf16_engines_greedy_tokens():
     """The embedded SmolLM2 (GGUF) re-quantized at load with --quantization int8 (per-channel int8
     weights, per-token int8 activations on torch._int_mm) against the same model in bf16: the

@@ -24,6 +24,8 @@ from test_quantized_checkpoints import FP32_ATOL, PROMPT
 from kubeinfer.server.model.loader import load_model
 from kubeinfer.server.model.quantization.weights import Int8Weight, PackedIntWeight
 
+pytestmark = pytest.mark.integration
+
 _INT = {"type": "int", "symmetric": True}
 SCHEMES = {   # name -> (config group, compressed-tensors format, compute form)
     "w4a16": ({"weights": {"num_bits": 4, **_INT, "strategy": "group", "group_size": 16}}, "pack-quantized",

@@ -12,6 +12,8 @@ from kubeinfer.server.model.gguf_checkpoint import read_gguf_file
 from kubeinfer.server.model.hf_checkpoint import read_hf_directory
 from kubeinfer.server.model.loader import embedded_model_path
 
+pytestmark = pytest.mark.integration
+
 TEXTS = [
     "Hello, world! How are you?",
     "naïve café — Zürich, 東京, Привет, مرحبا",

@@ -19,6 +19,8 @@ from kubeinfer.operator.build import deployment
 from kubeinfer.operator.events import transition_events
 from kubeinfer.operator.reconcile import Reconciler
 
+pytestmark = pytest.mark.unit
+
 BASE = "SmolLM2-135M-Instruct"
 ADAPTERS = [{"name": "sql", "source": "pvc://loras/sql"}, {"name": "chat", "source": "pvc://loras/chat"}]
 

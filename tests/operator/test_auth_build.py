@@ -17,6 +17,8 @@ from kubeinfer.operator.resource import InferenceService
 from kubeinfer.operator.spec import InferenceServiceSpec
 from kubeinfer.server.flags import SERVER_FLAGS, add_flags
 
+pytestmark = pytest.mark.unit
+
 AUTH = {"auth": {"apiKeySecretRef": {"name": "chat-api-keys", "key": "keys"}}}
 SCALE_TO_ZERO = {"autoscaling": {"enabled": True, "minReplicas": 0}}
 

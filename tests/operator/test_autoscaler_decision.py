@@ -10,6 +10,8 @@ from kubeinfer.operator.autoscaler.decision import MAX_READINGS, Decision, PodSa
 from kubeinfer.operator.autoscaler.policy import ScalingPolicy
 from kubeinfer.operator.autoscaler.state import Reading, ScalerState
 
+pytestmark = pytest.mark.unit
+
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=4, metric="queueDepth", target=2,

@@ -13,6 +13,8 @@ from test_autoscaler_tick import NAME, NS, POLICY, FakeScaleApi, engine
 
 from kubeinfer.operator.autoscaler import handlers
 
+pytestmark = pytest.mark.integration
+
 
 class StopAfter:
     """Stands in for kopf.DaemonStopped: records each sleep and stops after `ticks` of them."""

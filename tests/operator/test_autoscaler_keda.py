@@ -20,6 +20,8 @@ import yaml
 
 from kubeinfer.operator import api
 
+pytestmark = pytest.mark.integration
+
 KEDA_MODULE = "github.com/kedacore/keda/v2@v2.21.0"
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "crds/examples/keda-scaledobject.yaml"

@@ -17,6 +17,8 @@ from fastapi.responses import PlainTextResponse
 from kubeinfer.operator.autoscaler.scrape import parse_gauges, scrape
 from kubeinfer.server.kube.pods import pod_targets
 
+pytestmark = pytest.mark.integration
+
 WAITING, RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
 ENGINE_METRICS = """# HELP vllm:num_requests_waiting Requests waiting to be scheduled.
 # TYPE vllm:num_requests_waiting gauge

@@ -14,6 +14,8 @@ from test_autoscaler_scrape import engine_app, pod, serving
 from kubeinfer.server.kube.scale import Conflict
 from kubeinfer.operator.autoscaler.tick import run_tick
 
+pytestmark = pytest.mark.integration
+
 NS, NAME = "default", "llm"
 
 

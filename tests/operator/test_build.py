@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 
 from isvc_builders import CONFIG, make_isvc
+import pytest
 
 from kubeinfer.operator.build import deployment
 from kubeinfer.operator.children import desired_children, stale_children
 from kubeinfer.operator.model_source import EMBEDDED_SERVED_NAME
 from kubeinfer.server.model.tokenizer_files import EMBEDDED_FILE
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
+
+pytestmark = pytest.mark.unit
 
 
 def engine(spec: dict | None = None) -> dict:

@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+import pytest
 import yaml
 
 from kubeinfer.operator import api
 from kubeinfer.operator.crd import crd, generated_files
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / f"{api.CRD_NAME}.yaml"

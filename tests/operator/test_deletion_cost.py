@@ -12,6 +12,8 @@ import pytest
 from kubeinfer.server.router.deletion_cost import ANNOTATION, MAX_COST, DeletionCosts, deletion_costs
 from kubeinfer.server.engine.stats import DecayingSum
 
+pytestmark = pytest.mark.unit
+
 
 def pod(name: str, ip: str, cost: str | None = None, terminating: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "annotations": {ANNOTATION: cost} if cost else {}}

@@ -8,11 +8,15 @@ import argparse
 import httpx
 from fastapi import FastAPI, Request
 from isvc_builders import CONFIG, make_isvc
+import pytest
+
 from test_autoscaler_scrape import serving
 from test_gateway import FakeBackends, gateway
 
 from kubeinfer.operator.build import deployment
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
+
+pytestmark = pytest.mark.integration
 
 
 def embedding_engine() -> FastAPI:

@@ -12,6 +12,8 @@ from kubeinfer.operator import api
 from kubeinfer.operator.children import desired_children
 from kubeinfer.operator.resource import InferenceService
 
+pytestmark = pytest.mark.unit
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "crds" / "examples"
 OURS = ["embedded-model.yaml", "tp2-gpu-pvc.yaml", "autoscaled.yaml", "api-keys.yaml", "qwen3.yaml", "gemma.yaml", "fp8.yaml"]
 

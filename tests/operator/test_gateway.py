@@ -11,10 +11,14 @@ from typing import AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+import pytest
+
 from test_autoscaler_scrape import free_port, serving
 
 from kubeinfer.server.router.activator import Activator, ActivatorConfig, GatewayMetrics
 from kubeinfer.server.router.proxy import build_app
+
+pytestmark = pytest.mark.integration
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

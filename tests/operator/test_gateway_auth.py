@@ -19,6 +19,8 @@ from kubeinfer.server.router.cli import add_arguments
 from kubeinfer.server.router.proxy import build_app
 from kubeinfer.server.api.auth import OPEN_PATHS
 
+pytestmark = pytest.mark.integration
+
 KEY = "sk-gw-0123456789"
 ENGINE_401 = {"error": {"message": "incorrect API key provided", "type": "authentication_error",
                         "param": None, "code": "invalid_api_key"}}

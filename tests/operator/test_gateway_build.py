@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import pytest
+
 from kubeinfer.operator import api
 from kubeinfer.server.router import cli
 from kubeinfer.operator.router_build import (gateway_children, needs_gateway,
                                              service_selector)
 from kubeinfer.operator.resource import InferenceService, OperatorConfig
+
+pytestmark = pytest.mark.unit
 
 CONFIG = OperatorConfig(engine_image="kubeinfer/kubeinfer:test")
 

@@ -20,6 +20,8 @@ from kubeinfer.operator.children import desired_children, stale_children
 from kubeinfer.server.kube.client import COLLECTIONS
 from kubeinfer.operator.reconcile import Reconciler
 
+pytestmark = pytest.mark.integration
+
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kubeinfer"
 TO_ZERO = {"replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 3}}
 TO_ONE = {"replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3},

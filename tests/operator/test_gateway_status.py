@@ -5,10 +5,13 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from isvc_builders import CONFIG, crashing_pod, deployment_with, make_isvc, ready_pod
+import pytest
 
 from kubeinfer.operator.events import transition_events
 from kubeinfer.operator.observe import Observed, observe
 from kubeinfer.operator.status import InferenceServiceStatus
+
+pytestmark = pytest.mark.unit
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 ZERO = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}}

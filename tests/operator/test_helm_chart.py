@@ -16,6 +16,8 @@ import yaml
 from e2e.binaries import binary, ensure
 from kubeinfer.operator import api
 
+pytestmark = pytest.mark.integration
+
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kubeinfer"
 KUBE_VERSION = "1.33.0"  # the local cluster's minor; helm's built-in default is older
 

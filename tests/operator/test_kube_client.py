@@ -7,6 +7,8 @@ from fake_apiserver import Recorder, kube  # noqa: F401  (kube is a fixture)
 
 from kubeinfer.server.kube.client import Kube, KubeError
 
+pytestmark = pytest.mark.unit
+
 
 def test_apply_is_server_side_apply_with_our_field_manager(kube: Kube) -> None:  # noqa: F811
     service = {"apiVersion": "v1", "kind": "Service",

@@ -10,6 +10,8 @@ from fake_apiserver import Recorder, kube  # noqa: F401  (kube is a fixture)
 from kubeinfer.server.kube.client import Kube
 from kubeinfer.operator.main import add_arguments, ensure_peering
 
+pytestmark = pytest.mark.unit
+
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

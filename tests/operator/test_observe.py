@@ -6,11 +6,14 @@ import dataclasses
 from datetime import datetime, timedelta, timezone
 
 from isvc_builders import CONFIG, crashing_pod, deployment_with, make_isvc, pending_pod, ready_pod
+import pytest
 
 from kubeinfer.operator.events import transition_events
 from kubeinfer.operator.observe import Observed, observe
 from kubeinfer.operator.status import InferenceServiceStatus
 from kubeinfer.server import exit_codes
+
+pytestmark = pytest.mark.unit
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

@@ -10,6 +10,8 @@ from isvc_builders import CONFIG, body, pending_pod
 from kubeinfer.server.kube.client import KubeError
 from kubeinfer.operator.reconcile import Reconciler
 
+pytestmark = pytest.mark.unit
+
 
 class MemoryKube:
     """Stores what is applied; `refuse` makes applies of one kind fail like the API would."""

@@ -8,6 +8,8 @@ import asyncio
 import json
 
 import httpx
+import pytest
+
 from test_router_pickers import BS, SHARED, URLS, key, views
 
 from kubeinfer.server.router.engine_views import EngineViews
@@ -15,6 +17,8 @@ from kubeinfer.server.router.pickers import PrefixAware
 from kubeinfer.server.router.routing_key import KeyMaker, RoutingKey
 from kubeinfer.server.engine.kv_events import block_hashes
 from kubeinfer.server.model.tokenizer_files import load_tokenizer
+
+pytestmark = pytest.mark.unit
 
 
 def adapter_key(tokens: list[int], adapter: str) -> RoutingKey:

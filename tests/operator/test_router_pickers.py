@@ -15,6 +15,8 @@ from kubeinfer.server.router.pickers import (LeastLoad, PrefixAware, PrefixAware
 from kubeinfer.server.router.routing_key import RoutingKey
 from kubeinfer.server.engine.kv_events import HASH_SCHEME, block_hashes
 
+pytestmark = pytest.mark.unit
+
 URLS = ["http://a", "http://b", "http://c"]
 BS = 16
 

@@ -11,11 +11,14 @@ import random
 import time
 
 import httpx
+import pytest
 
 from kubeinfer.server.router.engine_views import EngineViews
 from kubeinfer.server.router.routing_key import RoutingKey
 from kubeinfer.server.router.warmup import HotPrefixes, Warmer, WarmupConfig
 from kubeinfer.server.engine.kv_events import HASH_SCHEME, block_hash, block_hashes, root_hash
+
+pytestmark = pytest.mark.unit
 
 BS = 16
 

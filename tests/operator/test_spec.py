@@ -8,6 +8,8 @@ from pydantic import ValidationError
 from kubeinfer.operator.spec import InferenceServiceSpec
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_follow_the_engine_flags() -> None:
     spec = InferenceServiceSpec()

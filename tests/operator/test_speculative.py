@@ -16,6 +16,8 @@ from kubeinfer.operator.build import deployment
 from kubeinfer.operator.spec import InferenceServiceSpec
 from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig
 
+pytestmark = pytest.mark.unit
+
 
 def test_ngram_is_rendered_as_the_engines_json_flag() -> None:
     container = engine({"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 3,

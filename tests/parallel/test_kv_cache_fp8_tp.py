@@ -10,12 +10,15 @@ compared token by token (measured: logprobs 0.05-0.14 apart on this random tiny 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers.tiny_models import make_tiny_llama
 from kubeinfer.server.engine.llm import LLM
 from parity import assert_greedy_parity
 from test_tp_parity import ENGINE, GREEDY, random_prompts
+
+pytestmark = pytest.mark.integration
 
 
 def test_fp8_cache_tp2_matches_tp1(tmp_path, make_tp_llm):

@@ -4,6 +4,8 @@ the TP=1 tokens, for a batch mixing adapters and the base, with slots refilled o
 
 from __future__ import annotations
 
+import pytest
+
 from helpers.lora_adapters import make_peft_adapter
 from helpers.tiny_models import build_tiny_llama
 from parity import assert_greedy_parity
@@ -11,6 +13,8 @@ from parity import assert_greedy_parity
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.flags import LoRAModuleSpec
+
+pytestmark = pytest.mark.integration
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True)
 ENGINE = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20,

@@ -12,6 +12,8 @@ from kubeinfer.server.model.registry import model_family
 from kubeinfer.server.parallel.model import build_shard, weight_slices
 from kubeinfer.server.parallel.plan import ShardPlan, Slice, check_tensor_parallel
 
+pytestmark = pytest.mark.unit
+
 
 def config(heads: int = 8, kv_heads: int = 2, vocab: int = 100, intermediate: int = 64) -> ModelConfig:
     return ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=heads * 4, intermediate_size=intermediate,

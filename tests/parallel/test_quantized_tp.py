@@ -33,6 +33,8 @@ from kubeinfer.server.model.quantization.weights import PackedIntWeight, pack_ro
 from kubeinfer.server.parallel.launch import load_tensor_parallel
 from kubeinfer.server.parallel.quantized import shard_quantized
 
+pytestmark = pytest.mark.integration
+
 DYNAMIC_TOL = dict(tie_gap=0.25, logprob=0.25)
 DYNAMIC_STEPS = 5
 _INT = {"type": "int", "symmetric": True}

@@ -21,6 +21,8 @@ from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.model.registry import register_model
 from parity import assert_greedy_parity
 
+pytestmark = pytest.mark.integration
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
 ENGINE = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20)
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8], [64, 65, 66, 67, 68, 69, 70, 71, 72]]

@@ -17,6 +17,8 @@ import openai
 import pytest
 from helpers.serve_process import wait_until_ready
 
+pytestmark = pytest.mark.integration
+
 SERVE = [sys.executable, "-m", "kubeinfer.server.cli", "serve", "--model", "embedded", "--dtype", "float32",
          "--device", "cpu", "--kv-cache-memory", "16Mi", "--max-model-len", "256", "--log-level", "info"]
 

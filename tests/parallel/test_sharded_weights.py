@@ -18,6 +18,8 @@ from kubeinfer.server.parallel.model import build_shard, weight_slices
 from kubeinfer.server.parallel.plan import ShardPlan
 from kubeinfer.server.parallel.weights import sharded_weights
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def tiny_llama_sources(tmp_path_factory) -> dict[str, Path]:

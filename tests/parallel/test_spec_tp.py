@@ -4,9 +4,13 @@ drafts at TP=2 equals TP=1 without drafts."""
 
 from __future__ import annotations
 
+import pytest
+
 from helpers.tiny_models import make_tiny_llama
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

@@ -11,6 +11,8 @@ from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from parity import assert_greedy_parity
 
+pytestmark = pytest.mark.integration
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
 TINY_TOL = dict(tie_gap=1e-3, logprob=1e-4)     # float32, 2 layers
 SMOL_TOL = dict(tie_gap=5e-3, logprob=5e-3)     # float32, 30 layers

@@ -20,6 +20,8 @@ from helpers.tiny_models import build_tiny_llama
 
 from kubeinfer.server.engine.kv_events import KEYED_HASH_SCHEME, BlockHasher, block_hashes
 
+pytestmark = pytest.mark.integration
+
 KEY = "sk-user-1"
 SECRET = "per-service-secret"
 PROMPT = list(range(5, 45))   # 5 full blocks of 8

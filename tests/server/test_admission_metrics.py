@@ -11,6 +11,8 @@ from kubeinfer.server.api.metrics import ServerMetrics
 from kubeinfer.server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kubeinfer.server.engine.stats import EngineStats
 
+pytestmark = pytest.mark.unit
+
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
     text = metrics.render().decode()

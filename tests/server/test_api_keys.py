@@ -17,6 +17,8 @@ from helpers.serve_process import wait_until_ready
 from kubeinfer.server.api.auth import OPEN_PATHS, api_keys_from_args
 from kubeinfer.server.flags import SERVER_FLAGS, add_flags, parse_api_keys
 
+pytestmark = pytest.mark.integration
+
 ADMIN_PATHS = ("/kv/blocks", "/tokenizer_info")   # served on --admin-port when it is set
 KEY_FILE = "# team A, rotated 2026-11\nsk-alpha-0001\n\n  sk-beta-0002  \n# sk-revoked-9999\n"
 

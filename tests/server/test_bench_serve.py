@@ -10,9 +10,12 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+import pytest
 
 from kubeinfer.server.bench import serve as bench_serve
 from kubeinfer.server.bench.serve_datasets import DatasetConfig, build_dataset
+
+pytestmark = pytest.mark.unit
 
 
 class ScriptedEndpoint:

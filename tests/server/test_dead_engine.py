@@ -13,7 +13,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
 from helpers.serve_process import wait_until_ready
+
+pytestmark = pytest.mark.integration
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
 

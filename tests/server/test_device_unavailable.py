@@ -13,6 +13,8 @@ import torch
 from kubeinfer.server import exit_codes
 from kubeinfer.server.api import serve
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda_exits_with_its_code_and_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

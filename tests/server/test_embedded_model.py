@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ import pytest
 import torch
 from helpers.embedding_models import build_embedding_model, reference_embedding
 
+pytestmark = pytest.mark.integration
+
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello, world!",
          "Kubernetes schedules pods; the engine batches tokens; the cache shares prefixes. " * 2]
 ATOL = 1e-5

@@ -6,6 +6,8 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.unit
+
 MODEL = "tiny"
 KEY = "sk-test-key"
 

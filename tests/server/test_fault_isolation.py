@@ -13,6 +13,8 @@ import pytest
 
 from kubeinfer.server.engine.sampler import Sampler
 
+pytestmark = pytest.mark.unit
+
 MARKER = 383  # first prompt token of the request whose sampling fails
 
 

@@ -7,8 +7,11 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import pytest
 
 from kubeinfer.server.api.json_stream import JsonPieces, canonical
+
+pytestmark = pytest.mark.unit
 
 scalars = st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=False) | st.text(max_size=12)
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,

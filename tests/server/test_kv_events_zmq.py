@@ -4,9 +4,12 @@ stores for a request: the token ids of the prompt, and the same hashes GET /kv/b
 from __future__ import annotations
 
 import msgpack
+import pytest
 import zmq
 
 from kubeinfer.server.engine.kv_events import HASH_SCHEME
+
+pytestmark = pytest.mark.unit
 
 
 def test_served_requests_publish_their_blocks(start_server, tiny_model_path, tmp_path):

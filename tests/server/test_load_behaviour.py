@@ -12,6 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.unit
+
 MODEL = "tiny"
 HOLD = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
 

@@ -16,6 +16,8 @@ from helpers.tiny_models import build_tiny_llama, build_tiny_qwen2
 
 from kubeinfer.server.flags import LoRAModuleSpec
 
+pytestmark = pytest.mark.unit
+
 PROMPT = [5, 17, 250, 33, 90, 91, 92, 7, 300, 12]
 
 

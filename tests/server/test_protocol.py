@@ -14,6 +14,8 @@ from kubeinfer.server.api.sampling import sampling_params
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubeinfer.server.engine.validation import check_fits
 
+pytestmark = pytest.mark.unit
+
 
 def _app(keys: list[str]) -> FastAPI:
     app = FastAPI()

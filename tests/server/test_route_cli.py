@@ -10,6 +10,8 @@ from kubeinfer.server.router.cli import add_arguments, mode_defaults
 from kubeinfer.server.router.flags import STRATEGIES
 from kubeinfer.server.router.pickers import PICKERS, make_picker
 
+pytestmark = pytest.mark.unit
+
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

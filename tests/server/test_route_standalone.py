@@ -22,7 +22,7 @@ from helpers.serve_process import free_port, start_kubeinfer
 
 from kubeinfer.operator.autoscaler.scrape import parse_gauges
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 TENANTS, PER_TENANT, CONCURRENCY = 8, 16, 16
 RULES = 34   # 30 tokens each: a system prompt of 1,033 tokens, 1,047 with the question
 PROMPT_TOKENS = 1024

@@ -19,7 +19,7 @@ from helpers.serve_process import free_port, start_kubeinfer
 
 from kubeinfer.operator.autoscaler.scrape import parse_gauges
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 HOT, COLD = range(4), 4
 ENGINE = ["serve", "--model", "embedded", "--max-model-len", "512", "--max-num-seqs", "8",
           "--kv-cache-memory", "256Mi"]

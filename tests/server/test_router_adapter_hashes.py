@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
+
 from helpers.lora_adapters import make_peft_adapter
 
 from kubeinfer.server.router.engine_views import EngineView
 from kubeinfer.server.router.routing_key import KeyMaker
 from kubeinfer.server.flags import LoRAModuleSpec
 from kubeinfer.server.model.tokenizer_files import load_tokenizer
+
+pytestmark = pytest.mark.integration
 
 PROMPT = "The garden shop sells spades, rakes, hoes and shears for every kind of soil. " * 3
 

@@ -17,6 +17,8 @@ from kubeinfer.server.router.routing_key import KeyMaker
 from kubeinfer.server.engine.kv_events import HASH_SCHEME
 from kubeinfer.server.model.tokenizer_files import load_tokenizer
 
+pytestmark = pytest.mark.integration
+
 SYSTEM = ("You are the support assistant of a company that sells garden tools. Answer briefly, "
           "politely and only about gardening; refuse anything else. ") * 3
 # A Llama-3-style template: BOS from the template, header tokens, tools, a default date.
@@ -111,7 +113,6 @@ def test_router_hashes_equal_the_engine_blocks_llama3_style(start_server, llama3
         _check_engine(url, [KeyMaker(load_tokenizer(llama3_style_model), 16), _endpoint_key(url)])
 
 
-@pytest.mark.slow
 def test_router_hashes_equal_the_engine_blocks_embedded_model(start_server) -> None:
     """SmolLM2's GGUF tokenizer and its own chat template (default system prompt included)."""
     with start_server("embedded", max_num_seqs=4, kv_cache_memory=64 * 2**20) as (url, _):

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 EXAMPLES = int(os.environ.get("KUBEINFER_FUZZ_EXAMPLES", "100"))
 # A short context bounds the work any one generated request can ask for (n x max_tokens);

@@ -12,7 +12,11 @@ import threading
 import time
 
 import httpx
+import pytest
+
 from helpers.serve_process import wait_until_ready
+
+pytestmark = pytest.mark.integration
 
 TOKENS = 150
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.unit
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
            "def main():\n    return [x * 2 for x in range(10)]\ndef main():",

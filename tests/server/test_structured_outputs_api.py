@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from kubeinfer.server.engine.structured_output import GrammarProcessor
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

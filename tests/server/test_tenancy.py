@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubeinfer.server.tenancy import (RateLimiter, TenantError, TenantResolver, TenantTable, TokenBucket,
                                       load_tenants)
 
+pytestmark = pytest.mark.integration
+
 TABLE = {
     "priority_range": [0, 10],
     "objectives": {"interactive": 0, "batch": 8},

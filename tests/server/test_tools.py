@@ -14,6 +14,8 @@ from kubeinfer.server.api.tools import (ToolCallStream, parse_auto, plan_tools, 
                                         template_messages)
 from kubeinfer.server.model.chat_template import render_chat
 
+pytestmark = pytest.mark.unit
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

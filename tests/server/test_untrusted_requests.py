@@ -12,6 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.unit
+
 MODEL = "tiny"
 CONTEXT = 128
 BODY_LIMIT = 64 * 1024
