@@ -14,6 +14,8 @@ from e2e.localpod import Apiserver, LocalPod
 from e2e.podenv import ConfigError
 from e2e.podvolumes import VolumeNotReady, container_mounts, path_rewriter, volume_dirs
 
+pytestmark = pytest.mark.integration
+
 IMAGE = "kubeinfer/kubeinfer:e2e"
 
 

@@ -16,6 +16,8 @@ from kubeinfer.operator.reconcile import Reconciler
 from kubeinfer.server.kube.api import label_selector
 from kubeinfer.server.kube.scale import engine_selector
 
+pytestmark = pytest.mark.unit
+
 GROUP_SPEC = {"engine": {"device": "cuda", "tensorParallelSize": 8, "pipelineParallelSize": 2, "podsPerReplica": 2},
               "exclusiveTopology": "kubernetes.io/hostname", "replicas": 3}
 

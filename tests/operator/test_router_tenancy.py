@@ -19,6 +19,8 @@ from kubeinfer.server.router.proxy import build_app
 from kubeinfer.server.router.tenancy import RouterTenancy
 from kubeinfer.server.tenancy import TenantTable
 
+pytestmark = pytest.mark.integration
+
 TABLE = TenantTable.model_validate({"tenants": [
     {"name": "chat", "keys": ["sk-chat"], "quotas": {"requests_per_minute": 2}},
     {"name": "batch", "keys": ["sk-batch"], "quotas": {"tokens_per_minute": 600}},

@@ -27,6 +27,8 @@ from kubeinfer.server.flags import to_args
 from parity import assert_greedy_parity
 from test_tp_parity import ENGINE, GREEDY, random_prompts
 
+pytestmark = pytest.mark.integration
+
 SERVE = [sys.executable, "-m", "kubeinfer.server.cli", "serve"]
 EXACT = dict(tie_gap=1e-4, logprob=1e-4)
 SMOL_ENGINE = dict(dtype="float32", device="cpu", max_num_batched_tokens=32, kv_cache_memory=16 << 20)

@@ -30,7 +30,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.serve_process import free_port, start_kubeinfer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 DESTINATION = "x-gateway-destination-endpoint"
 Mode = processing_mode_pb2.ProcessingMode
 

@@ -13,6 +13,8 @@ import pytest
 from kubeinfer.server.weights import errors
 from kubeinfer.server.weights.cache import ModelCache, hold, write_checked
 
+pytestmark = pytest.mark.unit
+
 
 def add_snapshot(cache: ModelCache, repo: str, revision: str, size: int, used_at: float) -> Path:
     def download(partial: Path) -> int:

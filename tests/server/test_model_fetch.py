@@ -16,6 +16,8 @@ import pytest
 from e2e.model_stores import HubServer, S3Server
 from kubeinfer.server import exit_codes
 
+pytestmark = pytest.mark.integration
+
 FILES = {"config.json": b'{"architectures": ["LlamaForCausalLM"]}',
          "model.safetensors": os.urandom(300_000),
          "pytorch_model.bin": os.urandom(2_000),     # another serialization: not fetched

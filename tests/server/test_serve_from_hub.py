@@ -20,6 +20,8 @@ from helpers.serve_process import free_port, wait_until_ready
 from helpers.tiny_models import make_tiny_llama
 from kubeinfer.server import exit_codes
 
+pytestmark = pytest.mark.integration
+
 PROMPT = {"prompt": "hello hello world", "max_tokens": 6, "temperature": 0}
 
 

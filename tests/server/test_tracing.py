@@ -18,6 +18,8 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest, ExportTraceServiceResponse)
 
+pytestmark = pytest.mark.integration
+
 PROMPT = "a very particular prompt text"
 
 
