@@ -16,6 +16,8 @@ from kubeinfer.operator.router_build import gateway_deployment
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 from kubeinfer.server.router.cli import add_arguments as route_arguments
 
+pytestmark = pytest.mark.unit
+
 TENANCY = {"tenancy": {"tenantsSecretRef": {"name": "teams"}, "trustTenantHeader": True},
            "tracing": {"otlpEndpoint": "http://otel-collector.observability:4318/v1/traces", "samplingRatio": 0.25},
            "routing": {"replicas": 3}}
