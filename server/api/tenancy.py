@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fastapi import Request
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ..engine.outputs import RequestOutput
 from ..tenancy import Identity, RateLimiter, TenantError, TenantResolver, TenantTable, load_tenants
 from .auth import ApiKeyCheck
 from .error_body import OpenAIError
+from .metrics import LATENCY_BUCKETS, TTFT_BUCKETS
 
 usage_log = logging.getLogger("kubeinfer.usage")
 
@@ -40,6 +41,10 @@ class TenantMetrics:
         self.requests = counter("kubeinfer:tenant_requests",
                                 "Requests (prompts) per tenant by outcome: a finish reason (stop, length, "
                                 "abort, error) or a refusal (rate_limited, invalid_priority).", "outcome")
+        self.ttft = Histogram("kubeinfer:tenant_time_to_first_token_seconds", "Time to first token, per tenant.",
+                              ["model_name", "tenant"], buckets=TTFT_BUCKETS, registry=registry)
+        self.queue = Histogram("kubeinfer:tenant_request_queue_time_seconds", "Time spent waiting, per tenant.",
+                               ["model_name", "tenant"], buckets=LATENCY_BUCKETS, registry=registry)
 
     def finished(self, label: str, output: RequestOutput) -> None:
         self.prompt.labels(self.model_name, label).inc(len(output.prompt_token_ids))
@@ -48,6 +53,11 @@ class TenantMetrics:
         reasons = [c.finish_reason or "abort" for c in output.outputs] or [
             "stop" if output.embedding is not None else ("error" if output.error else "abort")]
         self.requests.labels(self.model_name, label, reasons[0]).inc()
+        m = output.metrics
+        if m.arrival_time is not None and m.first_token_time is not None:
+            self.ttft.labels(self.model_name, label).observe(m.first_token_time - m.arrival_time)
+        if m.arrival_time is not None and m.first_scheduled_time is not None:
+            self.queue.labels(self.model_name, label).observe(m.first_scheduled_time - m.arrival_time)
 
     def refused(self, label: str, outcome: str, count: int = 1) -> None:
         self.requests.labels(self.model_name, label, outcome).inc(count)

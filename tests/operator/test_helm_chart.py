@@ -142,6 +142,29 @@ def test_routing_dashboard_reads_what_the_routers_and_engines_export(helm: str) 
     assert dashboard["uid"] != json.loads(config_map["data"]["kubeinfer-engines.json"])["uid"]
 
 
+def test_tenants_dashboard_reads_the_per_tenant_metrics(helm: str) -> None:
+    """Per-tenant TTFT, throughput, queue and refusals, from what `Tenancy` registers."""
+    import json
+    import re
+
+    from prometheus_client import CollectorRegistry
+
+    from kubeinfer.server.api.tenancy import TenantMetrics
+
+    registry = CollectorRegistry()
+    TenantMetrics(registry, "m")
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    exported = {family.name + suffix for family in registry.collect() for suffix in suffixes[family.type]}
+    config_map = next(d for d in by_kind(render(helm), "ConfigMap") if "dashboard" in d["metadata"]["name"])
+    dashboard = json.loads(config_map["data"]["kubeinfer-tenants.json"])
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\b(?:vllm|kubeinfer):[a-z_]+", expr)}
+    assert used <= exported and len(used) == 6
+    titles = " ".join(panel["title"] for panel in dashboard["panels"])
+    for word in ("TTFT", "tokens per second", "Queue", "Refusals"):
+        assert word in titles
+
+
 def test_helm_test_hook_is_rendered(helm: str) -> None:
     pods = [d for d in render(helm) if d["kind"] == "Pod" and is_hook(d)]
     assert len(pods) == 1 and pods[0]["spec"]["restartPolicy"] == "Never"
