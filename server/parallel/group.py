@@ -60,6 +60,22 @@ class Topology:
         return list(range(stage * self.tensor, (stage + 1) * self.tensor))
 
 
+def host_store(topology: Topology) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening on the master address where that is this host's
+    (pods that share one network namespace, as on the local test cluster, then each have their
+    own --master-port 29500), else on every address."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((topology.master_addr, topology.master_port))
+    except OSError:   # e.g. a name or address of a Service in front of this pod
+        listener.bind(("", topology.master_port))
+    listener.listen(128)
+    store = dist.TCPStore(topology.master_addr, topology.master_port, topology.world, is_master=True,
+                          timeout=IDLE_TIMEOUT, wait_for_workers=False, master_listen_fd=listener.detach())
+    return store
+
+
 def init_group(rank: int, topology: Topology, device: torch.device, store: dist.TCPStore | None = None
                ) -> tuple[torch.device, dist.TCPStore]:
     """Join the group; returns this rank's device (cuda:local rank on GPUs) and the rendezvous

@@ -28,7 +28,7 @@ from ..model.loader import LoadedModel, embedded_model_path, read_checkpoint, re
 from ..model.quantization import resolve_for_checkpoint
 from ..model.registry import model_family
 from . import liveness
-from .group import IDLE_TIMEOUT, Topology, agree_on_load, free_port, init_group
+from .group import IDLE_TIMEOUT, Topology, agree_on_load, free_port, host_store, init_group
 from .model import load_shard
 from .plan import ShardPlan
 from .step_broadcast import send_stop
@@ -187,8 +187,7 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     processes = _worker_processes(config, topology, topology.node_ranks(0)[1:])
     for process in processes:
         process.start()
-    store = dist.TCPStore(topology.master_addr, topology.master_port, topology.world, is_master=True,
-                          timeout=IDLE_TIMEOUT, wait_for_workers=False)
+    store = host_store(topology)
     listener = None
     if topology.nnodes > 1:
         store.set(SETTINGS_KEY, json.dumps(_shared_settings(config)))

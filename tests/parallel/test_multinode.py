@@ -136,3 +136,17 @@ def test_leader_ready_only_with_every_node_and_down_at_once_without_one(tmp_path
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_leaders_in_one_network_namespace_share_the_master_port_on_their_own_addresses():
+    """Pods of the local cluster share the host's network: each leader's store listens on its own
+    address (its --master-addr), so two groups' leaders both use the rendered port."""
+    import torch.distributed as dist
+
+    from kubeinfer.server.parallel.group import Topology, host_store
+
+    port = free_port()
+    stores = [host_store(Topology(1, 2, 2, address, port)) for address in ("127.0.0.7", "127.0.0.8")]
+    for index, (store, address) in enumerate(zip(stores, ("127.0.0.7", "127.0.0.8"))):
+        store.set("leader", str(index))
+        assert dist.TCPStore(address, port, is_master=False).get("leader") == str(index).encode()
