@@ -14,7 +14,7 @@ from .. import __version__
 from ..engine.validation import check_token_ids
 from .auth import ApiKeyCheck
 from .cache_routes import cache_routes
-from .chat import create_chat_completion, render_chat
+from .chat import create_chat_completion, render_request
 from .completions import create_completion
 from .embeddings import EmbeddingRequest, create_embedding
 from .errors import OpenAIError, install_error_handlers
@@ -72,17 +72,24 @@ def _api_routes(state: ServerState) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's: the ids the engine would run (a prompt, or messages through the chat template
+        as /v1/chat/completions renders them), with their token strings on request."""
         state.check_model(body.model)
         tokenizer = state.engine.tokenizer
 
-        def encode() -> list[int]:
-            if body.messages is not None:
-                text = render_chat(state, body.messages, body.add_generation_prompt)
-                return tokenizer.encode(text, add_special_tokens=False)
-            return tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        text = body.prompt or ""
+        if body.messages is not None:
+            text, _ = await render_request(state, ChatCompletionRequest(
+                messages=body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs))
 
-        ids = await state.off_loop(encode)
-        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+        def encode() -> tuple[list[int], list[str] | None]:
+            ids = tokenizer.encode(text, add_special_tokens=body.special_tokens)
+            return ids, tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+
+        ids, strings = await state.off_loop(encode)
+        response = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+        return response | {"token_strs": strings} if strings is not None else response
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

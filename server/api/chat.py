@@ -15,7 +15,7 @@ from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest, ChatMessage
 from .responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                         ChatCompletionResponse, DeltaMessage, DeltaToolCall, FunctionCallOut,
-                        ToolCallOut, Usage)
+                        ToolCallOut, Usage, prompt_logprobs)
 from .sampling import sampling_params
 from .sse import sse_response
 from .state import ServerState, new_request_id
@@ -48,6 +48,17 @@ def render_chat(state: ServerState, messages: list[ChatMessage] | list[dict[str,
         raise OpenAIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
 
 
+async def render_request(state: ServerState, body: ChatCompletionRequest) -> tuple[str, ToolPlan | None]:
+    """The request's prompt text (tools shown as its template or our fallback shows them) and
+    its tool plan; /tokenize renders messages the same way."""
+    template = state.engine.tokenizer.chat_template
+    plan = plan_tools(body, template)
+    messages, tools = template_messages(body, plan, template)
+    prompt = await state.off_loop(lambda: render_chat(
+        state, messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs, tools))
+    return prompt, plan
+
+
 def _logprobs(body: ChatCompletionRequest, choice: CompletionOutput, token_ids: list[int]):
     if not body.logprobs or choice.logprobs is None:
         return None
@@ -60,13 +71,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     adapter = state.resolve_model(body.model)
     model_name = adapter or state.model_name
     state.check_task("generate", "Chat Completions")
-    template = state.engine.tokenizer.chat_template
-    plan = plan_tools(body, template)
-    messages, tools = template_messages(body, plan, template)
-    prompt = await state.off_loop(lambda: render_chat(
-        state, messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs, tools))
+    prompt, plan = await render_request(state, body)
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, body.max_new_tokens, num_logprobs)
+    params.prompt_logprobs = body.prompt_logprobs
     forced = plan.constraint() if plan is not None else None
     if forced is not None:
         if structured_outputs(body) is not None:
@@ -87,8 +95,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     usage = Usage()
     usage.add_request(final)
     choices = [_choice(body, plan, c) for c in final.outputs]
-    response = ChatCompletionResponse(id=request_id, created=created, model=model_name,
-                                      choices=choices, usage=usage)
+    response = ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
+                                      usage=usage, prompt_logprobs=prompt_logprobs(final.prompt_logprobs))
     return JSONResponse(response.model_dump(mode="json"))
 
 

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields), validated by pydantic.
 
 Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working; fields
-that would silently change the meaning of a request (suffix, echo) are refused.
+that would silently change the meaning of a request (suffix) are refused.
 Numbers must be finite (JSON's `NaN`/`Infinity` extensions are refused) and text must be valid
 Unicode: a lone surrogate (`"\ud800"`) cannot be tokenized or sent back, so it is a 400 that
 names the field. The engine (`SamplingParams.validate`) owns the finer domains of the values.
@@ -15,9 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..engine.sampling_params import SEED_RANGE
+from ..engine.sampling_params import MAX_LOGPROBS, SEED_RANGE
 
-MAX_LOGPROBS = 20
 MAX_PROMPTS = 2048  # prompts in one /v1/completions request, OpenAI's documented limit
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -52,6 +51,14 @@ class InvalidText(ValueError):
 
     def __init__(self, param: str) -> None:
         super().__init__(f"{param}: contains a lone UTF-16 surrogate, which is not valid Unicode text")
+        self.param = param
+
+
+class InvalidField(ValueError):
+    """A field whose value the request's other fields rule out; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
         self.param = param
 
 
@@ -117,25 +124,40 @@ class SamplingRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    # vLLM's: the top-k per prompt position (with the prompt token); 0 = the prompt token alone
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingRequest:
+        if self.stream and self.prompt_logprobs:  # vLLM's rule: no stream chunk carries them
+            raise InvalidField("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+        return self
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: with `echo`, the prompt alone (its logprobs scored)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt in front of the completion, text and logprobs
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """OpenAI's `echo` with `max_tokens: 0`: the prompt and its logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     @model_validator(mode="after")
     def _check_supported(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("'suffix' is not supported")
-        if self.echo:
-            raise ValueError("'echo' is not supported")
+        if self.max_tokens == 0 and not self.echo:   # vLLM's SamplingParams refuses it so
+            raise InvalidField("max_tokens", "max_tokens must be at least 1, got 0 (0 is accepted only with "
+                               "'echo': true, for the prompt's logprobs).")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("'best_of' must equal 'n' (beam/best-of search is not supported)")
         if self.prompt == "" or self.prompt == []:
@@ -246,19 +268,32 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(RequestBody):
-    """vLLM's /tokenize: either a prompt or chat messages."""
+    """vLLM's /tokenize: either a prompt (its TokenizeCompletionRequest) or chat messages
+    rendered with the chat template (its TokenizeChatRequest)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # vLLM's defaults: true for a prompt; false for messages (the template writes any BOS)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    return_token_strs: bool = False  # also the token strings (the tokenizer's own pieces)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidField("continue_final_message",
+                               "'continue_final_message' needs 'add_generation_prompt': false")
         return self
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
 
 
 class DetokenizeRequest(RequestBody):

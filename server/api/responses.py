@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
-from ..engine.outputs import RequestOutput
+from ..engine.outputs import Logprob, RequestOutput
 
 
 class PromptTokensDetails(BaseModel):
@@ -20,10 +20,12 @@ class Usage(BaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
-    def add_request(self, output: RequestOutput) -> None:
-        """Count one finished engine request (all of its `n` choices share the prompt)."""
+    def add_request(self, output: RequestOutput, generated: bool = True) -> None:
+        """Count one finished engine request (all of its `n` choices share the prompt);
+        `generated` is false for an echo of the prompt alone (its one engine token is dropped)."""
         self.prompt_tokens += len(output.prompt_token_ids)
-        self.completion_tokens += sum(len(choice.token_ids) for choice in output.outputs)
+        if generated:
+            self.completion_tokens += sum(len(choice.token_ids) for choice in output.outputs)
         self.total_tokens = self.prompt_tokens + self.completion_tokens
         self.prompt_tokens_details.cached_tokens += output.num_cached_tokens
 
@@ -37,12 +39,33 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as its `prompt_logprobs` carry it (-inf is written -9999.0, as vLLM does)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per prompt position (the first is null): {token id: its logprob}, the prompt token and the top-k
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        token: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank, decoded_token=lp.decoded_token)
+        for token, lp in entry.items()} for entry in entries]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with `prompt_logprobs` or `echo` + `logprobs`
 
 
 class CompletionResponse(BaseModel):
@@ -100,6 +123,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with `prompt_logprobs`
 
 
 class _OmitNone(BaseModel):

@@ -48,10 +48,11 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Give a fresh sequence the cached blocks of its longest prefix; returns cached tokens.
 
-        The last token is never matched: its logits must be computed.
+        The last token is never matched: its logits must be computed. Nothing is matched for a
+        request that still owes prompt logprobs: cached blocks hold no logits (`prompt_logprobs.py`).
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if self.cache is None:
+        if self.cache is None or seq.request.owes_prompt_logprobs:
             return 0
         blocks = self.cache.match_prefix(seq.token_ids[:-1], seq.request.extra_key)
         for block in blocks:

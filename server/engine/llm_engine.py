@@ -14,7 +14,8 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .kv_event_publisher import open_kv_event_publisher
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .prompt_logprobs import PromptLogprobs
 from .proposer import Proposer
 from .sampler import Sampler, SamplerOutput, to_logprob_dict
 from .sampling_params import InvalidRequestError, SamplingParams
@@ -64,7 +65,8 @@ class LLMEngine:
         self.generation_defaults = dict(self.loaded.generation_defaults)
         self.served_model_name = config.served_model_name or self.loaded.name
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.model_config.eos_token_ids
-        self.runner = ModelRunner(self.loaded, config)
+        self.prompt_logprobs = PromptLogprobs()
+        self.runner = ModelRunner(self.loaded, config, prompt_logprobs=self.prompt_logprobs)
         # every layer windowed (Mistral, Phi-3): blocks that left the window go back while a sequence
         # runs; Gemma's interleaved global layers read the whole context, so theirs stay
         window = self.model_config.sliding_window if not self.model_config.layer_types else None
@@ -236,6 +238,9 @@ class LLMEngine:
         except BaseException:
             self.kv.drop_cache()   # it holds this step's blocks, never computed
             raise
+        if self.prompt_logprobs.failures:   # scoring a prompt raised: those requests fail, no others
+            self._fail_adapter_requests(self.prompt_logprobs.failures, touched)
+            self.prompt_logprobs.failures = []
         if self.adapters is not None:   # an adapter whose delta raised: its requests fail, no others
             failed = self.adapters.failed_requests(out.scheduled)
             if failed:
@@ -448,7 +453,18 @@ class LLMEngine:
             seq.num_sent_tokens = len(output_ids)
         return RequestOutput(request.request_id, request.prompt_token_ids,
                              request.num_cached_tokens, completions, request.finished,
-                             request.metrics)
+                             request.metrics, prompt_logprobs=self._prompt_logprobs(request))
+
+    def _prompt_logprobs(self, request: Request) -> list[dict[int, Logprob] | None] | None:
+        """The request's prompt logprobs as vLLM returns them, decoded once all are in."""
+        if request.prompt_logprobs is None or request.owes_prompt_logprobs:
+            return None
+        if request.decoded_prompt_logprobs is None:
+            ids = request.prompt_token_ids
+            request.decoded_prompt_logprobs = [None] + [
+                to_logprob_dict(entry, ids[position], self._decode_one)
+                for position, entry in enumerate(request.prompt_logprobs[1:], start=1) if entry is not None]
+        return request.decoded_prompt_logprobs
 
     def stats(self) -> EngineStats:
         c, kv = self.counters, self.kv

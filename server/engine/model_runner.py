@@ -18,6 +18,7 @@ from .cpu_threads import limit_torch_threads
 from .cpu_graphs import CpuDecodeGraphs
 from .cpu_graphs import why_not_graphed as why_not_cpu_graphed
 from .cuda_graphs import DecodeGraphs, why_not_graphed
+from .prompt_logprobs import PromptLogprobPlan, PromptLogprobs
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .sequence import DraftPosition, SamplingRow
 
@@ -31,8 +32,12 @@ CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 class ModelRunner:
-    def __init__(self, loaded: "LoadedModel", config: EngineConfig) -> None:
+    def __init__(self, loaded: "LoadedModel", config: EngineConfig,
+                 prompt_logprobs: PromptLogprobs | None = None) -> None:
+        """`prompt_logprobs`: scores the prompt positions of requests that ask (the target
+        model's runner; a draft model's has none)."""
         self.model = loaded.model
+        self.prompt_logprobs = prompt_logprobs
         self.adapters: "EngineAdapters | None" = None   # set by the engine with --enable-lora
         self.graphs: DecodeGraphs | None = None   # set by `capture_decode_graphs`
         self.device = loaded.device
@@ -124,8 +129,11 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[SamplingRow], list[int]]:
         """The step as a ForwardBatch on the device, its sampling rows and their logits rows."""
         host = self._host_step(out)
+        return self._device_batch(out, host), host.seqs, host.rows
+
+    def _device_batch(self, out: SchedulerOutput, host: "HostStep") -> ForwardBatch:
         adapter_slots = self.adapters.token_slots(out.scheduled, host.query_lens) if self.adapters is not None else None
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=self._tensor(host.input_ids),
             positions=self._tensor(host.positions),
             slot_mapping=self._tensor(host.slots),
@@ -139,7 +147,6 @@ class ModelRunner:
             seq_lens_cpu=host.seq_lens.tolist(),
             adapter_indices=self._tensor(adapter_slots) if adapter_slots is not None else None,
         )
-        return batch, host.seqs, host.rows
 
     @staticmethod
     def _verify_rows(items: list[ScheduledSeq], sampling: list[int], query_start: np.ndarray
@@ -201,6 +208,8 @@ class ModelRunner:
         """One forward pass; float32 logits, one row per sampling row (a sampling sequence, and
         each of its draft positions in a speculative step; None if none sample)."""
         logits = None
+        if self.prompt_logprobs is not None and self.prompt_logprobs.owed(out):
+            return self._run_with_prompt_logprobs(out)
         if (self.graphs is not None and not out.num_drafts and self.graphs.fits(
                 [item.num_new_tokens for item in out.scheduled],
                 max(len(item.seq.block_table) for item in out.scheduled))):
@@ -213,11 +222,31 @@ class ModelRunner:
         if logits is None:   # not a graphed step, or a CPU size just refused
             batch, seqs, rows = self.prepare(out)
             logits = self.model(batch, self.kv_caches)
+        return self._sampling_logits(logits, seqs, rows)
+
+    @staticmethod
+    def _sampling_logits(logits: torch.Tensor, seqs: list[SamplingRow], rows: list[int]
+                         ) -> tuple[torch.Tensor | None, list[SamplingRow]]:
         if not seqs:
             return None, seqs
         if rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         return logits, seqs
+
+    def _run_with_prompt_logprobs(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[SamplingRow]]:
+        """An eager step whose model call also computes the logits of the prompt positions
+        `PromptLogprobs.plan` names (after the sampling rows), scored there."""
+        assert self.prompt_logprobs is not None
+        host = self._host_step(out)
+        batch = self._device_batch(out, host)
+        plan: PromptLogprobPlan | None = self.prompt_logprobs.plan(out, host.query_start)
+        num_sampling = len(host.logits_indices)
+        if plan is not None:
+            batch.logits_indices = torch.cat([batch.logits_indices, self._tensor(plan.rows)])
+        logits = self.model(batch, self.kv_caches)
+        if plan is not None:
+            self.prompt_logprobs.accept(logits[num_sampling:], plan)
+        return self._sampling_logits(logits[:num_sampling], host.seqs, host.rows)
 
 
 @dataclass

@@ -51,3 +51,6 @@ class RequestOutput:
     client_error: bool = False  # `error` is the request's own fault: the client's message, a 400
     # a pooling request's result (float32, CPU; `outputs` is then empty); None while running or if aborted
     embedding: "torch.Tensor | None" = None
+    # with prompt_logprobs, once the whole prompt is scored: per prompt position (the first is
+    # None) the prompt token and the top-k alternatives, as vLLM's RequestOutput.prompt_logprobs
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -293,17 +293,10 @@ class Sampler:
         if not rows:
             return result
         index = torch.tensor(rows, device=self.device)
-        logprobs = raw.index_select(0, index).float().log_softmax(dim=-1)
-        chosen = tokens.index_select(0, index)
-        chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
-        ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
-        k = max(seqs[i].params.logprobs or 0 for i in rows)
-        top = logprobs.topk(k, dim=-1) if k else None
-        for j, row in enumerate(rows):
-            want = seqs[row].params.logprobs or 0
-            ids = top.indices[j, :want].tolist() if top is not None else []
-            values = top.values[j, :want].tolist() if top is not None else []
-            result[row] = (ids, values, float(chosen_lp[j]), int(ranks[j]))
+        entries = logprob_entries(raw.index_select(0, index), tokens.index_select(0, index),
+                                  [seqs[i].params.logprobs or 0 for i in rows])
+        for row, entry in zip(rows, entries):
+            result[row] = entry
         return result
 
 
@@ -351,6 +344,24 @@ def _inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     total = cumulative[:, -1:]
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cumulative, target, right=True).squeeze(1)
+
+
+def logprob_entries(logits: torch.Tensor, chosen: torch.Tensor, wants: list[int]
+                    ) -> list[tuple[list[int], list[float], float, int]]:
+    """Per row of `logits` (float32 log-softmax taken here): its `wants[row]` best tokens and
+    their logprobs, then the logprob and rank (1 = best) of its `chosen` token."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
+    k = max(wants, default=0)
+    top = logprobs.topk(k, dim=-1) if k else None
+    chosen_list, rank_list = chosen_lp.tolist(), ranks.tolist()
+    entries = []
+    for j, want in enumerate(wants):
+        ids = top.indices[j, :want].tolist() if top is not None else []
+        values = top.values[j, :want].tolist() if top is not None else []
+        entries.append((ids, values, chosen_list[j], rank_list[j]))
+    return entries
 
 
 def to_logprob_dict(entry: tuple[list[int], list[float], float, int], sampled: int,

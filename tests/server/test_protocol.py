@@ -89,7 +89,8 @@ async def test_any_configured_key_is_accepted() -> None:
 
 def test_unsupported_features_are_refused() -> None:
     for bad in ({"prompt": "x", "suffix": "y"}, {"prompt": "x", "best_of": 3}, {"prompt": ""},
-                {"prompt": "x", "echo": True}, {"prompt": "x", "logprobs": 21}):
+                {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "logprobs": 21},
+                {"prompt": "x", "prompt_logprobs": 21}, {"prompt": "x", "prompt_logprobs": 1, "stream": True}):
         with pytest.raises(ValidationError):
             CompletionRequest(**bad)
     user = [{"role": "user", "content": "hi"}]
