@@ -40,9 +40,8 @@ class AttentionGeometry:
 
 # Query rows per tile when a step has prefill chunks. A decode tile is one token's GQA heads in
 # 16 rows (the smallest tensor-core tile); a prefill tile packs more tokens so that each K/V tile
-# it loads serves more rows. Measured on an H200 (bf16, 32/8 heads, head_dim 128,
-# benchmarks/gpu_tune.py): causal prefill 4 x 2048 took 1.52 / 1.22 / 0.56 / 0.64 ms at 16 / 32 /
-# 64 / 128 rows, a 512-token chunk over 4,096 cached 1.51 / 1.20 / 0.63 / 0.65 ms.
+# it loads serves more rows. Measured on an H200 (benchmarks/gpu_tune.py; BENCHMARKS.md, "On an
+# H200"): 64 rows were fastest for causal prefill and for a chunk over a cached prefix.
 PREFILL_ROWS = 64
 
 

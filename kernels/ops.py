@@ -64,10 +64,9 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 
 # Split-KV decode: programs per SM to aim for, the fewest tokens a split covers, the most splits.
-# Measured on an H200 (bf16, 8 KV heads, head_dim 128, benchmarks/gpu_tune.py): batch 1 at 64k
-# context took 0.41 / 0.22 / 0.17 / 0.10 ms at 4 / 8 / 16 / 64 splits (1.20 ms unsplit); batch 4 at
-# 16k 0.31 ms unsplit, 0.11-0.14 ms at 4-64 splits; from batch 16 at 4k, unsplit was fastest; at
-# 8k tokens or less the partials and the merge cost what the split saves.
+# Measured on an H200 (benchmarks/gpu_tune.py; BENCHMARKS.md, "On an H200"): splits pay at long
+# contexts and small batches; from batch 16 at 4k, unsplit was fastest; at 8k tokens or less the
+# partials and the merge cost what the split saves.
 SPLIT_PROGRAMS_PER_SM = 4
 SPLIT_MIN_TOKENS = 1024
 MAX_SPLITS = 64

@@ -8,7 +8,8 @@ in its kernels, so the event loop keeps serving while a step runs, and vice vers
 op of the process. Each thread that runs a parallel op owns an OpenMP team whose workers stay
 alive; once the process holds more OpenMP threads than CPUs, libgomp stops spinning at its
 barriers and sleeps at each one instead. Loading on the main thread and stepping on this one
-made a single-sequence decode step 127 ms instead of 42 ms on our 2-core machine.
+made a single-sequence decode step three times slower on a 2-core machine (BENCHMARKS.md,
+"Figures that were in code comments").
 """
 
 from __future__ import annotations

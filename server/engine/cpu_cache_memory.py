@@ -7,7 +7,7 @@ them all (`MADV_POPULATE_WRITE`, Linux 5.14+), which leaves their contents alone
 while the engine already writes K/V. Without it, every first write to a page during serving would
 take a page fault inside a forward pass. The cache asks for transparent huge pages first: decode
 attention reads 16-token blocks all over it, and with 4 KiB pages each block costs TLB misses
-(32 sequences x 200 keys x 30 layers from DRAM: 7.25 ms a step on 4 KiB pages, 6.55 on 2 MiB).
+(BENCHMARKS.md, "Figures that were in code comments").
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 On the CPU every op of a decode layer is one of our C kernels (`kernels/cpu_build.py`) for a
 W8A8 or GGUF model, and what is left around them is Python: module calls, checks, allocations
-and ctypes conversions, about 150 us a layer. SmolLM2 W8A8 at 32 sequences spent 5.9 of its
-21.7 ms decode step outside the kernels on the engine thread while the other OpenMP thread
-waited. So, like `cuda_graphs.py`, a decode step runs in static buffers of its padded batch size;
-the first step of each size runs its layers, then runs them again recording their kernel calls
-(`cpu_build.recording_calls`); later steps of that size copy their inputs in and make the same
-calls with the same arguments, without the Python between them.
+and ctypes conversions. SmolLM2 W8A8 at 32 sequences spent a quarter of its decode step outside
+the kernels on the engine thread while the other OpenMP thread waited (BENCHMARKS.md, "Decode
+steps replayed from recorded kernel calls"). So, like `cuda_graphs.py`, a decode step runs in
+static buffers of its padded batch size; the first step of each size runs its layers, then runs
+them again recording their kernel calls (`cpu_build.recording_calls`); later steps of that size
+copy their inputs in and make the same calls with the same arguments, without the Python between
+them.
 
 What makes that safe: while recording, a dispatch mode refuses every torch op other than an
 allocation or a view (an op that computes, copies or reads a value into Python would not be

@@ -2,8 +2,8 @@
 
 torch starts one thread per visible core, but a pod's CPU limit (cgroup v2 `cpu.max`) can be
 far lower than the node's core count. With more threads than CPU time, every op's barrier
-waits on a descheduled thread: on a 2-core machine under load we measured a bf16 matvec
-at 4 ms with 1 thread and 89 ms with 2.
+waits on a descheduled thread: on a 2-core machine under load a bf16 matvec was 20 times
+slower with 2 threads than with 1 (BENCHMARKS.md, "Figures that were in code comments").
 """
 
 from __future__ import annotations

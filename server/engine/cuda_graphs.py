@@ -1,8 +1,8 @@
 """Decode steps replayed from CUDA graphs.
 
 A decode step of a small model is a few hundred kernel launches, and on CUDA their Python and
-launch overhead is what the step costs: a random-weight 1B Llama at batch 32 on an H200 took
-17-19 ms a step, of which the GPU worked about 1.1 ms (BENCHMARKS.md). So, like vLLM and
+launch overhead is what the step costs: for a random-weight 1B Llama at batch 32 on an H200 the
+GPU worked a small fraction of each step (BENCHMARKS.md, "On an H200"). So, like vLLM and
 SGLang, the engine captures the forward pass of a decode step once per padded batch size at
 startup and replays it: a step in which every sequence adds one token (no prefill chunk, no
 draft, no adapter) copies its inputs into the captured static buffers and launches one graph.

@@ -184,7 +184,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[SamplingRow], greedy: list[bool],
                 uniform: torch.Tensor) -> torch.Tensor:
         """Rows that only scale by temperature are sampled by the fused CPU kernel in one pass
-        (torch's softmax, cumsum and searchsorted took ~1 ms a step at 32 x 49,152); the others
+        (torch's softmax, cumsum and searchsorted: kernels/README.md, `sample_rows_f32`); the others
         (top-k, top-p, min-p, a draft distribution to verify, logits off the CPU) by torch. The
         way a row goes depends on its own parameters only, so a seeded request gives the same
         tokens whatever it is batched with."""
@@ -227,7 +227,7 @@ class Sampler:
     def _probs(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         params = [s.params for s in seqs]
         temperatures = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-        # Dividing by 1 changes nothing but costs a pass over [rows, vocab] (0.26 ms at 32 x 49k).
+        # Dividing by 1 changes nothing but costs a pass over [rows, vocab].
         scaled = logits.float() if all(t == 1.0 for t in temperatures) else logits / self._column(temperatures)
         vocab = scaled.shape[1]
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]

@@ -244,9 +244,9 @@ MAX_PATTERN_LENGTH = 64
 def bounded_strings_as_patterns(schema: Any) -> Any:
     """`{"type": "string", "maxLength": n}` (with or without minLength) as the same strings
     written as a pattern, `^[^"\\\\\x00-\x1f]{min,n}$`. xgrammar expands a small maxLength into a
-    repetition whose token masks it cannot precompute: 5-12 ms per row and step inside such a
-    string (vs 0.02 ms for the pattern's automaton), which made a batch of 32 constrained rows
-    spend up to 290 ms a step filling masks. Both accept the same strings."""
+    repetition whose token masks it cannot precompute, hundreds of times slower per row and step
+    inside such a string than the pattern's automaton (BENCHMARKS.md, "Structured outputs:
+    constrained against free decoding"). Both accept the same strings."""
     if isinstance(schema, list):
         return [bounded_strings_as_patterns(item) for item in schema]
     if not isinstance(schema, dict):
@@ -337,7 +337,7 @@ class GrammarProcessor(LogitsProcessor):
             bitmask[json_rows] &= backend.json_bitmask
         if fused_cpu.token_bitmask_available(logits):
             # One vectorised pass that also says which rows kept a finite logit; xgrammar's
-            # CPU kernel tests bit by bit: 6.2 ms of a 37 ms step for 32 rows (issue 21).
+            # CPU kernel tests bit by bit (BENCHMARKS.md, "Quiet rerun: the mask, not the forward pass").
             dead = ~fused_cpu.apply_token_bitmask(logits, bitmask, rows)
         else:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)

@@ -83,8 +83,9 @@ def split_fused(name: str, tensor: torch.Tensor, fused: FusedParts) -> list[tupl
 def one_intra_op_thread() -> Iterator[None]:
     """Run torch ops on one intra-op thread. NOTE: every parallel op ends in a thread barrier;
     on small tensors that costs more than it saves, and on an oversubscribed host each barrier
-    can wait a whole scheduler slice (oneDNN's weight prepack: ~8 ms a matrix with 2 threads on
-    our busy 2-core box, 0.5-1.3 ms with one)."""
+    can wait a whole scheduler slice (oneDNN's weight prepack, several times slower with 2
+    threads than with one on a busy 2-core box: BENCHMARKS.md, "Figures that were in code
+    comments")."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield

@@ -3,8 +3,9 @@
 `gguf.GGUFReader` builds one numpy view per array element and takes ~7 s on the embedded
 model's 49k-token vocabulary; this reader parses the same header in ~0.05 s. Layout (GGUF v2/v3):
 magic, version, tensor count, KV count, KV pairs, tensor infos, then aligned tensor data.
-The `gguf` package (66 ms of imports, yaml included) is only imported for a tensor type that
-`QType` does not list, i.e. one we cannot dequantize anyway.
+The `gguf` package (slow to import, yaml included: BENCHMARKS.md, "Figures that were in code
+comments") is only imported for a tensor type that `QType` does not list, i.e. one we cannot
+dequantize anyway.
 """
 
 from __future__ import annotations

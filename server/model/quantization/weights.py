@@ -135,9 +135,8 @@ class ScaledWeight:
 # Where the fused CPU kernel beats quantize + torch._int_mm + rescale (measured on an AMD EPYC
 # with AVX512-VNNI, BENCHMARKS.md issue 23): few rows (decode, where even one-pass quantize and
 # rescale cost more than they save: 1.2-1.7x at 32 rows) and outputs of 8M+ elements (the int32
-# [M, N] products then cost page faults). Between them oneDNN's GEMM is 10-30% faster than the
-# kernel's: a 2,048-token prefill step of SmolLM2 W8A8 took 519-594 ms that way against 614-762
-# with the kernel for outputs of 2M+; at 4,096 tokens the two were level.
+# [M, N] products then cost page faults). Between them oneDNN's GEMM is faster than the kernel's
+# (BENCHMARKS.md, "W8A8 prefill without torch's passes"); at 4,096 tokens the two were level.
 INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MIN_OUTPUTS = 64, 1 << 23
 
 
@@ -207,7 +206,7 @@ class Int8Weight(ScaledWeight):
             else:
                 xq, x_scale = quantize_int8_static(rows, self.input_scale), self.input_scale
             # Rescaled in place: `x_scale * self.scale` first would write an [M, N] float32
-            # matrix of scales, 2.6 of the layer's 3.5 ms at 512 rows (BENCHMARKS.md, issue 23).
+            # matrix of scales, most of the layer's time (BENCHMARKS.md, issue 23).
             out = _int_mm(xq, self.weight.t()).float().mul_(x_scale).mul_(self.scale).to(x.dtype)
         if bias is not None:
             out = out + bias
