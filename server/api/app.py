@@ -22,7 +22,7 @@ from .lora import lora_routes
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeRequest)
 from .responses import ModelCard, ModelList
-from .middleware import BodyLimit
+from .middleware import BodyLimit, RequestClock
 from .state import ServerState
 from .tenancy import Tenancy
 from .streams import ClientDisconnected
@@ -149,6 +149,7 @@ def _app(state: ServerState, max_body_bytes: int | None) -> FastAPI:
     else:
         app.add_middleware(BodyLimit, max_bytes=lambda: default_max_body_bytes(state.engine.max_model_len),
                            at_least=MIN_BODY_BYTES)
+    app.add_middleware(RequestClock)   # outermost: the moment a request reaches the app
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected) -> Response:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Callable
 
 from starlette.exceptions import HTTPException
@@ -90,3 +91,16 @@ class ContainErrors:
             if not started:
                 await JSONResponse(error_body(500, "internal server error"), status_code=500)(
                     scope, receive, send)
+
+
+class RequestClock:
+    """Stamps `request.state.received` (time.monotonic()) as a request enters the app, before
+    its body is read and validated: where a trace's `llm_request` span starts."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["received"] = time.monotonic()
+        await self.app(scope, receive, send)

@@ -141,7 +141,7 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
     any byte is sent lets engine errors still become a status code instead of an error
     frame inside a 200 stream.
     """
-    started = time.monotonic()
+    started = getattr(request.state, "received", None) or time.monotonic()   # middleware.RequestClock
     trace_context = state.tracing.context(request.headers) if state.tracing is not None else None
     identity = getattr(request.state, "identity", None)
     if state.tenancy is not None and identity is not None:

@@ -2,7 +2,7 @@
 
 One `llm_request` span per engine request (vLLM's name and `gen_ai.*` attributes), a child of
 the client's W3C `traceparent` when it sends one, with children for where the time went:
-`admission` (tokenizing and validation), `queue` (waiting to be scheduled), `prefill` (to the
+`admission` (reading, validating and tokenizing the request), `queue` (waiting to be scheduled), `prefill` (to the
 first token) and `decode` (to the last). Their durations add up to the parent's.
 
 The spans are built from the request's own timestamps when it finishes, on the HTTP side:
@@ -58,7 +58,7 @@ class Tracing:
 
     def finished(self, context: "Context", started: float, output: RequestOutput, *, model: str,
                  params: SamplingParams, tenant: str | None) -> None:
-        """Emit the request's spans; `started` is when the HTTP side took it (time.monotonic())."""
+        """Emit the request's spans; `started` is when the request reached the app (time.monotonic())."""
         from opentelemetry.trace import SpanKind
 
         m = output.metrics
