@@ -123,7 +123,7 @@ def tenancy_volumes(isvc: InferenceService) -> tuple[list[dict[str, Any]], list[
     return [volume], [{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}]
 
 
-def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
+def engine_env(isvc: InferenceService, config: OperatorConfig | None = None) -> list[dict[str, Any]]:
     """Server flags as env vars (named by the flag table); the user's `engine.env` wins.
 
     The server binds every address of its pod (as vLLM and KServe do), so Services, probes
@@ -135,8 +135,9 @@ def engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
         (flag("shutdown_timeout").env, {"value": str(isvc.spec.rollout.drain_seconds)}),
         *auth_env(isvc), *tenancy_env(isvc)]
     tracing = isvc.spec.tracing
-    if tracing.otlp_endpoint:
-        ours += [(flag("otlp_traces_endpoint").env, {"value": tracing.otlp_endpoint}),
+    endpoint = tracing.otlp_endpoint or (config.otlp_traces_endpoint if config is not None else None)
+    if endpoint:
+        ours += [(flag("otlp_traces_endpoint").env, {"value": endpoint}),
                  (flag("otlp_traces_sampling_ratio").env, {"value": str(tracing.sampling_ratio)})]
     if isvc.spec.lora_enabled:
         ours.append((flag("allow_runtime_lora_updating").env, {"value": "true"}))
@@ -178,7 +179,7 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig, role: str = "single
         "name": api.ENGINE_CONTAINER, "image": spec.engine.image or config.engine_image,
         "command": ["kubeinfer"], "args": engine_args(isvc, mounts.model_path, mounts.served_name)
         + (group_args(isvc, role == "worker") if role != "single" else []),
-        "env": engine_env(isvc),
+        "env": engine_env(isvc, config),
         "ports": [{"name": "http", "containerPort": api.HTTP_PORT, "protocol": "TCP"}],
         "resources": engine_resources(isvc), **probes(),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},

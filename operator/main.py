@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                  default_engine_image()),
                         help="Image of engine pods whose spec.engine.image is unset "
                              "[env KUBEINFER_ENGINE_IMAGE].")
+    parser.add_argument("--otlp-traces-endpoint", default=os.environ.get("KUBEINFER_OTLP_TRACES_ENDPOINT") or None,
+                        help="OTLP/HTTP traces endpoint for engines whose spec.tracing.otlpEndpoint is "
+                             "unset (the chart's tracing.otlpEndpoint) [env KUBEINFER_OTLP_TRACES_ENDPOINT].")
     parser.add_argument("--cluster-domain", default="cluster.local",
                         help="DNS suffix used in status.url.")
     parser.add_argument("--drift-interval", type=float, default=60.0,
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kube = Kube(load_api_client())
-    config = OperatorConfig(engine_image=args.engine_image, cluster_domain=args.cluster_domain)
+    config = OperatorConfig(engine_image=args.engine_image, cluster_domain=args.cluster_domain,
+                            otlp_traces_endpoint=args.otlp_traces_endpoint)
     registry = kopf.get_default_registry()  # it carries kopf's default login handlers
     register(registry, Reconciler(kube, config), drift_seconds=args.drift_interval)
     register_autoscaler(registry, KubeScaleApi(kube))

@@ -16,6 +16,7 @@ class OperatorConfig:
 
     engine_image: str = "kubeinfer/kubeinfer:latest"
     cluster_domain: str = "cluster.local"
+    otlp_traces_endpoint: str | None = None  # engines' traces where spec.tracing.otlpEndpoint is unset
 
 
 @dataclass(frozen=True)

@@ -180,3 +180,34 @@ def test_reading_api_key_secrets_is_opt_in(helm: str) -> None:
     docs = render(helm, "operator.readApiKeySecrets=true")
     rules = by_kind(docs, "ClusterRole")[0]["rules"]
     assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]} in rules
+
+
+def test_tracing_endpoint_reaches_the_operator_and_its_engines(helm: str) -> None:
+    """The chart's tracing.otlpEndpoint becomes the operator's default for engines whose
+    InferenceService sets none; a bad one is refused by the values schema."""
+    import argparse
+
+    from isvc_builders import make_isvc
+
+    from kubeinfer.operator.build import deployment
+    from kubeinfer.operator.main import add_arguments
+    from kubeinfer.operator.resource import OperatorConfig
+
+    endpoint = "http://otel-collector.observability:4318/v1/traces"
+    operator = by_kind(render(helm, f"tracing.otlpEndpoint={endpoint}"), "Deployment")[0]
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--otlp-traces-endpoint={endpoint}" in args
+    assert not any(a.startswith("--otlp") for a in by_kind(render(helm), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parsed, _ = parser.parse_known_args(args[1:])
+    assert parsed.otlp_traces_endpoint == endpoint
+    config = OperatorConfig(otlp_traces_endpoint=endpoint)
+    env = {e["name"]: e.get("value") for e in deployment(make_isvc({}), config)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KUBEINFER_OTLP_TRACES_ENDPOINT"] == endpoint
+    own = make_isvc({"tracing": {"otlpEndpoint": "http://mine:4318/v1/traces"}})
+    env = {e["name"]: e.get("value") for e in deployment(own, config)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KUBEINFER_OTLP_TRACES_ENDPOINT"] == "http://mine:4318/v1/traces"   # the service's own wins
+    refused = run(helm, "template", "kubeinfer", str(CHART), "--kube-version", KUBE_VERSION,
+                  "--set", "tracing.otlpEndpoint=collector:4318")
+    assert refused.returncode != 0 and "otlpEndpoint" in refused.stderr
