@@ -41,7 +41,8 @@ def _typed(kind: str, **fields: object) -> dict:
 def envoy_config(listen_port: int, admin_port: int, picker: str, pool: Sequence[str] = (),
                  kind: str = "original_dst", message_timeout: str = "10s") -> dict:
     """The bootstrap: `picker` is the EPP's `host:port`; `pool` the engines' `host:port` (for
-    `override_host`, which routes only among the cluster's endpoints)."""
+    `override_host`, which routes only among the cluster's endpoints). Answers say what was
+    picked (`x-picked`: the header the picker set) and which upstream served (`x-served-by`)."""
     picker_host, picker_port = picker.rsplit(":", 1)
     ext_proc = _typed(
         "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -53,6 +54,8 @@ def envoy_config(listen_port: int, admin_port: int, picker: str, pool: Sequence[
         metadata_options={"receiving_namespaces": {"untyped": ["envoy.lb"]},
                           "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}})
     route = {"cluster": "pool", "timeout": "300s"}
+    seen = [{"header": {"key": "x-picked", "value": f"%REQ({DESTINATION})%"}},
+            {"header": {"key": "x-served-by", "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]
     if kind == "override_host":
         route["retry_policy"] = {"retry_on": "connect-failure,reset,refused-stream", "num_retries": 2,
                                  "per_try_timeout": "300s"}
@@ -60,7 +63,8 @@ def envoy_config(listen_port: int, admin_port: int, picker: str, pool: Sequence[
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         stat_prefix="gateway", stream_idle_timeout="300s",
         route_config={"virtual_hosts": [{"name": "pool", "domains": ["*"],
-                                         "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
+                                         "routes": [{"match": {"prefix": "/"}, "route": route,
+                                                     "response_headers_to_add": seen}]}]},
         http_filters=[{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
                       {"name": "envoy.filters.http.router",
                        "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router")}])
