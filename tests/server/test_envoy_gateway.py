@@ -37,7 +37,7 @@ from helpers.serve_process import free_port, start_kubeinfer
 from e2e.gateway import envoy_config, start_envoy
 from kubeinfer.server.router.engine_views import scan_gauges
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 TENANTS, PREFIX_TOKENS = 8, 1024
 PER_TENANT = int(os.environ.get("KUBEINFER_GATEWAY_PER_TENANT", "4"))   # the benchmark: 16
 # the tiny model's KV: 512 bytes a token; an engine holds about 3 of the 8 prefixes, the single
