@@ -11,14 +11,14 @@ venv:
 generate: venv
 	$(VENV)/bin/kubeinfer generate "$(PROMPT)"
 
-# Every tier (unit, integration, e2e, release; e2e/tiers.py), then tests/gpu in a pytest process
-# of its own: the kernel tests pin Triton's interpreter for theirs, and the GPU tests need the
-# compiler. Both run; make fails when either does (a PYTEST_ARGS filter that leaves no GPU test
-# is not a failure).
+# tests/gpu in a pytest process of its own (the kernel tests pin Triton's interpreter for theirs,
+# and the GPU tests need the compiler), then every tier (unit, integration, e2e, release;
+# e2e/tiers.py). The whole suite runs last so its summary is the closing line. make fails when
+# either fails (a PYTEST_ARGS filter that leaves no GPU test is not a failure).
 test: venv
-	status=0; $(VENV)/bin/python -m pytest -q --ignore=tests/gpu $(PYTEST_ARGS) || status=$$?; \
-	$(VENV)/bin/python -m pytest -q -rfE -p no:cacheprovider tests/gpu $(PYTEST_ARGS) || \
-	{ gpu=$$?; [ $$gpu -eq 5 ] || status=$$gpu; }; exit $$status
+	status=0; $(VENV)/bin/python -m pytest -q -rfE -p no:cacheprovider tests/gpu $(PYTEST_ARGS) || \
+	{ gpu=$$?; [ $$gpu -eq 5 ] || status=$$gpu; }; \
+	$(VENV)/bin/python -m pytest -q --ignore=tests/gpu $(PYTEST_ARGS) || status=$$?; exit $$status
 
 # The developer's inner loop: the unit tier alone (in-process, no servers, no 30-layer model).
 test-unit: venv
