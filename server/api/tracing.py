@@ -13,48 +13,29 @@ tracing is on (the `tracing` extra: opentelemetry-sdk, opentelemetry-exporter-ot
 
 from __future__ import annotations
 
-import re
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
+from ..otel import client_context, make_tracer
 from .error_body import OpenAIError
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
-# W3C Trace Context: version-traceid-parentid-flags, lowercase hex, ids not all zeros
-TRACEPARENT = re.compile(r"^[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
-
 
 class Tracing:
     def __init__(self, endpoint: str, sampling_ratio: float = 1.0, service_name: str = "kubeinfer") -> None:
         """`endpoint`: an OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces)."""
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        if not 0.0 <= sampling_ratio <= 1.0:
-            raise ValueError(f"--otlp-traces-sampling-ratio must be in [0, 1], got {sampling_ratio}")
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
-                                       sampler=ParentBased(TraceIdRatioBased(sampling_ratio)))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-        self.tracer = self.provider.get_tracer("kubeinfer.server")
-        self.propagator = TraceContextTextMapPropagator()
+        self.provider, self.tracer = make_tracer(endpoint, sampling_ratio, service_name)
 
     def context(self, headers: Mapping[str, str]) -> "Context":
         """The client's trace context; a malformed `traceparent` is the client's 400."""
-        traceparent = headers.get("traceparent")
-        if traceparent is not None and not TRACEPARENT.match(traceparent.strip()):
-            raise OpenAIError(400, "traceparent: not a W3C Trace Context header "
-                              "(version-traceid-parentid-flags in lowercase hex, e.g. "
-                              "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01)", param="traceparent",
-                              code="invalid_traceparent")
-        return self.propagator.extract({"traceparent": traceparent.strip()} if traceparent else {})
+        try:
+            return client_context(headers)
+        except ValueError as error:
+            raise OpenAIError(400, str(error), param="traceparent", code="invalid_traceparent") from None
 
     def finished(self, context: "Context", started: float, output: RequestOutput, *, model: str,
                  params: SamplingParams, tenant: str | None) -> None:

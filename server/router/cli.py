@@ -133,12 +133,21 @@ def run(args: argparse.Namespace) -> int:
     activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout), metrics, picker)
     routing.views.in_flight = activator.in_flight
     routing.views.api_key = next(iter(api_keys), None)   # to read the engines' adapters
-    app = build_app(activator, name, retry_after=args.retry_after, http=client,
-                    api_keys=api_keys, routing=routing, tenancy=router_tenancy(args, api_keys))
+    tracing = None
+    if args.otlp_traces_endpoint:
+        from .tracing import RouterTracing
+
+        tracing = RouterTracing(args.otlp_traces_endpoint, args.otlp_traces_sampling_ratio)
+    app = build_app(activator, name, retry_after=args.retry_after, http=client, api_keys=api_keys,
+                    routing=routing, tenancy=router_tenancy(args, api_keys), tracing=tracing)
     if args.ext_proc_port is None:
         if not args.http:
             raise SystemExit("kubeinfer route: --no-http needs --ext-proc-port")
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        finally:
+            if tracing is not None:
+                tracing.shutdown()   # flush the last spans
         return 0
     from .ext_proc import EndpointPicker, PickerSettings, serve   # grpc: only in this mode
 

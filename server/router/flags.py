@@ -78,6 +78,8 @@ PROCESS_FLAGS: tuple[Flag, ...] = (
     *(f for f in SERVER_FLAGS if f.dest in ("api_keys", "api_keys_file", "require_api_key")),
     # the engine's tenant flags (docs/tenancy.md): quotas are enforced here too, per replica
     *(f for f in SERVER_FLAGS if f.dest in ("tenants_file", "trust_tenant_header")),
+    # the engine's tracing flags: the router's `route` spans join the same traces (router/tracing.py)
+    *(f for f in SERVER_FLAGS if f.dest in ("otlp_traces_endpoint", "otlp_traces_sampling_ratio")),
     Flag("quota-replicas", int, 1,
          "Router replicas sharing the tenants' quotas: each enforces quota / this (server/router/tenancy.py)."),
 )

@@ -13,8 +13,8 @@ import json
 import logging
 import re
 import time
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import httpx
 from fastapi import FastAPI, Request, Response
@@ -26,6 +26,12 @@ from ..api.error_body import OpenAIError, error_body, error_response
 from .activator import Activator, NoReadyPod
 from .routing import Routing
 from .tenancy import RouterTenancy
+from .tracing import RouterTracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from ..tenancy import Identity
 
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -40,12 +46,14 @@ USAGE_TAIL = 4096  # bytes of a response kept to read its usage (the last object
 
 def build_app(activator: Activator, name: str, retry_after: int = 10,
               http: httpx.AsyncClient | None = None, api_keys: list[str] | None = None,
-              routing: Routing | None = None, tenancy: RouterTenancy | None = None) -> FastAPI:
+              routing: Routing | None = None, tenancy: RouterTenancy | None = None,
+              tracing: RouterTracing | None = None) -> FastAPI:
     """`name` is the InferenceService, for error messages. With `api_keys` (the engines' own),
     a request without a valid key gets the engines' 401 here, before it can hold or wake
     anything; the Authorization header is forwarded untouched and the engine checks it again.
     With `routing`, requests carry routing keys and the engines' views are polled meanwhile.
-    With `tenancy`, the key check also names the tenant and its quotas apply here (429)."""
+    With `tenancy`, the key check also names the tenant and its quotas apply here (429).
+    With `tracing`, each request gets a `route` span the engine's spans nest under."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -84,16 +92,31 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
                 identity = tenancy.admit(request)
             else:
                 await check_key(request)
+        span = tracing.start(path, request.headers) if tracing is not None else None
+        try:
+            response = await _forward(path, request, identity, span)
+        except BaseException:
+            if span is not None:
+                span.end()
+            raise
+        if span is not None and not isinstance(response, StreamingResponse):
+            span.end()   # a relayed answer ends its span when it has streamed through
+        return response
+
+    async def _forward(path: str, request: Request, identity: Identity | None, span: Span | None) -> Response:
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        if span is not None:
+            headers = RouterTracing.forward_headers(span, headers)
         started = time.perf_counter()
         key = routing.key(path, body, request.headers) if routing is not None else None
         spent: float | None = time.perf_counter() - started
         refused: list[str] = []
-        for _ in range(2):  # a second pod if the first refused the connection or did not answer
+        for attempt in range(2):  # a second pod if the first refused the connection or did not answer
             stack = AsyncExitStack()
             try:
-                base = await stack.enter_async_context(activator.upstream(key, refused, spent))
+                with tracing.pick(span, attempt) if tracing is not None and span is not None else nullcontext():
+                    base = await stack.enter_async_context(activator.upstream(key, refused, spent))
                 spent = None
                 upstream = await client.send(client.build_request(
                     request.method, f"{base}/{path}", params=request.query_params,
@@ -123,6 +146,8 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             usage = None
             if tenancy is not None and identity is not None:
                 usage = lambda tail, who=identity: tenancy.charge(who, tail)  # noqa: E731
+            if span is not None:
+                stack.callback(span.end)
             return StreamingResponse(_relay(upstream, stack, observe, usage), status_code=upstream.status_code,
                                      headers=dict(reply))
         counts.labels("502").inc()

@@ -117,3 +117,34 @@ def test_one_trace_per_request_under_the_clients_traceparent(tiny_model_path, li
         # 93.7-97.3% of the client's time, the rest spent before uvicorn handed the request to
         # the app (measured); this asserts what holds there, BENCHMARKS.md/docs say the rest.
         assert 0.8 * client_seconds <= total / 1e9 <= client_seconds, (total / 1e9, client_seconds)
+
+
+def test_router_and_engine_spans_share_the_clients_trace(tiny_model_path, live_server) -> None:
+    """Client -> `kubeinfer route` -> engine: the router's `route` span is a child of the
+    client's span, its `pick` a child of it, and the engine's `llm_request` a child of `route`."""
+    from kubeinfer.server.router.activator import Activator, ActivatorConfig, GatewayMetrics
+    from kubeinfer.server.router.backends import StaticBackends
+    from kubeinfer.server.router.proxy import build_app as build_router
+    from kubeinfer.server.router.tracing import RouterTracing
+
+    receiver = OtlpReceiver()
+    with traced_server(tiny_model_path, live_server, receiver.url) as (engine_url, tracing):
+        client = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
+        activator = Activator(StaticBackends([engine_url], client), ActivatorConfig(activation_timeout=10),
+                              GatewayMetrics())
+        router_tracing = RouterTracing(receiver.url)
+        with live_server(build_router(activator, "llm", http=client, tracing=router_tracing)) as router_url:
+            bad = httpx.post(f"{router_url}/v1/completions", json={"prompt": "x"}, headers={"traceparent": "00-zz"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "traceparent"
+            reply = httpx.post(f"{router_url}/v1/completions", timeout=60,
+                               json={"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "stream": True},
+                               headers={"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"})
+            assert reply.status_code == 200 and "[DONE]" in reply.text
+        router_tracing.shutdown()
+        assert tracing.provider.force_flush(10_000)
+    spans = {span.name: span for span in receiver.spans if span.trace_id.hex() == "ab" * 16}
+    assert {"route", "pick", "llm_request"} <= set(spans)
+    assert spans["route"].parent_span_id.hex() == "cd" * 8
+    assert spans["pick"].parent_span_id == spans["route"].span_id
+    assert spans["llm_request"].parent_span_id == spans["route"].span_id
+    assert spans["route"].end_time_unix_nano >= spans["llm_request"].end_time_unix_nano
