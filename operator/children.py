@@ -15,6 +15,7 @@ from typing import Any
 
 from . import api
 from .build import workload
+from .inference_pool import PICKER_KINDS, POOL_KIND, picker_name, pool_children
 from .router_build import (gateway_children, gateway_name, gateway_replicas,
                           needs_gateway, service_selector)
 from .resource import InferenceService, OperatorConfig
@@ -58,6 +59,8 @@ def desired_children(isvc: InferenceService, config: OperatorConfig, lws_install
     children = [] if isvc.spec.multi_pod and not lws_installed else [workload(isvc, config)]
     if needs_gateway(isvc):
         children += gateway_children(isvc, config)
+    if isvc.spec.inference_pool.enabled:
+        children += pool_children(isvc, config)
     children.append(service(isvc))
     if isvc.spec.replicas > 1:
         children.append(pod_disruption_budget(isvc))
@@ -76,4 +79,6 @@ def stale_children(isvc: InferenceService, lws_installed: bool = False) -> list[
         stale += [(kind, gateway_name(isvc)) for kind in GATEWAY_KINDS]
     elif gateway_replicas(isvc) < 2:
         stale.append(("PodDisruptionBudget", gateway_name(isvc)))
+    if not isvc.spec.inference_pool.enabled:   # a 404 (no such object, or no GIE CRD) is fine
+        stale += [(POOL_KIND, isvc.name)] + [(kind, picker_name(isvc)) for kind in PICKER_KINDS]
     return stale

@@ -400,6 +400,21 @@ class RoutingSpec(Section):
                                        description=routing_flag("warmup_hold_seconds").help)
 
 
+class InferencePoolSpec(Section):
+    """A Gateway API Inference Extension InferencePool of the engines (docs/gateway-api.md)."""
+
+    enabled: bool = Field(False, description="Render an InferencePool (inference.networking.k8s.io/v1) "
+                          "selecting the engine pods (leaders only with multi-pod replicas), and kubeinfer's "
+                          "endpoint picker for it (`kubeinfer route --ext-proc-port`: Deployment, Service, "
+                          "RBAC), beside the router Service. Needs GIE's CRDs (the chart's gie.installCRDs).")
+    failure_mode: Literal["FailClose", "FailOpen"] = Field(
+        "FailClose", description="The pool's endpointPickerRef.failureMode: what the gateway does "
+                                 "when the picker does not answer.")
+    fallback_endpoints: int = Field(0, ge=0, le=16, description="Endpoints listed after the picked one for "
+                                    "gateways that retry down the list (0 suits every GIE gateway).")
+    replicas: int = Field(1, ge=1, le=10, description="Endpoint-picker pods.")
+
+
 def _unique_names(adapters: list[AdapterSpec]) -> list[AdapterSpec]:
     names = [a.name for a in adapters]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -444,6 +459,7 @@ class InferenceServiceSpec(Section):
     rollout: RolloutSpec = section(RolloutSpec, RolloutSpec.__doc__ or "")
     auth: AuthSpec = section(AuthSpec, AuthSpec.__doc__ or "")
     routing: RoutingSpec = section(RoutingSpec, RoutingSpec.__doc__ or "")
+    inference_pool: InferencePoolSpec = section(InferencePoolSpec, InferencePoolSpec.__doc__ or "")
     tenancy: TenancySpec = section(TenancySpec, TenancySpec.__doc__ or "")
     tracing: TracingSpec = section(TracingSpec, TracingSpec.__doc__ or "")
     node_selector: dict[str, str] = Field(default_factory=dict,

@@ -26,6 +26,7 @@ COLLECTIONS = {
     "Node": "/api/v1/nodes",  # cluster-scoped: the namespace is ignored
     "CustomResourceDefinition": "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",  # cluster-scoped
     "LeaderWorkerSet": "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets",
+    "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
     api.KIND: f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{{ns}}/{api.PLURAL}",
 }
 TIMEOUT_SECONDS = 30
