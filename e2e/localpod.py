@@ -49,6 +49,28 @@ class Apiserver:
         return f"https://{self.host}:{self.port}"
 
 
+LWS_NAME, LWS_GROUP = "leaderworkerset.sigs.k8s.io/name", "leaderworkerset.sigs.k8s.io/group-index"
+
+
+def lws_leader_ip(core: client.CoreV1Api, pod: dict) -> str | None:
+    """A LeaderWorkerSet pod's leader's IP, which LWS_LEADER_ADDRESS names through cluster DNS
+    (`<lws>-<group>.<lws>.<namespace>`); this cluster has no DNS, so the runner hands the pod the
+    IP instead. None for other pods; not yet scheduled leaders are retried like unbound claims."""
+    labels = pod["metadata"].get("labels") or {}
+    if LWS_NAME not in labels or LWS_GROUP not in labels:
+        return None
+    leader = f"{labels[LWS_NAME]}-{labels[LWS_GROUP]}"
+    if leader == pod["metadata"]["name"]:
+        return (pod.get("status") or {}).get("podIP")
+    try:
+        ip = core.read_namespaced_pod(leader, pod["metadata"]["namespace"]).status.pod_ip
+    except client.ApiException as err:
+        raise VolumeNotReady(f"LWS leader pod {leader}: {err.reason}") from None
+    if not ip:
+        raise VolumeNotReady(f"LWS leader pod {leader} has no IP yet")
+    return ip
+
+
 @dataclass
 class LocalPod:
     pod: dict
@@ -70,6 +92,7 @@ class LocalPod:
     pid_dir: Path = Path()
     nodes_dir: Path = Path()
     base_env: dict[str, str] = field(default_factory=dict)
+    leader_ip: str | None = None   # a LeaderWorkerSet pod's leader (for LWS_LEADER_ADDRESS)
 
     @property
     def ip(self) -> str:
@@ -109,6 +132,7 @@ class LocalPod:
         self.next_setup = time.monotonic() + SETUP_RETRY_SECONDS
         try:
             dirs = volume_dirs(self.core, self.pod, self.dir, self.nodes_dir)
+            self.leader_ip = lws_leader_ip(self.core, self.pod)
         except (VolumeNotReady, ConfigError) as err:
             self.setup_error = str(err)
             return
@@ -133,6 +157,8 @@ class LocalPod:
             env = {**self.base_env, **container_env(self.core, self.pod, container, secret)}
             if env.get("KUBEINFER_HOST") in WILDCARDS:  # one shared network namespace here:
                 env["KUBEINFER_HOST"] = self.ip  # a wildcard would take every pod's port
+            if self.leader_ip and "LWS_LEADER_ADDRESS" in env:   # no cluster DNS here: the name's pod IP
+                env["LWS_LEADER_ADDRESS"] = self.leader_ip
             mounts = container_mounts(container, dirs)
         except ConfigError as err:
             self.errors[name] = str(err)

@@ -236,6 +236,9 @@ def leader_worker_set(isvc: InferenceService, config: OperatorConfig) -> dict[st
         "apiVersion": api.LWS_API_VERSION, "kind": api.LWS_KIND, "metadata": metadata,
         "spec": {
             "replicas": isvc.spec.replicas, "startupPolicy": "LeaderCreated",
+            # a headless Service per group (`<name>-<group>`): the shared one LWS would otherwise
+            # create is named like the LWS, i.e. like the InferenceService's own Service
+            "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
             "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {
                 "maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}},
             "leaderWorkerTemplate": {

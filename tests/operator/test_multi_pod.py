@@ -42,6 +42,7 @@ def test_multi_pod_replicas_render_a_leader_worker_set() -> None:
     spec = lws["spec"]
     group = spec["leaderWorkerTemplate"]
     assert spec["replicas"] == 3 and group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert spec["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}   # LWS's shared one is named "chat"
     leader, worker = group["leaderTemplate"], group["workerTemplate"]
     assert leader["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
     assert worker["metadata"]["labels"]["app.kubernetes.io/component"] == api.WORKER_COMPONENT
