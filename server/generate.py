@@ -27,8 +27,11 @@ def run(args: argparse.Namespace) -> int:
     from .engine.config import EngineConfig
     from .engine.llm_engine import LLMEngine
     from .engine.sampling_params import InvalidRequestError, SamplingParams
+    from .weights.fetch import use_local_copy
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if code := use_local_copy(args):   # hf:// and s3:// through the model cache, as `serve` does
+        return code
     engine = LLMEngine(EngineConfig.from_args(args))
     given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k")
              if getattr(args, name) is not None}

@@ -158,24 +158,11 @@ def run(args: argparse.Namespace) -> int:
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
         cpu_build.start_building(cpu_build.LOADING_KERNELS)
     from ..model.loader import DeviceUnavailableError
-    from ..weights import errors
-    from ..weights.fetch import prepare_model
-    from ..weights.uri import InvalidModelSource
+    from ..weights.fetch import use_local_copy
 
-    args.model_source = args.model
-    try:   # hf:// and s3:// are fetched into the cache (once per node); the engine loads the local copy
-        prepared = prepare_model(args.model, args.download_dir)
-    except InvalidModelSource as exc:
-        logger.error("%s", exc)
-        exit_codes.write_termination_message(str(exc))
-        return 2
-    except errors.ModelSourceError as exc:
-        logger.error("%s: %s", exc.reason, exc)
-        exit_codes.write_termination_message(f"{exc.reason}: {exc}")
-        return exc.exit_code
-    args.model = prepared.path
-    if args.served_model_name is None:
-        args.served_model_name = prepared.served_name
+    # hf:// and s3:// are fetched into the cache (once per node); the engine loads the local copy
+    if code := use_local_copy(args, args.download_dir):
+        return code
     try:
         if args.headless:   # this node's ranks only: node 0 serves the API
             from ..engine.config import EngineConfig

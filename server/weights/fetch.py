@@ -100,6 +100,25 @@ def prepare_model(text: str, cache_dir: Path | str | None = None) -> PreparedMod
     raise errors.CacheFull(f"{source} was evicted from the cache three times before it could be loaded")
 
 
+def use_local_copy(args: argparse.Namespace, cache_dir: Path | str | None = None) -> int:
+    """For `serve` and `generate`: fetch `args.model` if it is remote and point `args.model` at the
+    local copy (`args.model_source` keeps what was asked; the served name defaults to the repo id;
+    `args.model_hold` keeps the model marked in use). Returns 0, or the exit code once the reason
+    is logged and written where Kubernetes shows it."""
+    args.model_source = args.model
+    try:
+        prepared = prepare_model(args.model, cache_dir)
+    except (InvalidModelSource, errors.ModelSourceError) as exc:
+        message = str(exc) if isinstance(exc, InvalidModelSource) else f"{exc.reason}: {exc}"
+        logger.error("%s", message)
+        exit_codes.write_termination_message(message)
+        return 2 if isinstance(exc, InvalidModelSource) else exc.exit_code
+    args.model, args.model_hold = prepared.path, prepared.held
+    if getattr(args, "served_model_name", None) is None:
+        args.served_model_name = prepared.served_name
+    return 0
+
+
 def report_failure(message: str) -> None:
     """One line on stderr and, in a container, the termination message the operator shows."""
     print(f"kubeinfer fetch: {message}", file=sys.stderr)

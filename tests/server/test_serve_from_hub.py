@@ -94,3 +94,20 @@ def test_serve_unknown_repo_or_revision_exits_with_its_reason(tmp_path: Path, mo
         output, _ = process.communicate(timeout=120)
     assert process.returncode == exit_codes.MODEL_NOT_FOUND
     assert f"ModelNotFound: {message}" in output
+
+
+def test_generate_from_s3_through_the_cache(tmp_path: Path) -> None:
+    """`kubeinfer generate` takes the same sources, here a prefix of the local S3 store."""
+    from e2e.model_stores import S3Server
+
+    with S3Server() as s3:
+        s3.upload_folder("models", "tiny-llama", make_tiny_llama(tmp_path / "v1"))
+        env = {**os.environ, **s3.env(), "KUBEINFER_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+        result = subprocess.run([sys.executable, "-m", "kubeinfer.server.cli", "generate", "--model",
+                                 "s3://models/tiny-llama", "--dtype", "float32", "--device", "cpu", "--no-chat",
+                                 "--max-tokens", "3", "--temperature", "0", "hello world"],
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip()
+        assert all(counts["GET"] == 1 for counts in s3.counts().values())
+    assert list((tmp_path / "cache" / "models" / "s3--models--tiny-llama" / "snapshots").iterdir())
