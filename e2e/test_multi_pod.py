@@ -99,3 +99,45 @@ def test_two_pod_replicas_serve_scale_by_groups_and_come_back_from_zero(
     wait_for(lambda: ready_groups(cluster, namespace, 1), "1/1 groups Ready again", timeout=LOAD_TIMEOUT,
              interval=3)
     assert "Paris" in chat(url)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_a_deleted_worker_downs_its_leader_at_once_and_the_group_comes_back(
+        local_cluster: Cluster, operator: str, namespace: str) -> None:
+    """Chaos: the worker of group 0 deleted; its leader's /health fails within 2 s (the engine exits
+    as its liveness connection drops), requests sent meanwhile are served by group 1 through the
+    router (none lost), and LWS recreates group 0, which serves again."""
+    from concurrent.futures import ThreadPoolExecutor
+    import time
+
+    cluster = local_cluster
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest(2))
+    wait_for(lambda: ready_groups(cluster, namespace, 2), "2/2 groups Ready", timeout=LOAD_TIMEOUT, interval=3)
+    url = router_url(cluster, namespace)
+    leader = next(p for p in cluster.pods(namespace, LEADERS) if p.metadata.name == f"{NAME}-0")
+    leader_url, old_uid = f"http://{leader.status.pod_ip}:8000", leader.metadata.uid
+    assert _healthy(leader_url)
+
+    cluster.kubectl("delete", "pod", f"{NAME}-0-1", "-n", namespace, "--wait=false")
+    deleted = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:   # sent while group 0 is going down: group 1 serves them
+        answers = [pool.submit(chat, url) for _ in range(4)]
+        while _healthy(leader_url):
+            assert time.monotonic() - deleted < 2, "group 0's leader still healthy 2 s after its worker was deleted"
+            time.sleep(0.05)
+        assert all("Paris" in answer.result() for answer in answers)
+
+    def recreated() -> bool:
+        leaders = {p.metadata.name: p for p in cluster.pods(namespace, LEADERS)}
+        return f"{NAME}-0" in leaders and leaders[f"{NAME}-0"].metadata.uid != old_uid \
+            and ready_groups(cluster, namespace, 2) is not None
+    wait_for(recreated, "group 0 recreated (a new leader) and both groups Ready", timeout=LOAD_TIMEOUT, interval=2)
+    new_leader = next(p for p in cluster.pods(namespace, LEADERS) if p.metadata.name == f"{NAME}-0")
+    assert pod_ready(new_leader) and _healthy(f"http://{new_leader.status.pod_ip}:8000")
+    assert "Paris" in chat(url)
