@@ -38,6 +38,11 @@ HTTP_PORT = 8000
 SERVICE_PORT = 80
 ENGINE_CONTAINER = "engine"
 MODEL_MOUNT = "/models"
+MODEL_CACHE_MOUNT = "/var/cache/kubeinfer"  # the node's model cache, in the fetch and engine containers
+FETCH_CONTAINER = "fetch-model"
+MODEL_LABEL_PREFIX = "models.kubeinfer.io"  # node labels: which models a node's cache holds
+MODEL_CACHE_KEY_ANNOTATION = "kubeinfer.io/model-cache-key"  # on warm-ahead Jobs: the node label they earn
+MODEL_CACHE_NODE_ANNOTATION = "kubeinfer.io/model-cache-node"
 ADAPTER_MOUNT = "/adapters"
 # Pod readiness gate of LoRA-enabled engines: True once the operator has loaded the adapters.
 ADAPTERS_GATE = "kubeinfer.io/adapters-loaded"

@@ -12,7 +12,7 @@ from typing import Any
 from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig
 from kubeinfer.server.flags import ENGINE_FLAGS, to_args
 from . import api
-from .model_source import adapter_volumes, draft_model_path, model_mounts
+from .model_source import adapter_volumes, cache_key, draft_model_path, model_mounts
 from .resource import InferenceService, OperatorConfig
 from .security import restricted_container, restricted_pod
 from .spec import flag
@@ -123,7 +123,8 @@ def tenancy_volumes(isvc: InferenceService) -> tuple[list[dict[str, Any]], list[
     return [volume], [{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}]
 
 
-def engine_env(isvc: InferenceService, config: OperatorConfig | None = None) -> list[dict[str, Any]]:
+def engine_env(isvc: InferenceService, config: OperatorConfig | None = None,
+               source_env: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """Server flags as env vars (named by the flag table); the user's `engine.env` wins.
 
     The server binds every address of its pod (as vLLM and KServe do), so Services, probes
@@ -133,7 +134,8 @@ def engine_env(isvc: InferenceService, config: OperatorConfig | None = None) -> 
         ("HOME", {"value": "/tmp"}), (flag("host").env, {"value": "0.0.0.0"}),
         (flag("port").env, {"value": str(api.HTTP_PORT)}),
         (flag("shutdown_timeout").env, {"value": str(isvc.spec.rollout.drain_seconds)}),
-        *auth_env(isvc), *tenancy_env(isvc)]
+        *auth_env(isvc), *tenancy_env(isvc),
+        *((env["name"], {k: v for k, v in env.items() if k != "name"}) for env in source_env)]
     tracing = isvc.spec.tracing
     endpoint = tracing.otlp_endpoint or (config.otlp_traces_endpoint if config is not None else None)
     if endpoint:
@@ -163,11 +165,24 @@ def probes() -> dict[str, Any]:
             "livenessProbe": get("/health", 10, 6)}
 
 
+def cache_affinity(isvc: InferenceService, affinity: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The user's affinity plus, for fetched weights, a preference for nodes whose cache holds
+    them (the label the operator sets, operator/model_cache.py): a warm node starts in seconds."""
+    if not isvc.spec.model.source.startswith(("hf://", "s3://")):
+        return affinity
+    term = {"weight": 100, "preference": {"matchExpressions": [{"key": cache_key(isvc), "operator": "Exists"}]}}
+    affinity = affinity or {}
+    node = dict(affinity.get("nodeAffinity") or {})
+    node["preferredDuringSchedulingIgnoredDuringExecution"] = [
+        *node.get("preferredDuringSchedulingIgnoredDuringExecution", []), term]
+    return {**affinity, "nodeAffinity": node}
+
+
 def pod_spec(isvc: InferenceService, config: OperatorConfig, role: str = "single") -> dict[str, Any]:
     """The engine pod; `role` "leader" / "worker" for the pods of a multi-pod group (a worker
     runs its ranks headless: no API, so no port and no HTTP probes)."""
     spec = isvc.spec
-    mounts = model_mounts(isvc, spec.engine.image or config.engine_image)
+    mounts = model_mounts(isvc, spec.engine.image or config.engine_image, config)
     adapter_vols, adapter_mounts = adapter_volumes(isvc)
     tenant_vols, tenant_mounts = tenancy_volumes(isvc)
     volumes = [{"name": "tmp", "emptyDir": {}}, *mounts.volumes, *adapter_vols, *tenant_vols]
@@ -179,7 +194,7 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig, role: str = "single
         "name": api.ENGINE_CONTAINER, "image": spec.engine.image or config.engine_image,
         "command": ["kubeinfer"], "args": engine_args(isvc, mounts.model_path, mounts.served_name)
         + (group_args(isvc, role == "worker") if role != "single" else []),
-        "env": engine_env(isvc, config),
+        "env": engine_env(isvc, config, mounts.env), **({"envFrom": mounts.env_from} if mounts.env_from else {}),
         "ports": [{"name": "http", "containerPort": api.HTTP_PORT, "protocol": "TCP"}],
         "resources": engine_resources(isvc), **probes(),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
@@ -205,8 +220,9 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig, role: str = "single
             PRE_STOP_SECONDS + spec.rollout.drain_seconds + GRACE_MARGIN_SECONDS,
         "nodeSelector": node_selector, "tolerations": tolerations,
     }
-    if spec.affinity:
-        pod["affinity"] = spec.affinity
+    affinity = cache_affinity(isvc, spec.affinity)
+    if affinity:
+        pod["affinity"] = affinity
     if spec.priority_class_name:
         pod["priorityClassName"] = spec.priority_class_name
     if spec.lora_enabled and role != "worker":  # no traffic before the operator has loaded the adapters

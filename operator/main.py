@@ -46,6 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "unset (the chart's tracing.otlpEndpoint) [env KUBEINFER_OTLP_TRACES_ENDPOINT].")
     parser.add_argument("--cluster-domain", default="cluster.local",
                         help="DNS suffix used in status.url.")
+    parser.add_argument("--model-cache-path", default="/var/lib/kubeinfer/models",
+                        help="Each node's model cache for hf:// and s3:// sources (a hostPath).")
+    parser.add_argument("--model-cache-claim", default=None,
+                        help="Instead of the hostPath: this PersistentVolumeClaim in each InferenceService's "
+                             "namespace (ReadWriteMany: fetched once per cluster).")
+    parser.add_argument("--model-cache-budget", default=None,
+                        help="Evict least recently used models no pod serves beyond this size (e.g. 500Gi).")
+    parser.add_argument("--hf-endpoint", default=os.environ.get("HF_ENDPOINT") or None,
+                        help="Hugging Face Hub mirror for hf:// sources whose spec.model.endpoint is unset "
+                             "[env HF_ENDPOINT].")
     parser.add_argument("--drift-interval", type=float, default=60.0,
                         help="Seconds between full re-applies of each InferenceService.")
     parser.add_argument("--bind-address", default="0.0.0.0",
@@ -85,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kube = Kube(load_api_client())
     config = OperatorConfig(engine_image=args.engine_image, cluster_domain=args.cluster_domain,
-                            otlp_traces_endpoint=args.otlp_traces_endpoint)
+                            otlp_traces_endpoint=args.otlp_traces_endpoint,
+                            model_cache_path=args.model_cache_path, model_cache_claim=args.model_cache_claim,
+                            model_cache_budget=args.model_cache_budget, hf_endpoint=args.hf_endpoint)
     registry = kopf.get_default_registry()  # it carries kopf's default login handlers
     register(registry, Reconciler(kube, config), drift_seconds=args.drift_interval)
     register_autoscaler(registry, KubeScaleApi(kube))

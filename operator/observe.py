@@ -45,6 +45,7 @@ class Observed:
     keda_installed: bool | None = None  # looked up when the autoscaler class is keda; None: unknown
     worker_pods: list[dict[str, Any]] = field(default_factory=list)  # multi-pod replicas' workers
     lws_missing: bool = False  # multi-pod replicas asked for on a cluster without the LeaderWorkerSet CRD
+    model_error: tuple[str, str] | None = None  # (reason, message): the source could not be resolved
 
 
 def lws_as_workload(lws: dict[str, Any]) -> dict[str, Any]:
@@ -136,6 +137,10 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
                                      f"cannot use its device ({detail}); set spec.engine.device to cpu or "
                                      "auto, or run on nodes whose GPUs the container runtime exposes"))
                     continue
+                if last.get("exitCode") in exit_codes.REASONS:  # e.g. the fetch: ModelNotFound, ModelCacheFull
+                    problems.append((exit_codes.REASONS[last["exitCode"]],
+                                     f"pod {name} container {cs['name']}: {detail}"))
+                    continue
                 problems.append((waiting["reason"], f"pod {name} container {cs['name']}: "
                                                     f"{waiting['reason']} {detail}".strip()))
     return problems
@@ -169,7 +174,8 @@ def conditions(isvc: InferenceService, seen: Observed, ready: int,
                was_ready: bool = False) -> list[tuple[str, bool, str, str]]:
     """(type, status, reason, message) for Ready, Progressing and Degraded."""
     desired, gateway = isvc.spec.replicas, scales_from_zero(isvc)
-    problems = ([("ReconcileError", seen.error)] if seen.error else []) \
+    problems = ([seen.model_error] if seen.model_error else []) \
+        + ([("ReconcileError", seen.error)] if seen.error else []) \
         + gpu_problems(isvc, seen.gpus_allocatable) \
         + gpu_product_problems(isvc.spec.resources.gpu_product, seen.gpu_products) \
         + pod_problems(seen.pods) + pod_problems(seen.worker_pods) + pod_problems(seen.gateway_pods)
@@ -237,5 +243,5 @@ def observe(isvc: InferenceService, seen: Observed, config: OperatorConfig,
         "desired_replicas": isvc.spec.replicas, "replica_summary": f"{ready}/{isvc.spec.replicas}",
         "selector": isvc.selector, "url": isvc.url(config),
         "served_model_name": isvc.spec.model.served_name
-        or model_mounts(isvc, isvc.spec.engine.image or config.engine_image).served_name,
+        or model_mounts(isvc, isvc.spec.engine.image or config.engine_image, config).served_name,
         **adapter_status(isvc, seen.adapters)})

@@ -8,6 +8,7 @@ different ones run in parallel in kopf's thread pool.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import threading
 import time
@@ -25,6 +26,10 @@ from . import api
 from .adapter_sync import AdapterSync
 from .adapters import AdapterReport, action_events, gate_conditions
 from .children import desired_children, stale_children
+from .cold_start import describe, observe_metrics
+from .model_cache import warm_job, warm_job_name, warm_nodes, warm_selector, warmed_nodes
+from .model_pin import ResolveError, Resolver, hub_resolver, model_status, pin, template_hash
+from .model_source import cache_key
 from .events import Event, transition_events
 from .metrics import RECONCILE_SECONDS, RECONCILES
 from .build import GPU_PRODUCT_LABEL, GPU_RESOURCE, device
@@ -63,8 +68,9 @@ def previous_status(body: Mapping[str, Any]) -> InferenceServiceStatus:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, config: OperatorConfig, adapters: AdapterSync | None = None) -> None:
-        self.kube, self.config = kube, config
+    def __init__(self, kube: Kube, config: OperatorConfig, adapters: AdapterSync | None = None,
+                 resolve: Resolver = hub_resolver) -> None:
+        self.kube, self.config, self.resolve = kube, config, resolve
         self.adapters = adapters or AdapterSync()
         self._locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         # The status we last wrote, by uid: a queued call's body predates the call before it,
@@ -108,7 +114,11 @@ class Reconciler:
             return self._write_invalid(body, previous, spec_error(exc))
         rolling_out = False
         lws_installed = self._lws_installed(lookup=isvc.spec.multi_pod)
-        if apply:
+        pinned = pin(isvc, self.config, template_hash(isvc, self.config), previous.model,
+                     lambda: self._model_token(isvc), self.resolve)
+        if pinned.model is not None and pinned.model.revision:
+            isvc = dataclasses.replace(isvc, resolved_revision=pinned.model.revision)
+        if apply and pinned.error is None:  # unresolved: the Deployment keeps the template it has
             try:
                 rolling_out = self._apply_children(isvc, lws_installed)
                 applied = isvc.generation
@@ -127,10 +137,22 @@ class Reconciler:
                         pods=pods, applied_generation=applied, error=error,
                         gpu_products=gpu_products, gpus_allocatable=gpus, gateway_pods=gateway_pods,
                         keda_installed=self._keda_installed(isvc), adapters=adapters,
-                        worker_pods=worker_pods, lws_missing=lws_missing)
+                        worker_pods=worker_pods, lws_missing=lws_missing,
+                        model_error=(pinned.error.reason, str(pinned.error)) if pinned.error else None)
         status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
+        model, starts = model_status(isvc, pinned.model or previous.model, previous.model, pods)
+        if model is not None and pinned.error is None and apply:
+            model = model.model_copy(update={"cached_nodes": self._warm(isvc, pods)})
+        status = status.model_copy(update={"model": model})
         self._write(isvc.uid, isvc.namespace, isvc.name, status)
         events = action_events(adapters) + transition_events(previous.conditions, status.conditions)
+        for start in starts:
+            observe_metrics(isvc.namespace, isvc.name, start)
+            events.append(Event("Normal", "ColdStart", describe(start)))
+        if pinned.model is not None and pinned.model.revision and previous.model is not None \
+                and pinned.model.revision != previous.model.revision:
+            events.append(Event("Normal", "ModelResolved", f"{isvc.spec.model.source} resolved to commit "
+                                f"{pinned.model.revision} for the new pod template"))
         if rolling_out and not any(e.reason == "RollingOut" for e in events):
             # A rollout can finish before it is observed (simulated pods, a fast start), and one
             # begun while another was in flight keeps Progressing True: announce it either way.
@@ -205,6 +227,43 @@ class Reconciler:
             except KubeError as exc:  # the pod stays out of service; the next reconcile retries
                 log.warning("opening the adapters gate of pod %s/%s failed: %s", isvc.namespace, pod, exc)
         return report
+
+    def _warm(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> list[str] | None:
+        """Label the nodes that now hold the weights, keep spec.model.cache.nodes warm-ahead Jobs
+        (and only those); the nodes holding them, or None when nodes cannot be read."""
+        try:
+            nodes = self.kube.list("Node", "", "")
+            jobs = self.kube.list("Job", isvc.namespace, warm_selector(isvc))
+            key, wanted = cache_key(isvc), warm_nodes(isvc, nodes) if isvc.spec.model.cache.nodes else []
+            holding = {n["metadata"]["name"] for n in nodes if key in (n["metadata"].get("labels") or {})}
+            for node in sorted(warmed_nodes(isvc, jobs, pods) - holding):
+                self.kube.label("Node", "", node, {key: "true"})
+                holding.add(node)
+            names = {warm_job_name(isvc, node) for node in wanted}
+            for node in wanted:
+                self.kube.apply(warm_job(isvc, self.config, node))
+            for job in jobs:
+                if job["metadata"]["name"] not in names:
+                    self.kube.delete_with_dependents("Job", isvc.namespace, job["metadata"]["name"])
+        except KubeError as exc:  # e.g. RBAC without nodes/patch: pods still fetch, just not ahead
+            log.warning("model cache of %s/%s: %s", isvc.namespace, isvc.name, exc.message)
+            return None
+        return sorted(holding)
+
+    def _model_token(self, isvc: InferenceService) -> str | None:
+        """The hf token the revision is resolved with (model.tokenSecretRef), if any."""
+        ref = isvc.spec.model.token_secret_ref
+        if ref is None:
+            return None
+        try:
+            secret = self.kube.get("Secret", isvc.namespace, ref.name) or {}
+        except KubeError as exc:
+            raise ResolveError("ModelAccessDenied", f"cannot read Secret {ref.name} (model.tokenSecretRef) to "
+                               f"resolve the revision of {isvc.spec.model.source}: {exc.message}; pin the "
+                               "source to a commit (@<sha>) or install the chart with "
+                               "operator.readApiKeySecrets=true") from None
+        encoded = (secret.get("data") or {}).get(ref.key)
+        return base64.b64decode(encoded).decode().strip() if encoded else None
 
     def _gpu_nodes(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> tuple[list[str] | None, int | None]:
         """Node GPU products and the GPUs all nodes advertise, read only when a service asks for

@@ -17,6 +17,10 @@ class OperatorConfig:
     engine_image: str = "kubeinfer/kubeinfer:latest"
     cluster_domain: str = "cluster.local"
     otlp_traces_endpoint: str | None = None  # engines' traces where spec.tracing.otlpEndpoint is unset
+    model_cache_path: str = "/var/lib/kubeinfer/models"  # each node's cache (a hostPath)
+    model_cache_claim: str | None = None  # instead: this claim (ReadWriteMany: once per cluster)
+    model_cache_budget: str | None = None  # evict least recently used models beyond this size
+    hf_endpoint: str | None = None  # the Hub mirror for hf:// sources that name no endpoint
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class InferenceService:
     generation: int
     spec: InferenceServiceSpec = field(default_factory=InferenceServiceSpec)
     autoscaler_class: str | None = None  # the kubeinfer.io/autoscaler-class annotation
+    resolved_revision: str | None = None  # an hf:// revision's commit for this generation (model_pin.py)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> InferenceService:

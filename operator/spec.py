@@ -17,7 +17,9 @@ from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, Flag
 from kubeinfer.server.router.flags import STRATEGIES, routing_flag
 
 MODEL_SOURCE_PATTERN = (r"^(embedded|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
-                        r"|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+)$")
+                        r"|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+(@[-A-Za-z0-9_./]+)?"
+                        r"|s3://[a-z0-9][-a-z0-9.]{1,61}[a-z0-9](/[^\s@]*)?)$")
+URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
@@ -85,23 +87,48 @@ class ApiKeySecretRef(SecretKeyRef):
                                  "or comma-separated; '#' lines are comments.")
 
 
+class ModelCacheSpec(Section):
+    """Warm-ahead: the weights fetched into the node cache before any replica needs them."""
+
+    nodes: int = Field(0, ge=0, le=1000,
+                       description="Nodes (of those the engine may run on) that hold the weights ahead of "
+                                   "scale-up: a Job per node fills its cache, the node gets the label "
+                                   "models.kubeinfer.io/<key>, and engine pods prefer such nodes.")
+
+
 class ModelSpec(Section):
     """Which weights to serve and how."""
 
     model_config = ConfigDict(json_schema_extra=rules(
         ("!has(self.tokenSecretRef) || self.source.startsWith('hf://')",
-         "model.tokenSecretRef only applies to hf:// sources")))
+         "model.tokenSecretRef only applies to hf:// sources"),
+        ("!has(self.credentialsSecret) || self.source.startsWith('s3://')",
+         "model.credentialsSecret only applies to s3:// sources"),
+        ("!has(self.endpoint) || self.source.startsWith('hf://') || self.source.startsWith('s3://')",
+         "model.endpoint only applies to hf:// and s3:// sources")))
     source: Annotated[str, _match(MODEL_SOURCE_PATTERN, "a model source")] = Field(
         "embedded", max_length=512,
         description="'embedded' (SmolLM2-135M-Instruct shipped in the image), "
                     "'pvc://<claim>/<path>' (a Hugging Face directory or a .gguf file on a "
-                    "PersistentVolumeClaim, mounted read-only) or 'hf://<org>/<name>' "
-                    "(downloaded at pod start; needs internet).",
+                    "PersistentVolumeClaim, mounted read-only), 'hf://<org>/<name>[@<revision>]' "
+                    "(a Hugging Face Hub repository at a branch, tag or commit; the operator resolves "
+                    "it to a commit once per generation) or 's3://<bucket>/<prefix>' (the objects under "
+                    "a prefix of an S3-compatible bucket). hf:// and s3:// weights are fetched once per "
+                    "node into the node's model cache and mounted read-only.",
         json_schema_extra=rules((f"self.matches(r'{MODEL_SOURCE_PATTERN}')",
-                                 "model.source must be 'embedded', 'pvc://<claim>/<path>' "
-                                 "or 'hf://<org>/<name>'")))
+                                 "model.source must be 'embedded', 'pvc://<claim>/<path>', "
+                                 "'hf://<org>/<name>[@<revision>]' or 's3://<bucket>/<prefix>'")))
     token_secret_ref: SecretKeyRef | None = Field(
         None, description="Secret holding a Hugging Face token, for gated hf:// models.")
+    credentials_secret: str | None = Field(
+        None, min_length=1, max_length=253, pattern=SECRET_NAME_PATTERN,
+        description="s3:// only: a Secret whose keys become the fetcher's environment "
+                    "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, optionally AWS_SESSION_TOKEN, AWS_REGION).")
+    endpoint: Annotated[str, _match(URL_PATTERN, "an http(s) URL")] | None = Field(
+        None, max_length=1024, pattern=URL_PATTERN,
+        description="hf://: a Hub mirror (HF_ENDPOINT; default: the chart's modelCache.hfEndpoint, else "
+                    "huggingface.co). s3://: the S3-compatible endpoint URL (default: AWS).")
+    cache: ModelCacheSpec = section(ModelCacheSpec, ModelCacheSpec.__doc__ or "")
     served_name: str | None = Field(None, min_length=1, max_length=128,
                                     description=flag("served_model_name").help)
     dtype: Literal[flag("dtype").choices] = Field(  # type: ignore[valid-type]

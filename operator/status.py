@@ -75,6 +75,32 @@ class AutoscalerStatus(Section):
     scrape_errors: int = Field(0, ge=0, description="Failed pod scrapes in the last round.")
 
 
+class ColdStart(Section):
+    """Where a new engine pod's start went, from its container statuses."""
+
+    pod: str = Field(max_length=253, description="The engine pod.")
+    node: str | None = Field(None, max_length=253, description="Its node.")
+    ready_time: datetime = Field(description="When it first passed its readiness probe.")
+    fetch_seconds: float | None = Field(None, ge=0, description="The fetch-model init container: waiting for "
+                                        "the node cache's lock and downloading (0 to 1 s when the node was warm).")
+    load_seconds: float = Field(ge=0, description="Engine start to first Ready: loading the weights, warm-up.")
+    total_seconds: float = Field(ge=0, description="Pod creation to first Ready (scheduling included).")
+
+
+class ModelStatus(Section):
+    """The weights the engine pods serve, as resolved from spec.model.source."""
+
+    source: str = Field(max_length=512, description="spec.model.source this was resolved from.")
+    revision: str | None = Field(None, max_length=64, description="hf://: the commit every pod of the current "
+                                 "pod template serves (a branch or tag resolved once; a moved head changes it "
+                                 "only with the next template change).")
+    resolved_generation: int | None = Field(None, ge=0, description="metadata.generation when it was resolved.")
+    template_hash: str | None = Field(None, max_length=64, description="The pod template it was resolved for.")
+    cached_nodes: list[str] | None = Field(None, max_length=1000, description="Nodes labelled as holding "
+                                           "these weights in their cache (engine pods prefer them).")
+    last_cold_start: ColdStart | None = Field(None, description=ColdStart.__doc__)
+
+
 class InferenceServiceStatus(Section):
     """Observed state of the InferenceService."""
 
@@ -104,5 +130,6 @@ class InferenceServiceStatus(Section):
     replica_adapters: list[ReplicaAdapters] = Field(
         default_factory=list, max_length=1000,
         description="Per serving engine pod: the adapters it holds.")
+    model: ModelStatus | None = Field(None, description=ModelStatus.__doc__)
     last_scale_time: datetime | None = Field(None, description="Last autoscaler change.")
     autoscaler: AutoscalerStatus | None = Field(None, description=AutoscalerStatus.__doc__)

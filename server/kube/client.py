@@ -23,6 +23,7 @@ COLLECTIONS = {
     "Secret": "/api/v1/namespaces/{ns}/secrets",
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
     "Node": "/api/v1/nodes",  # cluster-scoped: the namespace is ignored
     "CustomResourceDefinition": "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",  # cluster-scoped
     "LeaderWorkerSet": "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets",
@@ -92,6 +93,15 @@ class Kube:
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.request("DELETE", self.path(kind, namespace, name))
+
+    def label(self, kind: str, namespace: str, name: str, labels: dict[str, str]) -> None:
+        """Merge-patch labels onto an object (a node's model-cache label)."""
+        self.request("PATCH", self.path(kind, namespace, name), {"metadata": {"labels": labels}},
+                     content_type="application/merge-patch+json")
+
+    def delete_with_dependents(self, kind: str, namespace: str, name: str) -> None:
+        """Delete in the background, its pods with it (a Job's own default orphans them)."""
+        self.request("DELETE", self.path(kind, namespace, name), {"propagationPolicy": "Background"})
 
     def patch_pod_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None:
         """Set one pod condition (a readiness gate); strategic merge keeps the kubelet's."""

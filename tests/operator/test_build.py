@@ -87,18 +87,6 @@ def test_pvc_source_mounts_the_claim_read_only() -> None:
     assert parsed_args(pod["containers"][0]).model == "/models/llama/model.gguf"
 
 
-def test_hf_source_downloads_in_an_init_container_with_the_token() -> None:
-    pod = deployment(make_isvc({"model": {"source": "hf://Qwen/Qwen3-0.6B",
-                                          "tokenSecretRef": {"name": "hf"}}}),
-                     CONFIG)["spec"]["template"]["spec"]
-    init = pod["initContainers"][0]
-    assert init["command"][:3] == ["hf", "download", "Qwen/Qwen3-0.6B"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} \
-        in init["env"]
-    args = parsed_args(pod["containers"][0])
-    assert args.model == "/models/Qwen/Qwen3-0.6B" and args.served_model_name == "Qwen/Qwen3-0.6B"
-
-
 def test_probes_drain_and_restricted_security() -> None:
     dep = deployment(make_isvc({"rollout": {"drainSeconds": 120}}), CONFIG)
     pod = dep["spec"]["template"]["spec"]

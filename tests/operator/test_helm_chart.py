@@ -211,3 +211,14 @@ def test_tracing_endpoint_reaches_the_operator_and_its_engines(helm: str) -> Non
     refused = run(helm, "template", "kubeinfer", str(CHART), "--kube-version", KUBE_VERSION,
                   "--set", "tracing.otlpEndpoint=collector:4318")
     assert refused.returncode != 0 and "otlpEndpoint" in refused.stderr
+
+
+def test_model_cache_settings_reach_the_operator(helm: str) -> None:
+    assert "--model-cache-path=/var/lib/kubeinfer/models" in operator_args(render(helm))
+    args = operator_args(render(helm, "modelCache.claimName=models", "modelCache.budget=500Gi",
+                                "modelCache.hfEndpoint=http://hub-mirror.internal"))
+    assert {"--model-cache-claim=models", "--model-cache-budget=500Gi", "--hf-endpoint=http://hub-mirror.internal"} \
+        <= set(args)
+    result = run(helm, "template", "kubeinfer", str(CHART), "--kube-version", KUBE_VERSION,
+                 "--set", "modelCache.budget=lots")
+    assert result.returncode != 0 and "budget" in result.stderr

@@ -43,6 +43,13 @@ class MemoryKube:
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.statuses.append(status)
 
+    def label(self, kind: str, namespace: str, name: str, labels: dict[str, str]) -> None:
+        node = next(n for n in self.listed.get(kind, []) if n["metadata"]["name"] == name)
+        node["metadata"].setdefault("labels", {}).update(labels)
+
+    def delete_with_dependents(self, kind: str, namespace: str, name: str) -> None:
+        self.delete(kind, namespace, name)
+
 
 def conditions(status: dict[str, Any]) -> dict[str, str]:
     return {c["type"]: f'{c["status"]}/{c["reason"]}' for c in status["conditions"]}
@@ -91,7 +98,7 @@ def test_refused_apply_is_degraded_with_the_api_message() -> None:
 def test_spec_the_schema_let_by_is_invalid_not_a_crash() -> None:
     kube = MemoryKube()
     Reconciler(kube, CONFIG).reconcile(  # type: ignore[arg-type]
-        body({"model": {"source": "s3://bucket/llama"}}), trigger="create")
+        body({"model": {"source": "gs://bucket/llama"}}), trigger="create")
     assert kube.objects == {}
     assert conditions(kube.statuses[-1])["Degraded"] == "True/InvalidSpec"
     assert "spec.model.source" in kube.statuses[-1]["conditions"][0]["message"]

@@ -33,16 +33,28 @@ def test_accepts_camel_case_like_the_api() -> None:
 
 
 @pytest.mark.parametrize("source", ["embedded", "pvc://models", "pvc://models/llama-3/",
-                                    "pvc://m-1/a/b.gguf", "hf://Qwen/Qwen2.5-0.5B-Instruct"])
+                                    "pvc://m-1/a/b.gguf", "hf://Qwen/Qwen2.5-0.5B-Instruct",
+                                    "hf://org/m@main", "hf://org/m@0123456789abcdef0123456789abcdef01234567",
+                                    "hf://org/m@refs/pr/1", "s3://bucket/model", "s3://my.bucket"])
 def test_model_sources_accepted(source: str) -> None:
     assert InferenceServiceSpec.model_validate({"model": {"source": source}}).model.source == source
 
 
-@pytest.mark.parametrize("source", ["s3://bucket/model", "hf://just-a-name", "pvc://UPPER/x",
-                                    "/abs/path", ""])
+@pytest.mark.parametrize("source", ["gs://bucket/model", "hf://just-a-name", "pvc://UPPER/x",
+                                    "/abs/path", "", "hf://org/m@", "s3://UPPER/x", "s3://b/x@v1"])
 def test_unknown_model_sources_refused(source: str) -> None:
     with pytest.raises(ValidationError, match="model source"):
         InferenceServiceSpec.model_validate({"model": {"source": source}})
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ({"source": "s3://b1/x", "tokenSecretRef": {"name": "t"}}, "tokenSecretRef only applies to hf://"),
+    ({"source": "hf://org/m", "credentialsSecret": "c"}, "credentialsSecret only applies to s3://"),
+    ({"source": "embedded", "endpoint": "http://mirror"}, "endpoint only applies to hf:// and s3://")])
+def test_source_settings_only_where_they_apply(model: dict, message: str) -> None:
+    from kubeinfer.operator.crd import crd
+    rules = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["model"]
+    assert any(message in r["message"] for r in rules["x-kubernetes-validations"])
 
 
 @pytest.mark.parametrize("engine", [{"tensorParallelSize": 0}, {"tensorParallelSize": 16},
