@@ -169,7 +169,7 @@ def test_bad_sources_are_named_in_conditions_and_events(
     condition = wait_for(lambda: degraded(cluster, namespace), "Degraded", timeout=120)
     assert condition["reason"] == "ModelNotFound" and "org/no-such-model" in condition["message"]
     assert not engine_pods(cluster, namespace)  # no pod is started for what cannot be served
-    s3.client().create_bucket(Bucket="empty")
+    s3.client().make_bucket("empty")
     env = s3.env()
     cluster.core.create_namespaced_secret(namespace, {"metadata": {"name": "s3-creds"}, "stringData": {
         k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}})
