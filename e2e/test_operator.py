@@ -162,7 +162,7 @@ def test_deleting_the_service_removes_every_child(cluster: Cluster, operator: st
     ("tp-zero", {"engine": {"tensorParallelSize": 0}}, "should be greater than or equal to 1"),
     ("tp-sixteen", {"engine": {"tensorParallelSize": 16}}, "should be less than or equal to 8"),
     ("negative", {"replicas": -1}, "should be greater than or equal to 0"),
-    ("scheme", {"model": {"source": "s3://bucket/llama"}}, "model.source must be 'embedded'"),
+    ("scheme", {"model": {"source": "gs://bucket/llama"}}, "model.source must be 'embedded'"),
     ("x" * 51, {}, "metadata.name must be at most 50 characters"),
     ("chat-gateway", {}, "metadata.name must not end in '-gateway'"),
     ("no-routers", {"routing": {"strategy": "prefix-aware", "replicas": 0}},
