@@ -23,7 +23,7 @@ from e2e.helpers import Cluster, wait_for
 from e2e.model_stores import HubServer, S3Server
 from e2e.nodes import node_name
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 NAME = "cached"
 ENGINES = f"app.kubernetes.io/component=engine,kubeinfer.io/inferenceservice={NAME}"
 NODE = node_name(0)
