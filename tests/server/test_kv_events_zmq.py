@@ -9,7 +9,7 @@ import zmq
 
 from kubeinfer.server.engine.kv_events import HASH_SCHEME
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 
 def test_served_requests_publish_their_blocks(start_server, tiny_model_path, tmp_path):
