@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV = $(shell bash .ci/venv.sh)
 PROMPT ?= Explain Kubernetes in two sentences.
 
-.PHONY: venv generate test test-unit test-e2e
+.PHONY: venv generate test test-unit test-e2e image
 
 venv:
 	@bash .ci/venv.sh >/dev/null
@@ -47,3 +47,18 @@ test-e2e: venv
 .PHONY: demo
 demo: venv
 	$(VENV)/bin/python -m e2e.demo $(DEMO_ARGS)
+
+# The product image (Dockerfile): kubeinfer/kubeinfer:<version>, the chart's default; VARIANT=cuda
+# tags <version>-cuda. Push it where your cluster pulls from (README, "On a real cluster").
+IMAGE ?= kubeinfer/kubeinfer
+VARIANT ?= cpu
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+TAG ?= $(VERSION)$(if $(filter cuda,$(VARIANT)),-cuda)
+image:
+	@if builder=$$(command -v docker || command -v podman); then \
+	  set -x; "$$builder" build --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(TAG) .; \
+	elif command -v buildah >/dev/null; then \
+	  set -x; buildah bud --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(TAG) .; \
+	else \
+	  echo "make image: no container builder found: install Docker, Podman or Buildah" >&2; exit 1; \
+	fi

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
-import time
 from typing import Any
 
 import httpx
@@ -74,6 +73,16 @@ def assert_refused(response: httpx.Response) -> None:
     assert response.headers["www-authenticate"] == "Bearer"
 
 
+def assert_admin_refused(url: str) -> None:
+    """Issue #37: what only the operator and the routers use is refused with a user's key too."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for method, path in (("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
+                         ("GET", "/kv/blocks"), ("GET", "/tokenizer_info")):
+        response = httpx.request(method, url + path, headers=headers, timeout=30,
+                                 json={"lora_name": "x", "lora_path": "/etc"})
+        assert response.status_code in (403, 404), (url, path, response.text)
+
+
 def assert_key_hidden(cluster: Cluster, namespace: str) -> None:
     """Not in the pod specs, not on any command line (`ps`), not in any log line."""
     pods = cluster.kubectl_json("get", "pods", "-n", namespace)["items"]
@@ -110,6 +119,7 @@ def test_engine_answers_401_without_the_key_and_200_with_it(
     assert answer.json()["choices"][0]["message"]["content"]
     for path in ("/health", "/ready", "/metrics", "/version", "/openapi.json"):
         assert httpx.get(url + path, timeout=30).status_code == 200, path
+    assert_admin_refused(url)   # this Service selects the engines' API port
     assert_key_hidden(local_cluster, namespace)
     explained = local_cluster.kubectl("explain", "inferenceservice.spec.auth.apiKeySecretRef").stdout
     assert "never as an argument" in " ".join(explained.split())  # explain wraps lines
@@ -124,7 +134,10 @@ def test_gateway_refuses_keyless_requests_without_waking_and_forwards_keyed_ones
 
     assert_refused(chat(url, None))
     assert_refused(chat(url, "sk-wrong"))
-    time.sleep(3)  # a wake-up would have patched spec.replicas by now
+    # The key is checked before the activator, which patches spec.replicas before it answers:
+    # had a refused request woken the service, the patch and the activation count would be
+    # visible now, no wait needed.
+    assert "kubeinfer_gateway_activations_total 0.0" in httpx.get(f"{url}/metrics", timeout=10).text
     isvc = local_cluster.kubectl_json("get", "inferenceservice", "keyed", "-n", namespace)
     assert isvc["spec"]["replicas"] == 0
     assert not local_cluster.pods(namespace, "app.kubernetes.io/component=engine")
@@ -133,6 +146,7 @@ def test_gateway_refuses_keyless_requests_without_waking_and_forwards_keyed_ones
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"]
     assert_refused(chat(url, "sk-wrong"))  # and with the engine up
+    assert_admin_refused(url)   # the Service's router
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert "kubeinfer_gateway_activations_total 1.0" in metrics
     assert 'kubeinfer_gateway_requests_total{code="401"} 3.0' in metrics

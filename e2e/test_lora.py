@@ -160,6 +160,20 @@ def test_adapters_load_and_unload_live(local_cluster: Cluster, operator: None, n
     through_router = complete(f"http://{router.status.pod_ip}:8080", "code")
     assert through_router.status_code == 200 and through_router.json()["model"] == "code", through_router.text
 
+    # issue #37: the Service (its router) and the engine's API port refuse what only the operator
+    # and the routers use; the engine's admin port, which no Service exposes, serves them
+    service = cluster.kubectl_json("get", "service", NAME, "-n", namespace)
+    assert [port["targetPort"] for port in service["spec"]["ports"]] == ["http"]
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
+    for url in (f"http://{router.status.pod_ip}:8080", engine):
+        for method, path in (("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
+                             ("GET", "/kv/blocks")):
+            refused = httpx.request(method, url + path, json={"lora_name": "sql", "lora_path": "/etc"}, timeout=30)
+            assert refused.status_code in (403, 404), (url, path, refused.text)
+    assert listed(engine) == {BASE: None, "sql": BASE, "chat": BASE, "code": BASE}   # nothing was unloaded
+    digest = httpx.get(f"http://{pod.status.pod_ip}:8001/kv/blocks", timeout=30).json()
+    assert digest["hash"] == "kubeinfer-blake2b64-keyed-v1" and digest["stored"]
+
     # removing one unloads it: 404 model_not_found, gone from /v1/models
     cluster.kubectl("patch", "kis", NAME, "-n", namespace, "--type=json", "-p",
                     json.dumps([{"op": "remove", "path": "/spec/adapters/1"}]))

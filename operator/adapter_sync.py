@@ -1,7 +1,9 @@
 """Talks to the engines for `adapters.py`: reads each Ready pod's adapters and applies the plan.
 
-vLLM's runtime API: `GET /v1/models` (adapters carry a `parent`), `POST /v1/load_lora_adapter
-{"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter {"lora_name"}`. Pods are handled
+vLLM's runtime API, on the engines' admin port (no Service exposes it, and it takes no API key,
+so spec.auth needs no Secret read here): `GET /v1/models` (adapters carry a `parent`),
+`POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter
+{"lora_name"}`. Pods are handled
 concurrently; one pod's failure never stops the others. A pod counts once its engine answers
 (ContainersReady), before it is Ready: its Ready waits for the adapters (a readiness gate).
 """
@@ -52,19 +54,18 @@ class AdapterSync:
         # per InferenceService uid: (pod, adapter) -> its failure at the last sync, logged then
         self._reported: dict[str, dict[tuple[str, str], str]] = {}
 
-    def sync(self, isvc: InferenceService, pods: Iterable[Mapping[str, Any]],
-             api_key: str | None = None) -> AdapterReport:
+    def sync(self, isvc: InferenceService, pods: Iterable[Mapping[str, Any]]) -> AdapterReport:
         desired = {a.name: adapter_path(isvc, a) for a in isvc.spec.adapters}
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         pods = list(pods)
         up = {pod["metadata"]["name"] for pod in pods if serving(pod)}
-        targets = sorted((t for t in pod_targets(pods, path="") if t.name in up and not t.terminating),
+        targets = sorted((t for t in pod_targets(pods, path="", port_name="admin")
+                          if t.name in up and not t.terminating),
                          key=lambda t: t.name)
         reported, failed = self._reported.get(isvc.uid, {}), {}
         if not targets:
             return AdapterReport([])
         with ThreadPoolExecutor(max_workers=min(self.max_workers, len(targets))) as pool:
-            done = list(pool.map(lambda t: self._one(t.name, t.url, desired, headers, reported, failed), targets))
+            done = list(pool.map(lambda t: self._one(t.name, t.url, desired, reported, failed), targets))
         self._reported[isvc.uid] = failed
         return AdapterReport(done)
 
@@ -72,7 +73,7 @@ class AdapterSync:
         """The InferenceService `uid` was deleted: its logged failures go with it."""
         self._reported.pop(uid, None)
 
-    def _one(self, pod: str, url: str | None, desired: Mapping[str, str], headers: Mapping[str, str],
+    def _one(self, pod: str, url: str | None, desired: Mapping[str, str],
              reported: Mapping[tuple[str, str], str], failed: dict[tuple[str, str], str]) -> PodAdapters:
         """One pod: read, plan, apply. `reported`: failures logged at the last sync (a retry that
         fails the same way logs at debug); this sync's go into `failed`."""
@@ -81,7 +82,7 @@ class AdapterSync:
             result.unreachable = "Ready pod has no IP"
             return result
         try:
-            response = self.client.get(f"{url}/v1/models", headers=headers, timeout=MODELS_TIMEOUT)
+            response = self.client.get(f"{url}/v1/models", timeout=MODELS_TIMEOUT)
             if response.status_code != 200:
                 result.unreachable = f"GET /v1/models: {error_message(response)}"
                 return result
@@ -94,7 +95,7 @@ class AdapterSync:
             if action.name in result.failures:  # its unload failed: do not load over it
                 continue
             try:
-                failure = self._apply(url, action, headers)
+                failure = self._apply(url, action)
             except httpx.HTTPError as error:
                 failure = f"{type(error).__name__}: {error}"
             ADAPTER_OPERATIONS.labels(action.kind, "ok" if failure is None else "error").inc()
@@ -112,16 +113,16 @@ class AdapterSync:
                 result.held.discard(action.name)
         return result
 
-    def _apply(self, url: str, action: Action, headers: Mapping[str, str]) -> str | None:
+    def _apply(self, url: str, action: Action) -> str | None:
         """None when the engine holds (or no longer holds) the adapter as asked, else its error."""
         if action.kind == "load":
-            response = self.client.post(f"{url}/v1/load_lora_adapter", headers=headers, timeout=LOAD_TIMEOUT,
+            response = self.client.post(f"{url}/v1/load_lora_adapter", timeout=LOAD_TIMEOUT,
                                         json={"lora_name": action.name, "lora_path": action.path})
             if response.status_code == 200 or ALREADY_LOADED in response.text:
                 return None
         else:
-            response = self.client.post(f"{url}/v1/unload_lora_adapter", headers=headers,
-                                        timeout=MODELS_TIMEOUT, json={"lora_name": action.name})
+            response = self.client.post(f"{url}/v1/unload_lora_adapter", timeout=MODELS_TIMEOUT,
+                                        json={"lora_name": action.name})
             if response.status_code in (200, 404):  # 404: already gone
                 return None
         return error_message(response)

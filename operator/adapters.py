@@ -69,10 +69,9 @@ class PodAdapters:
 
 @dataclass(frozen=True)
 class AdapterReport:
-    """Every Ready engine pod's adapters after a sync (pods in name order), or why none was asked."""
+    """Every Ready engine pod's adapters after a sync (pods in name order)."""
 
     pods: list[PodAdapters]
-    refused: str | None = None
 
 
 def serving(pod: Mapping[str, Any]) -> bool:
@@ -105,8 +104,6 @@ def gate_conditions(pods: list[dict[str, Any]], report: AdapterReport) -> dict[s
 def adapter_condition(isvc: InferenceService, report: AdapterReport | None) -> tuple[str, bool, str, str]:
     """(type, status, reason, message) of AdaptersReady: every Ready replica holds every adapter."""
     wanted = [a.name for a in isvc.spec.adapters]
-    if report is not None and report.refused:
-        return ("AdaptersReady", False, "ApiKeyUnavailable", report.refused[:MAX_MESSAGE])
     if report is None or not report.pods:
         return ("AdaptersReady", not wanted, "NoReadyReplicas" if wanted else "NoAdapters",
                 f"{len(wanted)} adapters wait for a Ready replica" if wanted else "no adapters declared")

@@ -35,6 +35,8 @@ WORKER_COMPONENT = "engine-worker"   # a group's worker pods: never behind the S
 MAX_NAME_LENGTH = 50
 
 HTTP_PORT = 8000
+# The engines' admin port (LoRA load/unload, /kv/blocks, /tokenizer_info): no Service exposes it.
+ADMIN_PORT = 8001
 SERVICE_PORT = 80
 ENGINE_CONTAINER = "engine"
 MODEL_MOUNT = "/models"

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig
-from kubeinfer.server.flags import ENGINE_FLAGS, to_args
-from . import api
+from kubeinfer.server.flags import ENGINE_FLAGS, LONG_CONTEXT_TOKENS, default_max_body_bytes, to_args
+from . import api, hash_key
 from .model_source import adapter_volumes, cache_key, draft_model_path, model_mounts
 from .resource import InferenceService, OperatorConfig
 from .security import restricted_container, restricted_pod
@@ -81,7 +81,7 @@ def lora_values(isvc: InferenceService) -> dict[str, Any]:
     """LoRA support and its limits, but no `--lora-modules`: the adapter list must not be part
     of the pod template (editing it would restart every pod), so the operator loads adapters
     through the engines' runtime API (served with KUBEINFER_ALLOW_RUNTIME_LORA_UPDATING, see
-    `engine_env`), into a new pod before its readiness gate opens."""
+    `engine_env`, on the admin port only), into a new pod before its readiness gate opens."""
     lora = isvc.spec.engine.lora
     if not isvc.spec.lora_enabled:
         return {}
@@ -123,18 +123,27 @@ def tenancy_volumes(isvc: InferenceService) -> tuple[list[dict[str, Any]], list[
     return [volume], [{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}]
 
 
+def shared_env(isvc: InferenceService) -> list[tuple[str, dict[str, Any]]]:
+    """What engines and routers must agree on: the API keys, the request body limit (the router
+    answers 413 as the engine would, before holding a body), the block-hash secret."""
+    limit = default_max_body_bytes(isvc.spec.model.max_model_len or LONG_CONTEXT_TOKENS)
+    return [*auth_env(isvc), (flag("max_request_body_bytes").env, {"value": str(limit)}), hash_key.env(isvc)]
+
+
 def engine_env(isvc: InferenceService, config: OperatorConfig | None = None,
                source_env: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """Server flags as env vars (named by the flag table); the user's `engine.env` wins.
 
     The server binds every address of its pod (as vLLM and KServe do), so Services, probes
-    and `kubectl port-forward` (which dials the pod's localhost) all reach it.
+    and `kubectl port-forward` (which dials the pod's localhost) all reach it. What only the
+    operator and routers call is on the admin port, which the Service does not expose; the
+    block hashes routers read are keyed with the service's Secret (`hash_key`).
     """
     ours: list[tuple[str, dict[str, Any]]] = [
         ("HOME", {"value": "/tmp"}), (flag("host").env, {"value": "0.0.0.0"}),
         (flag("port").env, {"value": str(api.HTTP_PORT)}),
         (flag("shutdown_timeout").env, {"value": str(isvc.spec.rollout.drain_seconds)}),
-        *auth_env(isvc), *tenancy_env(isvc),
+        (flag("admin_port").env, {"value": str(api.ADMIN_PORT)}), *shared_env(isvc), *tenancy_env(isvc),
         *((env["name"], {k: v for k, v in env.items() if k != "name"}) for env in source_env)]
     tracing = isvc.spec.tracing
     endpoint = tracing.otlp_endpoint or (config.otlp_traces_endpoint if config is not None else None)
@@ -195,7 +204,8 @@ def pod_spec(isvc: InferenceService, config: OperatorConfig, role: str = "single
         "command": ["kubeinfer"], "args": engine_args(isvc, mounts.model_path, mounts.served_name)
         + (group_args(isvc, role == "worker") if role != "single" else []),
         "env": engine_env(isvc, config, mounts.env), **({"envFrom": mounts.env_from} if mounts.env_from else {}),
-        "ports": [{"name": "http", "containerPort": api.HTTP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": api.HTTP_PORT, "protocol": "TCP"},
+                  {"name": "admin", "containerPort": api.ADMIN_PORT, "protocol": "TCP"}],
         "resources": engine_resources(isvc), **probes(),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "securityContext": restricted_container(), "volumeMounts": volume_mounts,

@@ -1,6 +1,7 @@
 """Everything an InferenceService owns: Deployment (or LeaderWorkerSet for multi-pod replicas),
-ClusterIP Service, PodDisruptionBudget, and the gateway — the router, also holding requests at
-zero replicas (operator/router_build.py).
+ClusterIP Service, PodDisruptionBudget, the gateway — the router, also holding requests at zero
+replicas (operator/router_build.py) — and, with `kubeinfer operator --network-policy`, a
+NetworkPolicy in front of its engines.
 
 `desired_children` is the whole answer to "what should exist"; `stale_children` names what
 must go (the PDB once replicas drop to 1 or less, where it would block node drains; the
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kubeinfer.server.kube.api import gateway_selector_labels
 from . import api
 from .build import workload
 from .inference_pool import PICKER_KINDS, POOL_KIND, picker_name, pool_children
 from .router_build import (gateway_children, gateway_name, gateway_replicas,
                           needs_gateway, service_selector)
-from .resource import InferenceService, OperatorConfig
+from .resource import InferenceService, NetworkPolicyConfig, OperatorConfig
 
 GATEWAY_KINDS = ("PodDisruptionBudget", "Deployment", "RoleBinding", "Role", "ServiceAccount")  # deletion order
 
@@ -52,11 +54,30 @@ def engine_pods_selector(isvc: InferenceService) -> dict[str, Any]:
                                              api.WORKER_COMPONENT]}]}
 
 
+def network_policy(isvc: InferenceService, policy: NetworkPolicyConfig) -> dict[str, Any]:
+    """Ingress to the engine pods: from its own engines (multi-node ranks), its routers, the
+    operator (adapters, metrics) and the admin's extra peers, on every port; from anyone else
+    only to the API port, and only when no router fronts the engines (the Service selects them)."""
+    operator_pods = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": policy.operator_namespace}},
+                     "podSelector": {"matchLabels": dict(policy.operator_labels)}}
+    trusted = [{"podSelector": engine_pods_selector(isvc)},
+               {"podSelector": {"matchLabels": gateway_selector_labels(isvc.name)}},
+               operator_pods, *policy.allow_from]
+    ingress: list[dict[str, Any]] = [{"from": trusted}]
+    if not needs_gateway(isvc):
+        ingress.append({"ports": [{"port": "http", "protocol": "TCP"}]})
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": isvc.metadata(),
+            "spec": {"podSelector": engine_pods_selector(isvc), "policyTypes": ["Ingress"],
+                     "ingress": ingress}}
+
+
 def desired_children(isvc: InferenceService, config: OperatorConfig, lws_installed: bool = True
                      ) -> list[dict[str, Any]]:
     """In apply order: the gateway exists before the Service is pointed at it. Multi-pod
     replicas without the LeaderWorkerSet CRD get no engines (a condition says why)."""
     children = [] if isvc.spec.multi_pod and not lws_installed else [workload(isvc, config)]
+    if config.network_policy is not None:
+        children.append(network_policy(isvc, config.network_policy))
     if needs_gateway(isvc):
         children += gateway_children(isvc, config)
     if isvc.spec.inference_pool.enabled:

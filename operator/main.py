@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import logging
 import os
 import random
@@ -21,7 +22,7 @@ from . import api
 from .autoscaler.handlers import register as register_autoscaler
 from .handlers import register
 from .reconcile import Reconciler
-from .resource import OperatorConfig
+from .resource import NetworkPolicyConfig, OperatorConfig
 
 PEERING_PATHS = {"cluster": "/apis/kopf.dev/v1/clusterkopfpeerings",
                  "namespaced": "/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings"}
@@ -44,6 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otlp-traces-endpoint", default=os.environ.get("KUBEINFER_OTLP_TRACES_ENDPOINT") or None,
                         help="OTLP/HTTP traces endpoint for engines whose spec.tracing.otlpEndpoint is "
                              "unset (the chart's tracing.otlpEndpoint) [env KUBEINFER_OTLP_TRACES_ENDPOINT].")
+    parser.add_argument("--allowed-image", dest="allowed_images", action="append", default=[],
+                        metavar="PATTERN",
+                        help="An engine image InferenceServices may run (fnmatch pattern, e.g. "
+                             "'registry.example.com/kubeinfer/*'; repeatable). Set: any other "
+                             "spec.engine.image is refused (Degraded/ImageNotAllowed), nothing is created.")
+    parser.add_argument("--network-policy", action="store_true",
+                        help="Give each InferenceService a NetworkPolicy: only its routers, its own "
+                             "engine pods (multi-node ranks), the operator and --network-policy-allow-from "
+                             "reach its engine pods (all clients reach their API port when no router "
+                             "fronts them); the admin port is never open to clients.")
+    parser.add_argument("--network-policy-allow-from", default="[]", metavar="JSON",
+                        help="NetworkPolicyPeers (a JSON list) also let in, e.g. Prometheus's namespace.")
     parser.add_argument("--cluster-domain", default="cluster.local",
                         help="DNS suffix used in status.url.")
     parser.add_argument("--model-cache-path", default="/var/lib/kubeinfer/models",
@@ -94,10 +107,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kube = Kube(load_api_client())
+    policy = NetworkPolicyConfig(operator_namespace=os.environ.get("POD_NAMESPACE", "kubeinfer-system"),
+                                 allow_from=tuple(json.loads(args.network_policy_allow_from))) \
+        if args.network_policy else None
     config = OperatorConfig(engine_image=args.engine_image, cluster_domain=args.cluster_domain,
                             otlp_traces_endpoint=args.otlp_traces_endpoint,
                             model_cache_path=args.model_cache_path, model_cache_claim=args.model_cache_claim,
-                            model_cache_budget=args.model_cache_budget, hf_endpoint=args.hf_endpoint)
+                            model_cache_budget=args.model_cache_budget, hf_endpoint=args.hf_endpoint,
+                            allowed_images=tuple(args.allowed_images), network_policy=policy)
     registry = kopf.get_default_registry()  # it carries kopf's default login handlers
     register(registry, Reconciler(kube, config), drift_seconds=args.drift_interval)
     register_autoscaler(registry, KubeScaleApi(kube))

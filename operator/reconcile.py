@@ -18,11 +18,10 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
-from kubeinfer.server.flags import parse_api_keys
 from kubeinfer.server.kube.api import gateway_selector_labels
 from kubeinfer.server.kube.client import Kube, KubeError
 
-from . import api
+from . import api, hash_key
 from .adapter_sync import AdapterSync
 from .adapters import AdapterReport, action_events, gate_conditions
 from .children import desired_children, stale_children
@@ -112,6 +111,11 @@ class Reconciler:
             isvc = InferenceService.from_body(body)
         except ValidationError as exc:  # the CRD schema let it by, the models did not
             return self._write_invalid(body, previous, spec_error(exc))
+        image = isvc.spec.engine.image or self.config.engine_image
+        if not self.config.image_allowed(image):   # nothing is created or changed for it
+            return self._write_invalid(body, previous, f"spec.engine.image {image} matches none of the images "
+                                       f"this cluster's admin allows ({', '.join(self.config.allowed_images)})",
+                                       reason="ImageNotAllowed")
         rolling_out = False
         lws_installed = self._lws_installed(lookup=isvc.spec.multi_pod)
         pinned = pin(isvc, self.config, template_hash(isvc, self.config), previous.model,
@@ -174,6 +178,7 @@ class Reconciler:
                 self.kube.get(kind, isvc.namespace, isvc.name)
             before = pod_templates(live) if live else None
         rolling_out = False
+        self.kube.create(hash_key.new_secret(isvc))   # before the pods that read it
         for child in desired_children(isvc, self.config, lws_installed is not False):
             result = self.kube.apply(child)
             if child["kind"] == kind and child["metadata"]["name"] == isvc.name and result:
@@ -206,21 +211,8 @@ class Reconciler:
         return self._lws_known
 
     def _sync_adapters(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> AdapterReport:
-        """Load and unload adapters in the Ready engines; with spec.auth, as a client holding
-        one of the service's own API keys (the runtime adapter API is behind them)."""
-        ref = isvc.spec.auth.api_key_secret_ref
-        key = None
-        if ref is not None:
-            try:
-                secret = self.kube.get("Secret", isvc.namespace, ref.name) or {}
-            except KubeError as exc:  # the chart grants it only with operator.readApiKeySecrets
-                return AdapterReport([], f"cannot read API key Secret {ref.name} to call the engines' "
-                                         f"adapter API ({exc.message}); install the chart with "
-                                         "operator.readApiKeySecrets=true")
-            encoded = (secret.get("data") or {}).get(ref.key)
-            keys = parse_api_keys(base64.b64decode(encoded).decode()) if encoded else []
-            key = keys[0] if keys else None
-        report = self.adapters.sync(isvc, pods, key)
+        """Load and unload adapters in the Ready engines, through their admin port."""
+        report = self.adapters.sync(isvc, pods)
         for pod, condition in gate_conditions(pods, report).items():
             try:
                 self.kube.patch_pod_condition(isvc.namespace, pod, condition)
@@ -295,9 +287,9 @@ class Reconciler:
             return None
 
     def _write_invalid(self, body: Mapping[str, Any], previous: InferenceServiceStatus,
-                       message: str) -> list[Event]:
+                       message: str, reason: str = "InvalidSpec") -> list[Event]:
         meta, now = body["metadata"], datetime.now(timezone.utc)
-        degraded = Condition(type="Degraded", status="True", reason="InvalidSpec", message=message,
+        degraded = Condition(type="Degraded", status="True", reason=reason, message=message,
                              observed_generation=meta.get("generation"), last_transition_time=now)
         others = [c for c in previous.conditions if c.type != "Degraded"]
         status = previous.model_copy(update={"conditions": [*others, degraded]})

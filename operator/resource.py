@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kubeinfer.server.kube.api import engine_selector_labels, label_selector
 from . import api
 from .spec import InferenceServiceSpec
+
+
+@dataclass(frozen=True)
+class NetworkPolicyConfig:
+    """Who may reach engine pods besides their own router: the operator's pods (its namespace
+    and pod labels), and `allow_from`, NetworkPolicy peers the chart adds (e.g. Prometheus)."""
+
+    operator_namespace: str
+    operator_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/component", "operator"),
+                                                    ("app.kubernetes.io/name", "kubeinfer"))
+    allow_from: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -21,6 +33,13 @@ class OperatorConfig:
     model_cache_claim: str | None = None  # instead: this claim (ReadWriteMany: once per cluster)
     model_cache_budget: str | None = None  # evict least recently used models beyond this size
     hf_endpoint: str | None = None  # the Hub mirror for hf:// sources that name no endpoint
+    # fnmatch patterns an engine image must match (the chart's allowedImages); empty: any image
+    allowed_images: tuple[str, ...] = ()
+    # a NetworkPolicy per InferenceService (the chart's networkPolicy), else None
+    network_policy: NetworkPolicyConfig | None = None
+
+    def image_allowed(self, image: str) -> bool:
+        return not self.allowed_images or any(fnmatch.fnmatchcase(image, p) for p in self.allowed_images)
 
 
 @dataclass(frozen=True)

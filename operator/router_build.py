@@ -17,7 +17,7 @@ from kubeinfer.server.flags import to_args
 from kubeinfer.server.kube.api import gateway_selector_labels
 from kubeinfer.server.router.flags import PROCESS_FLAGS, ROUTING_FLAGS
 from . import api
-from .build import auth_env, tenancy_env, tenancy_volumes
+from .build import shared_env, tenancy_env, tenancy_volumes
 from .resource import InferenceService, OperatorConfig
 from .security import restricted_container, restricted_pod
 
@@ -124,12 +124,13 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
         "command": ["kubeinfer"],
         "args": ["gateway", "--inferenceservice", isvc.name, "--port", str(GATEWAY_PORT),
                  "--activation-timeout", str(isvc.spec.autoscaling.activation_timeout_seconds),
-                 *routing_args(isvc)],
-        # The gateway checks the engines' API keys itself, so an unauthenticated request never
-        # wakes a service at zero; the kubelet reads the Secret, the Role needs no access to it.
+                 "--engine-admin-port", str(api.ADMIN_PORT), *routing_args(isvc)],
+        # The gateway checks the engines' API keys and body limit itself, so an unauthenticated
+        # or oversized request never wakes a service at zero; it hashes prompts with the
+        # engines' secret. The kubelet reads the Secrets, the Role needs no access to them.
         "env": [{"name": "POD_NAMESPACE",
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-                *({"name": name, **source} for name, source in auth_env(isvc) + tenancy_env(isvc)),
+                *({"name": name, **source} for name, source in shared_env(isvc) + tenancy_env(isvc)),
                 *router_quota_env(isvc)],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",  # crash reasons reach status

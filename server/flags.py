@@ -113,6 +113,18 @@ def parse_lora_modules_env(text: str) -> list[LoRAModuleSpec]:
     return [parse_lora_module(item) for item in text.split()]
 
 
+MIN_BODY_BYTES = 1 << 20
+# The context a body limit allows for where the model's is unknown (the operator and the router
+# do not read the model's config): 128k tokens, 8 MiB.
+LONG_CONTEXT_TOKENS = 131072
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """--max-request-body-bytes' default: room for the longest context as JSON text or token ids
+    (64 bytes a token), at least 1 MiB."""
+    return max(MIN_BODY_BYTES, 64 * max_model_len)
+
+
 @dataclass(frozen=True)
 class Flag:
     """One knob: `--name` on the command line, `KUBEINFER_NAME` in the environment."""

@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
 from ..engine.validation import check_token_ids
+from ..flags import MIN_BODY_BYTES, default_max_body_bytes
 from .auth import ApiKeyCheck
 from .cache_routes import cache_routes
 from .chat import create_chat_completion, render_request
@@ -130,14 +131,6 @@ def _ops_routes(state: ServerState) -> APIRouter:
         return {"version": __version__}
 
     return router
-
-
-MIN_BODY_BYTES = 1 << 20
-
-
-def default_max_body_bytes(max_model_len: int) -> int:
-    """Room for the longest context as JSON text or token ids (64 bytes a token), at least 1 MiB."""
-    return max(MIN_BODY_BYTES, 64 * max_model_len)
 
 
 def _app(state: ServerState, max_body_bytes: int | None) -> FastAPI:

@@ -18,6 +18,7 @@ COLLECTIONS = {
     "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
     "Service": "/api/v1/namespaces/{ns}/services",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     "Pod": "/api/v1/namespaces/{ns}/pods",
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
     "Secret": "/api/v1/namespaces/{ns}/secrets",
@@ -83,6 +84,17 @@ class Kube:
         return self.request("PATCH", self.path(obj["kind"], meta["namespace"], meta["name"]), obj,
                             query=[("fieldManager", api.FIELD_MANAGER), ("force", "true")],
                             content_type="application/apply-patch+yaml")
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless it exists (False then); its answer is not read back."""
+        meta = obj["metadata"]
+        try:
+            self.request("POST", self.path(obj["kind"], meta["namespace"]), obj)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.request("GET", self.path(kind, namespace, name))

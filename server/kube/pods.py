@@ -27,20 +27,22 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
                for c in (pod.get("status") or {}).get("conditions") or [])
 
 
-def pod_targets(pods: Iterable[Mapping[str, Any]], path: str = "/metrics") -> list[PodTarget]:
-    """Pods as returned by the API (JSON dicts) -> scrape targets."""
+def pod_targets(pods: Iterable[Mapping[str, Any]], path: str = "/metrics",
+                port_name: str = "http") -> list[PodTarget]:
+    """Pods as returned by the API (JSON dicts) -> targets on the container port `port_name`."""
     targets = []
     for pod in pods:
         status = pod.get("status") or {}
         ip = status.get("podIP")
-        url = f"http://{ip}:{_port(pod)}{path}" if ip else None
+        url = f"http://{ip}:{_port(pod, port_name)}{path}" if ip else None
         targets.append(PodTarget(pod["metadata"]["name"], url, pod_ready(pod),
                                  bool(pod["metadata"].get("deletionTimestamp"))))
     return targets
 
 
-def _port(pod: Mapping[str, Any]) -> int:
-    """The container port named `http`, else the first one declared."""
+def _port(pod: Mapping[str, Any], name: str) -> int:
+    """The container port named `name`, else the first one declared (a pod of an older operator
+    has no admin port: its API port serves the admin routes)."""
     ports = [p for c in pod.get("spec", {}).get("containers", []) for p in c.get("ports") or []]
-    named = [p for p in ports if p.get("name") == "http"]
+    named = [p for p in ports if p.get("name") == name]
     return int((named or ports or [{"containerPort": DEFAULT_PORT}])[0]["containerPort"])

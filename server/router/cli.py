@@ -23,7 +23,8 @@ import httpx
 import uvicorn
 
 from ..api.auth import api_keys_from_args
-from ..flags import add_flags
+from ..engine.kv_events import BlockHasher
+from ..flags import LONG_CONTEXT_TOKENS, add_flags, default_max_body_bytes
 from ..model.tokenizer_files import load_tokenizer
 from ..tenancy import table_from_args, tenancy_enabled
 from .activator import Activator, ActivatorConfig, GatewayMetrics
@@ -79,7 +80,8 @@ def build_routing(args: argparse.Namespace, client: httpx.AsyncClient, metrics: 
     """(picker, routing) for `args.strategy`: the engines' views, and what the picker declares
     it needs: a tokenizer for routing keys, the warm-up of new engines (authenticated with the
     engines' first API key)."""
-    views = EngineViews(client, interval=args.poll_interval, metrics_interval=4 * args.poll_interval)
+    views = EngineViews(client, interval=args.poll_interval, metrics_interval=4 * args.poll_interval,
+                        admin_port=args.engine_admin_port, hasher=BlockHasher(args.kv_hash_key))
     config = PrefixAwareConfig(load_penalty_tokens=args.load_penalty_tokens, balance_factor=args.balance_factor,
                                balance_slack=args.balance_slack, kv_usage_limit=args.kv_usage_limit)
     picker = make_picker(args.strategy, views, config)
@@ -138,8 +140,11 @@ def run(args: argparse.Namespace) -> int:
         from .tracing import RouterTracing
 
         tracing = RouterTracing(args.otlp_traces_endpoint, args.otlp_traces_sampling_ratio)
+    # the engines' limit (the operator passes theirs), for HTTP and ext_proc alike
+    body_limit = args.max_request_body_bytes or default_max_body_bytes(LONG_CONTEXT_TOKENS)
     app = build_app(activator, name, retry_after=args.retry_after, http=client, api_keys=api_keys,
-                    routing=routing, tenancy=router_tenancy(args, api_keys), tracing=tracing)
+                    routing=routing, tenancy=router_tenancy(args, api_keys), tracing=tracing,
+                    max_body_bytes=body_limit)
     if args.ext_proc_port is None:
         if not args.http:
             raise SystemExit("kubeinfer route: --no-http needs --ext-proc-port")
@@ -153,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     endpoint_picker = EndpointPicker(activator, routing, PickerSettings(
         fallbacks=args.fallback_endpoints, shed_queue_depth=args.shed_queue_depth,
-        max_body_bytes=args.max_body_bytes, retry_after=args.retry_after))
+        max_body_bytes=body_limit, retry_after=args.retry_after))
     asyncio.run(serve(endpoint_picker, args.host, args.ext_proc_port, app if args.http else None,
                       args.port, args.log_level, routing))
     return 0

@@ -1,7 +1,7 @@
 """The router's picture of each engine, read from the engines themselves.
 
 Every `interval` it pulls each Ready engine's `GET /kv/blocks?since=SEQ` (the block hashes its
-prefix cache gained and lost) and, every `metrics_interval`, its queue gauges from `/metrics`.
+prefix cache gained and lost, keyed with the service's secret; on the engines' admin port) and, every `metrics_interval`, its queue gauges from `/metrics`.
 Decisions then depend on engine state, not on one router's history, so several router replicas
 choose alike without talking. The one exception is short-lived: blocks of a request a router
 has just sent count as cached there for `pending_seconds`, until the engine's digest shows them
@@ -22,7 +22,7 @@ from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 import httpx
 
-from ..engine.kv_events import HASH_SCHEME
+from ..engine.kv_events import UNKEYED, BlockHasher
 from ..model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,9 +44,18 @@ def scan_gauges(text: str, names: Sequence[str]) -> dict[str, float]:
     return totals
 
 
+def admin_url(url: str, admin_port: int | None) -> str:
+    """`url` (an engine's API) with the engines' admin port, where it has one."""
+    if admin_port is None:
+        return url
+    parsed = httpx.URL(url)
+    return str(parsed.copy_with(port=admin_port)).rstrip("/")
+
+
 @dataclass
 class EngineView:
     url: str
+    scheme: str = UNKEYED.scheme   # the block hashes this router computes: the engine's must match
     epoch: str | None = None
     seq: int | None = None
     block_size: int | None = None
@@ -78,8 +87,8 @@ class EngineView:
         return _leading(hashes, lambda block: self.has(block, now) or self.warming.get(block, 0.0) > now)
 
     def apply(self, digest: dict) -> None:
-        if digest.get("hash") != HASH_SCHEME:
-            raise ValueError(f"unknown block hash scheme {digest.get('hash')!r}")
+        if digest.get("hash") != self.scheme:   # e.g. an engine without the service's key
+            raise ValueError(f"block hash scheme {digest.get('hash')!r}, expected {self.scheme!r}")
         if not digest["reset"] and digest["epoch"] == self.epoch and self.seq is not None \
                 and digest["seq"] < self.seq:
             return   # an older read answered after a newer one (the warm-up's check, the poll loop)
@@ -104,9 +113,13 @@ def _leading(hashes: Sequence[int], held: Callable[[int], bool]) -> int:
 
 class EngineViews:
     def __init__(self, client: httpx.AsyncClient, interval: float = 0.5, metrics_interval: float = 2.0,
-                 pending_seconds: float = 2.0, timeout: float = 2.0) -> None:
+                 pending_seconds: float = 2.0, timeout: float = 2.0, admin_port: int | None = None,
+                 hasher: BlockHasher = UNKEYED) -> None:
+        """`admin_port`: the engines' --admin-port (the digest, tokenizer and adapters are read
+        there); `hasher`: the service's keyed block hashes, which the engines' must match."""
         self.client, self.interval, self.metrics_interval = client, interval, metrics_interval
         self.pending_seconds, self.timeout = pending_seconds, timeout
+        self.admin_port, self.hasher = admin_port, hasher
         self.views: dict[str, EngineView] = {}
         self.in_flight: Mapping[str, int] = {}   # this router's own requests (the activator's count)
         self.api_key: str | None = None   # for /v1/models when the engines want keys
@@ -122,7 +135,7 @@ class EngineViews:
     def get(self, url: str) -> EngineView:
         view = self.views.get(url)
         if view is None:
-            view = self.views[url] = EngineView(url)
+            view = self.views[url] = EngineView(url, self.hasher.scheme)
         return view
 
     def load(self, url: str, in_flight: int) -> float:
@@ -179,7 +192,8 @@ class EngineViews:
     async def read_digest(self, view: EngineView) -> None:
         """Bring `view.cached` up to date with the engine's `/kv/blocks` now."""
         params = {} if view.seq is None else {"since": view.seq}
-        response = await self.client.get(f"{view.url}/kv/blocks", params=params, timeout=self.timeout)
+        response = await self.client.get(f"{admin_url(view.url, self.admin_port)}/kv/blocks", params=params,
+                                         timeout=self.timeout)
         if response.status_code == 200:
             view.apply(response.json())
 
@@ -187,7 +201,8 @@ class EngineViews:
         """(every model, the adapters) `/v1/models` lists (vLLM gives each adapter a `parent`);
         none if it will not say."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        response = await self.client.get(f"{url}/v1/models", headers=headers, timeout=self.timeout)
+        response = await self.client.get(f"{admin_url(url, self.admin_port)}/v1/models", headers=headers,
+                                         timeout=self.timeout)
         if response.status_code != 200:
             return frozenset(), frozenset()
         cards = response.json().get("data") or []
@@ -207,10 +222,12 @@ class EngineViews:
         """The tokenizer and block size the first answering engine serves (GET /tokenizer_info)."""
         for url in urls:
             try:
-                response = await self.client.get(f"{url}/tokenizer_info", timeout=30.0)
+                response = await self.client.get(f"{admin_url(url, self.admin_port)}/tokenizer_info", timeout=30.0)
                 response.raise_for_status()
                 info = response.json()
-                if info.get("hash") != HASH_SCHEME or not info.get("block_size"):
+                if info.get("hash") != self.hasher.scheme or not info.get("block_size"):
+                    log.warning("engine %s hashes blocks as %r, this router as %r: no routing keys from it",
+                                url, info.get("hash"), self.hasher.scheme)
                     continue
                 return Tokenizer.from_description(info), int(info["block_size"])
             except (httpx.HTTPError, ValueError, KeyError) as error:

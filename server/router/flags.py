@@ -9,7 +9,7 @@ engine's.
 
 from __future__ import annotations
 
-from ..flags import SERVER_FLAGS, Flag, _optional, parse_bool
+from ..flags import ENGINE_FLAGS, SERVER_FLAGS, Flag, _optional, parse_bool
 
 # The pickers (`pickers.py`) implement these; `none` (CRD only) means no router unless the
 # service scales from zero, whose router then balances by load.
@@ -64,6 +64,10 @@ TARGET_FLAGS: tuple[Flag, ...] = (
          "through the Kubernetes API (and scaled from zero on a request)."),
     Flag("namespace", _optional(str), None,
          "Its namespace; default: POD_NAMESPACE, else the pod's own (service-account mount), else 'default'."),
+    Flag("engine-admin-port", _optional(int), None,
+         "The engines' --admin-port, where the router reads /kv/blocks, /tokenizer_info and the adapters "
+         "(/v1/models); default: the port of each backend URL (engines without --admin-port). The "
+         "operator passes it."),
 )
 # Defaults that depend on the mode are None here and resolved by `cli.mode_defaults`.
 PROCESS_FLAGS: tuple[Flag, ...] = (
@@ -74,8 +78,11 @@ PROCESS_FLAGS: tuple[Flag, ...] = (
          "120 in-cluster (the operator passes spec.autoscaling.activationTimeoutSeconds)."),
     Flag("retry-after", int, 10, "Retry-After seconds sent with that 503."),
     Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),
-    # the engine's own key flags, so the operator gives both processes the same env
-    *(f for f in SERVER_FLAGS if f.dest in ("api_keys", "api_keys_file", "require_api_key")),
+    # the engine's own flags, so the operator gives both processes the same env: the API keys,
+    # the body limit, the secret of the block hashes
+    *(f for f in SERVER_FLAGS if f.dest in ("api_keys", "api_keys_file", "require_api_key",
+                                            "max_request_body_bytes")),
+    *(f for f in ENGINE_FLAGS if f.dest == "kv_hash_key"),
     # the engine's tenant flags (docs/tenancy.md): quotas are enforced here too, per replica
     *(f for f in SERVER_FLAGS if f.dest in ("tenants_file", "trust_tenant_header")),
     # the engine's tracing flags: the router's `route` spans join the same traces (router/tracing.py)
@@ -96,6 +103,4 @@ EPP_FLAGS: tuple[Flag, ...] = (
     Flag("shed-queue-depth", int, 0,
          "ext_proc: answer 429 when every candidate endpoint has this many requests waiting "
          "(vllm:num_requests_waiting); 0: never shed."),
-    Flag("max-body-bytes", int, 16 << 20,
-         "ext_proc: the largest request body held until the pick (it holds the prompt); larger: 413."),
 )

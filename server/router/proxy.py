@@ -1,12 +1,16 @@
 """The gateway's HTTP face: OpenAI requests in, forwarded (streams included) to an engine pod.
 
-Bodies are read once and replayed, so a pod that refuses the connection (it was just removed)
-is retried on another before anything reached the client. Responses are passed through
-byte-for-byte as they arrive, which keeps server-sent events flowing token by token. With
-`routing`, each completion request gets a routing key (its prompt's block hashes) for the
-picker, and the cached tokens the engine reports in `usage` are counted against the prediction.
+Only the OpenAI surface is forwarded (`FORWARDED`); any other path is answered 404 here, so the
+engines' admin routes and anything added to them later stay off the Service. A body over the
+engines' limit (`--max-request-body-bytes`) gets their 413 here as it streams in. A body the
+picker reads (a completion's prompt, for its routing key) is read once, bounded by that limit;
+any other body streams through to the engine, held only up to 64 KiB. A held body is replayed,
+so a pod that refuses the connection (it was just removed) or closes it unanswered is retried
+on another before anything reached the client. Responses are passed through byte-for-byte as
+they arrive, which keeps server-sent events flowing token by token. With `routing`, each
+completion request gets a routing key (its prompt's block hashes) for the picker, and the
+cached tokens the engine reports in `usage` are counted against the prediction.
 """
-
 from __future__ import annotations
 
 import json
@@ -23,6 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..api.auth import OPEN_PATHS, ApiKeyCheck
 from ..api.error_body import OpenAIError, error_body, error_response
+from ..api.middleware import BodyLimit, BodyTooLarge
+from ..flags import LONG_CONTEXT_TOKENS, default_max_body_bytes
 from .activator import Activator, NoReadyPod
 from .routing import Routing
 from .tenancy import RouterTenancy
@@ -42,18 +48,60 @@ CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
 UNANSWERED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 USAGE_TAIL = 4096  # bytes of a response kept to read its usage (the last object of a stream)
+# What clients may reach through the router: the OpenAI API and vLLM's public extras. Paths only
+# the operator or the routers use (the engines' admin port) are never forwarded.
+FORWARDED = {"POST": ("v1/completions", "v1/chat/completions", "v1/embeddings", "tokenize", "detokenize"),
+             "GET": ("v1/models", "version", "health", "ready")}
+
+
+def forwarded(method: str, path: str) -> bool:
+    """`path` (no leading slash) is part of the surface clients may reach (`FORWARDED`)."""
+    paths = FORWARDED.get(method, ())
+    return path in paths or (method == "GET" and path.startswith("v1/models/") and len(path) > len("v1/models/"))
+
+
+# A body up to this size is held, so a request whose pod closed the connection unanswered (a
+# pooled keep-alive connection racing its idle close) can be sent again; a larger one streams.
+REPLAY_BYTES = 64 * 1024
+
+
+class StreamedBody:
+    """A request body passed to the engine as it arrives, after its first `head` bytes; `started`
+    once any of it was sent, after which the request cannot be replayed on another pod."""
+
+    def __init__(self, head: bytes, rest: AsyncIterator[bytes]) -> None:
+        self.head, self.rest, self.started = head, rest, False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        self.started = True
+        yield self.head
+        async for chunk in self.rest:
+            yield chunk
+
+
+async def request_body(request: Request) -> bytes | StreamedBody:
+    """The whole body when it is small (`REPLAY_BYTES`), else its start and the rest to stream."""
+    chunks = request.stream()
+    head = b""
+    async for chunk in chunks:
+        head += chunk
+        if len(head) > REPLAY_BYTES:
+            return StreamedBody(head, chunks)
+    return head
 
 
 def build_app(activator: Activator, name: str, retry_after: int = 10,
               http: httpx.AsyncClient | None = None, api_keys: list[str] | None = None,
               routing: Routing | None = None, tenancy: RouterTenancy | None = None,
-              tracing: RouterTracing | None = None) -> FastAPI:
+              tracing: RouterTracing | None = None,
+              max_body_bytes: int | None = None) -> FastAPI:
     """`name` is the InferenceService, for error messages. With `api_keys` (the engines' own),
     a request without a valid key gets the engines' 401 here, before it can hold or wake
     anything; the Authorization header is forwarded untouched and the engine checks it again.
     With `routing`, requests carry routing keys and the engines' views are polled meanwhile.
     With `tenancy`, the key check also names the tenant and its quotas apply here (429).
-    With `tracing`, each request gets a `route` span the engine's spans nest under."""
+    With `tracing`, each request gets a `route` span the engine's spans nest under.
+    `max_body_bytes`: the engines' limit (default: a 128k-token context's, 8 MiB)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -65,7 +113,9 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             if routing is not None:
                 await routing.stop()
 
-    app = FastAPI(title=f"kubeinfer gateway for {name}", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title=f"kubeinfer gateway for {name}", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(LONG_CONTEXT_TOKENS))
     client = http or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
     counts = activator.metrics.requests
     check_key = ApiKeyCheck(api_keys or [])
@@ -74,6 +124,11 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
     async def _refused(_: Request, error: OpenAIError) -> JSONResponse:
         counts.labels(str(error.status)).inc()
         return error_response(error)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, error: BodyTooLarge) -> JSONResponse:
+        counts.labels("413").inc()
+        return JSONResponse(error_body(413, error.detail), status_code=413)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -86,6 +141,8 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
+        if not forwarded(request.method, path):
+            raise OpenAIError(404, f"{request.method} /{path} is not served here", code="not_found")
         identity = None
         if "/" + path not in OPEN_PATHS:
             if tenancy is not None:
@@ -104,13 +161,19 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
         return response
 
     async def _forward(path: str, request: Request, identity: Identity | None, span: Span | None) -> Response:
-        body = await request.body()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         if span is not None:
             headers = RouterTracing.forward_headers(span, headers)
-        started = time.perf_counter()
-        key = routing.key(path, body, request.headers) if routing is not None else None
-        spent: float | None = time.perf_counter() - started
+        body: bytes | StreamedBody
+        key = None
+        spent: float | None = None
+        if routing is not None and routing.reads_body(path):
+            body = await request.body()
+            started = time.perf_counter()
+            key = routing.key(path, body, request.headers)
+            spent = time.perf_counter() - started
+        else:
+            body = await request_body(request)
         refused: list[str] = []
         for attempt in range(2):  # a second pod if the first refused the connection or did not answer
             stack = AsyncExitStack()
@@ -138,7 +201,12 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
                 await stack.aclose()
                 refused.append(base)
                 log.warning("engine pod %s closed the connection without answering: %r", base, error)
+                if isinstance(body, StreamedBody) and body.started:
+                    break   # part of the body went to that pod: it cannot be sent again
                 continue
+            except BaseException:   # the client's body passed the limit, or the client left
+                await stack.aclose()
+                raise
             counts.labels(str(upstream.status_code)).inc()
             stack.push_async_callback(upstream.aclose)
             reply = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]

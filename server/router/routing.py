@@ -30,9 +30,13 @@ class Routing:
         `warmer`: records the keys' prefixes and warms engines that become Ready with them."""
         self.views, self.prefix_key_tokens, self.tokenizer_retry = views, prefix_key_tokens, tokenizer_retry
         self.keyed, self.warmer = keyed, warmer
-        self.keys = KeyMaker(tokenizer, block_size, prefix_key_tokens) if tokenizer else None
+        self.keys = KeyMaker(tokenizer, block_size, prefix_key_tokens, views.hasher) if tokenizer else None
         self.background: list[Callable[[], Awaitable[None]]] = []   # more loops for the app's lifetime
         self._tasks: list[asyncio.Task] = []
+
+    def reads_body(self, path: str) -> bool:
+        """The picker needs this request's body (its prompt); any other body streams through."""
+        return self.keyed and path.strip("/") in KEYED_PATHS
 
     def key(self, path: str, body: bytes, headers: Mapping[str, str]) -> RoutingKey | None:
         if self.keys is None or path.strip("/") not in KEYED_PATHS:
@@ -73,7 +77,7 @@ class Routing:
                 found = None
             if found is not None:
                 tokenizer, block_size = found
-                self.keys = KeyMaker(tokenizer, block_size, self.prefix_key_tokens)
+                self.keys = KeyMaker(tokenizer, block_size, self.prefix_key_tokens, self.views.hasher)
                 log.info("routing keys from the engines' tokenizer (block size %d)", block_size)
                 return
             await asyncio.sleep(self.tokenizer_retry)

@@ -2,7 +2,7 @@
 
 The prompt is tokenized exactly as the engine will (the engine's own `Tokenizer`, chat
 template included, and its request models), and hashed with the engine's block-hash chain
-(`kubeinfer.server.engine.kv_events`), so a hash found in an engine's `/kv/blocks` means that
+(`kubeinfer.server.engine.kv_events`, keyed with the service's secret), so a hash found in an engine's `/kv/blocks` means that
 engine holds this prompt's KV up to that block. Torch-free.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Collection, Mapping, Sequence
 import pydantic
 
 from ..api.protocol import ChatCompletionRequest, CompletionRequest
-from ..engine.kv_events import block_hash, block_hashes, root_hash
+from ..engine.kv_events import UNKEYED, BlockHasher
 from ..model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,10 @@ class KeyMaker:
     """Builds routing keys with the model's tokenizer; `None` where the engine would refuse the
     body (it answers that itself) or nothing routes by prefix (other paths)."""
 
-    def __init__(self, tokenizer: Tokenizer, block_size: int, prefix_key_tokens: int = 256) -> None:
+    def __init__(self, tokenizer: Tokenizer, block_size: int, prefix_key_tokens: int = 256,
+                 hasher: BlockHasher = UNKEYED) -> None:
         self.tokenizer, self.block_size = tokenizer, block_size
-        self.prefix_key_tokens = prefix_key_tokens
+        self.prefix_key_tokens, self.hasher = prefix_key_tokens, hasher
 
     def prompt_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int], str | None, str | None] | None:
         """(prompt token ids, cache_salt, model) of the request's first prompt."""
@@ -94,7 +95,7 @@ class KeyMaker:
             return None
         ids, salt, model = found
         adapter = model if model in adapters else None
-        hashes = tuple(block_hashes(ids[:-1], self.block_size, salt, adapter))
-        affinity = block_hash(root_hash(salt, adapter), ids[:self.prefix_key_tokens])
+        hashes = tuple(self.hasher.prompt(ids[:-1], self.block_size, salt, adapter))
+        affinity = self.hasher.block(self.hasher.root(salt, adapter), ids[:self.prefix_key_tokens])
         return RoutingKey(len(ids), self.block_size, hashes, affinity, session, adapter,
                           model if isinstance(model, str) else None, salt, ids)

@@ -3,7 +3,6 @@ engine reports, idempotent, re-loaded after an engine restart, failures in statu
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -33,9 +32,11 @@ class FakeEngine:
         self.refuse = refuse or {}
         self.calls: list[str] = []
         self.auth: list[str | None] = []
+        self.ports: set[int | None] = set()
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         self.auth.append(request.headers.get("authorization"))
+        self.ports.add(request.url.port)
         if request.url.path == "/v1/models":
             cards = [{"id": BASE, "object": "model", "root": BASE, "parent": None}] + [
                 {"id": name, "object": "model", "root": path, "parent": BASE} for name, path in self.adapters.items()]
@@ -73,14 +74,15 @@ def engine_pod(name: str, ip: str, ready: bool = True) -> dict[str, Any]:
     """A LoRA engine pod as the kubelet reports it: its containers answer (ContainersReady) while
     Ready waits for the adapters gate."""
     return {"metadata": {"name": name},
-            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8000}]}],
+            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8000},
+                                                                 {"name": "admin", "containerPort": 8001}]}],
                      "readinessGates": [{"conditionType": "kubeinfer.io/adapters-loaded"}]},
             "status": {"podIP": ip, "conditions": [{"type": "ContainersReady", "status": str(ready)},
                                                    {"type": "Ready", "status": "False"}]}}
 
 
-def sync(engines: Engines, spec: dict[str, Any], pods: list[dict[str, Any]], key: str | None = None):
-    return AdapterSync(engines.client()).sync(make_isvc(spec), pods, key)
+def sync(engines: Engines, spec: dict[str, Any], pods: list[dict[str, Any]]):
+    return AdapterSync(engines.client()).sync(make_isvc(spec), pods)
 
 
 def test_plan_loads_what_is_missing_and_unloads_what_was_removed() -> None:
@@ -173,11 +175,9 @@ class GatedKube(MemoryKube):
         pod["status"]["conditions"] = [*others, condition]
 
 
-def kube_with(pods: list[dict[str, Any]], secret: dict[str, Any] | None = None) -> GatedKube:
+def kube_with(pods: list[dict[str, Any]]) -> GatedKube:
     kube = GatedKube()
     kube.listed["Pod"] = pods
-    if secret is not None:
-        kube.objects[("Secret", secret["metadata"]["name"])] = secret
     return kube
 
 
@@ -216,14 +216,24 @@ def test_reconcile_without_lora_leaves_engines_alone() -> None:
     assert kube.statuses[-1]["adapters"] == []
 
 
-def test_with_api_keys_the_operator_calls_as_a_client_of_the_service() -> None:
+def test_with_api_keys_the_operator_uses_the_admin_port_and_reads_no_secret() -> None:
+    """The runtime adapter API is on the engines' admin port, which takes no user's key: spec.auth
+    needs no Secret read (the operator holds no `get` on Secrets)."""
+    from kubeinfer.server.kube.client import KubeError
+
+    class NoSecrets(GatedKube):
+        def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+            if kind == "Secret":
+                raise KubeError(403, 'secrets "keys" is forbidden', "Forbidden")
+            return super().get(kind, namespace, name)
     engine = FakeEngine()
-    secret = {"metadata": {"name": "keys"}, "data": {"api-keys": base64.b64encode(b"# ops\nk-1,k-2\n").decode()}}
-    kube = kube_with([engine_pod("chat-a", "10.0.0.1")], secret)
+    kube = NoSecrets()
+    kube.listed["Pod"] = [engine_pod("chat-a", "10.0.0.1")]
     spec = {"adapters": ADAPTERS, "auth": {"apiKeySecretRef": {"name": "keys"}}}
     Reconciler(kube, CONFIG, AdapterSync(Engines(**{"10.0.0.1": engine}).client())).reconcile(  # type: ignore[arg-type]
         body(spec), trigger="create")
-    assert set(engine.auth) == {"Bearer k-1"} and set(engine.adapters) == {"sql", "chat"}
+    assert set(engine.auth) == {None} and engine.ports == {8001} and set(engine.adapters) == {"sql", "chat"}
+    assert conditions(kube.statuses[-1])["AdaptersReady"] == "True/AdaptersLoaded"
 
 
 def test_adapter_edits_leave_the_pod_template_alone() -> None:
@@ -276,23 +286,6 @@ def test_failure_events_follow_the_condition() -> None:
     assert [(e.type, e.reason, e.message) for e in first] == [("Warning", "AdapterLoadFailed", "x")]
     assert transition_events([cond("False", "AdapterLoadFailed", "x")], [cond("False", "AdapterLoadFailed", "x")]) == []
     assert len(transition_events([cond("False", "AdapterLoadFailed", "x")], [cond("False", "AdapterLoadFailed", "y")])) == 1
-
-
-def test_an_unreadable_key_secret_is_a_condition_not_a_crash() -> None:
-    from kubeinfer.server.kube.client import KubeError
-
-    class NoSecrets(MemoryKube):
-        def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-            if kind == "Secret":
-                raise KubeError(403, 'secrets "keys" is forbidden', "Forbidden")
-            return super().get(kind, namespace, name)
-    kube = NoSecrets()
-    kube.listed["Pod"] = [engine_pod("chat-a", "10.0.0.1")]
-    spec = {"adapters": ADAPTERS, "auth": {"apiKeySecretRef": {"name": "keys"}}}
-    Reconciler(kube, CONFIG).reconcile(body(spec), trigger="create")  # type: ignore[arg-type]
-    cond = next(c for c in kube.statuses[-1]["conditions"] if c["type"] == "AdaptersReady")
-    assert (cond["status"], cond["reason"]) == ("False", "ApiKeyUnavailable")
-    assert "operator.readApiKeySecrets=true" in cond["message"]
 
 
 def test_the_lora_example_builds_against_its_own_claim() -> None:

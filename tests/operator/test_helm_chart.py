@@ -6,6 +6,7 @@ tests and e2e use one helm; the first run builds it from the Go module proxy.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,8 @@ def test_default_install_is_cluster_wide_with_crds(helm: str) -> None:
     assert {"inferenceservices", "inferenceservices/status", "deployments", "services",
             "poddisruptionbudgets", "pods", "events", "clusterkopfpeerings"} <= resources
     assert not by_kind(docs, "Role")
-    assert "secrets" not in resources  # least privilege: the operator never reads Secrets
+    secret_verbs = {v for rule in role["rules"] if "secrets" in rule["resources"] for v in rule["verbs"]}
+    assert secret_verbs == {"create"}  # least privilege: the operator never reads Secrets
 
 
 def test_namespaced_install_uses_roles(helm: str) -> None:
@@ -127,7 +129,6 @@ def _exported_names() -> set[str]:
 
 
 def test_routing_dashboard_reads_what_the_routers_and_engines_export(helm: str) -> None:
-    import json
     import re
 
     config_map = next(d for d in by_kind(render(helm), "ConfigMap") if "dashboard" in d["metadata"]["name"])
@@ -176,10 +177,30 @@ def test_values_schema_refuses_bad_values(helm: str) -> None:
     assert result.returncode != 0 and "logLevel" in result.stderr
 
 
-def test_reading_api_key_secrets_is_opt_in(helm: str) -> None:
-    docs = render(helm, "operator.readApiKeySecrets=true")
+def test_the_operator_creates_secrets_and_never_reads_one(helm: str) -> None:
+    """Cluster-wide and per watched namespace: `create` (each service's block-hash key), no
+    get/list/watch/patch (a patch answers the object: it reads too)."""
+    for docs in (render(helm), render(helm, "watch.namespaces={team-a}")):
+        for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+            verbs = {verb for rule in role["rules"] for verb in rule["verbs"]
+                     if "secrets" in rule.get("resources", []) or "*" in rule.get("resources", [])}
+            assert verbs <= {"create"}, (role["metadata"]["name"], verbs)
+        assert any({"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]} in role["rules"]
+                   for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"))
+
+def test_allowed_images_and_network_policy_reach_the_operator(helm: str) -> None:
+    docs = render(helm, "allowedImages={registry.example.com/kubeinfer/*}", "networkPolicy.enabled=true",
+                  "networkPolicy.allowFrom[0].namespaceSelector.matchLabels.team=monitoring")
+    args = operator_args(docs)
+    assert "--allowed-image=registry.example.com/kubeinfer/*" in args and "--network-policy" in args
+    allow = next(a for a in args if a.startswith("--network-policy-allow-from="))
+    assert json.loads(allow.split("=", 1)[1]) == [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]
     rules = by_kind(docs, "ClusterRole")[0]["rules"]
-    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]} in rules
+    assert {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+            "verbs": ["get", "create", "patch", "update", "delete"]} in rules
+    defaults = render(helm)
+    assert not any(a.startswith(("--allowed-image", "--network-policy")) for a in operator_args(defaults))
+    assert not any("networkpolicies" in r["resources"] for r in by_kind(defaults, "ClusterRole")[0]["rules"])
 
 
 def test_tracing_endpoint_reaches_the_operator_and_its_engines(helm: str) -> None:

@@ -31,6 +31,13 @@ class MemoryKube:
         self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
         return obj
 
+    def create(self, obj: dict[str, Any]) -> bool:
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in self.objects:
+            return False
+        self.objects[key] = obj
+        return True
+
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.objects.get((kind, name))
 
@@ -60,10 +67,28 @@ def test_creates_children_and_writes_status() -> None:
     Reconciler(kube, CONFIG).reconcile(body(), trigger="create")  # type: ignore[arg-type]
     assert set(kube.objects) == {("Deployment", "chat"), ("Service", "chat"), ("Deployment", "chat-gateway"),
                                  ("ServiceAccount", "chat-gateway"), ("Role", "chat-gateway"),
-                                 ("RoleBinding", "chat-gateway")}   # the router, one pod: no PDB
+                                 ("RoleBinding", "chat-gateway"),   # the router, one pod: no PDB
+                                 ("Secret", "chat-kv-hash-key")}
     status = kube.statuses[-1]
     assert status["observedGeneration"] == 1 and status["replicaSummary"] == "0/1"
     assert conditions(status)["Progressing"] == "True/RollingOut"
+
+
+def test_the_hash_key_secret_is_created_once_and_read_by_the_pods_only() -> None:
+    """Random, created (never applied: the operator cannot read Secrets back), kept on later
+    reconciles; the engines get it from the kubelet as an env var."""
+    kube = MemoryKube()
+    reconciler = Reconciler(kube, CONFIG)
+    reconciler.reconcile(body(), trigger="create")  # type: ignore[arg-type]
+    secret = kube.objects[("Secret", "chat-kv-hash-key")]
+    value = secret["stringData"]["kv-hash-key"]
+    assert len(value) >= 43 and secret["immutable"] and secret["metadata"]["ownerReferences"][0]["name"] == "chat"
+    reconciler.reconcile(body(), trigger="drift")  # type: ignore[arg-type]
+    assert kube.objects[("Secret", "chat-kv-hash-key")]["stringData"]["kv-hash-key"] == value
+    env = kube.objects[("Deployment", "chat")]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "KUBEINFER_KV_HASH_KEY", "valueFrom": {"secretKeyRef": {
+        "name": "chat-kv-hash-key", "key": "kv-hash-key"}}} in env
+    assert value not in str(kube.objects[("Deployment", "chat")])
 
 
 def test_reconcile_twice_applies_the_same_objects() -> None:

@@ -76,6 +76,19 @@ def two_port_server(model: str, **engine_kwargs) -> Iterator[tuple[str, str]]:
         asyncio.run(engine.shutdown())
 
 
+def _router_views(url: str, admin_port: int):
+    from kubeinfer.server.router.engine_views import EngineViews
+
+    async def read():
+        async with httpx.AsyncClient() as client:
+            views = EngineViews(client, admin_port=admin_port, hasher=BlockHasher(SECRET))
+            assert await views.fetch_tokenizer([url]) is not None
+            views.metrics_interval = 0.0
+            await views.refresh([url])
+            return views.views[url]
+    return asyncio.run(read())
+
+
 def test_admin_routes_answer_on_the_admin_port_only(lora_base, tmp_path) -> None:
     base, adapter = lora_base
     load = {"lora_name": "sql", "lora_path": adapter}
@@ -101,6 +114,9 @@ def test_admin_routes_answer_on_the_admin_port_only(lora_base, tmp_path) -> None
         unkeyed = {h for salt in (None, "") for adapter_name in (None, "sql")
                    for h in block_hashes(PROMPT, 8, salt, adapter_name)}
         assert not set(digest["stored"]) & unkeyed
+        # the router reads the digest, tokenizer and adapters of an engine known by its API URL
+        views = _router_views(public, int(admin.rsplit(":", 1)[1]))
+        assert views.cached == set(digest["stored"]) and views.adapters == {"sql"}
         assert httpx.post(admin + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
 
 

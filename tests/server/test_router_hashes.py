@@ -14,7 +14,7 @@ import pytest
 
 from kubeinfer.server.router.engine_views import EngineView, EngineViews
 from kubeinfer.server.router.routing_key import KeyMaker
-from kubeinfer.server.engine.kv_events import HASH_SCHEME
+from kubeinfer.server.engine.kv_events import HASH_SCHEME, UNKEYED, BlockHasher, block_hashes
 from kubeinfer.server.model.tokenizer_files import load_tokenizer
 
 pytestmark = pytest.mark.integration
@@ -47,7 +47,7 @@ def _requests(salt: str | None) -> list[tuple[str, dict]]:
 def _check_engine(url: str, keys: list[KeyMaker]) -> None:
     """Each request: the router's hashes are all published by the engine afterwards, and a
     repeat reports exactly the predicted blocks as cached."""
-    view = EngineView(url)
+    view = EngineView(url, keys[0].hasher.scheme)
     with httpx.Client(base_url=url, timeout=60) as client:
         for salt in (None, "tenant-a", "tenant-b"):
             for path, body in _requests(salt):
@@ -69,15 +69,15 @@ def _check_engine(url: str, keys: list[KeyMaker]) -> None:
         assert len({key.hashes[0] for key in salted if key}) == 3
 
 
-def _endpoint_key(url: str) -> KeyMaker:
+def _endpoint_key(url: str, hasher: BlockHasher = UNKEYED) -> KeyMaker:
     async def fetch():
         async with httpx.AsyncClient() as client:
-            return await EngineViews(client).fetch_tokenizer([url])
+            return await EngineViews(client, hasher=hasher).fetch_tokenizer([url])
 
     found = asyncio.run(fetch())
     assert found is not None
     tokenizer, block_size = found
-    return KeyMaker(tokenizer, block_size)
+    return KeyMaker(tokenizer, block_size, hasher=hasher)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,25 @@ def test_router_hashes_equal_the_engine_blocks_chatml(start_server, tiny_model_p
     with start_server(tiny_model_path, block_size=block_size) as (url, _):
         from_files = KeyMaker(load_tokenizer(tiny_model_path), block_size)
         _check_engine(url, [from_files, _endpoint_key(url)])
+
+
+def test_keyed_router_hashes_equal_a_keyed_engines_and_no_unkeyed_hash(start_server, tiny_model_path: str) -> None:
+    """With the service's secret on both sides the chain still matches block for block; the
+    published digest holds no hash the public scheme gives any of the prompts."""
+    hasher = BlockHasher("service-secret")
+    with start_server(tiny_model_path, block_size=8, kv_hash_key="service-secret") as (url, _):
+        keys = [KeyMaker(load_tokenizer(tiny_model_path), 8, hasher=hasher), _endpoint_key(url, hasher)]
+        _check_engine(url, keys)
+        published = set(httpx.get(url + "/kv/blocks").json()["stored"])
+        async def unkeyed_views() -> object:
+            async with httpx.AsyncClient() as client:
+                return await EngineViews(client).fetch_tokenizer([url])
+        assert asyncio.run(unkeyed_views()) is None   # an unkeyed router learns no key scheme it cannot match
+    plain = KeyMaker(load_tokenizer(tiny_model_path), 8)
+    unkeyed = {h for salt in (None, "tenant-a", "tenant-b") for path, body in _requests(salt)
+               for h in plain.make(path, json.dumps({**body, "max_tokens": 1}).encode(), {}).hashes}
+    assert len(published) > 20 and not published & unkeyed
+    assert not published & set(block_hashes(list(range(3, 60)), 8))
 
 
 def test_router_hashes_equal_the_engine_blocks_llama3_style(start_server, llama3_style_model: str) -> None:

@@ -1,0 +1,46 @@
+"""Writes the image's pins from the running environment (the project venv the tests ran in):
+docker/requirements.txt, every runtime dependency of kubeinfer but torch's own CUDA/Triton wheels
+(the variant's torch index brings those), and docker/torch.txt, the torch release.
+
+    python docker/lock.py
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import re
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+# Installed with torch from the variant's index (docker/install.sh), not pinned here.
+FROM_TORCH_INDEX = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
+
+
+def closure(root: str) -> dict[str, str]:
+    """Name -> version of `root`'s runtime dependencies (no extras) on this platform, recursively."""
+    found: dict[str, str] = {}
+    todo = [root]
+    while todo:
+        for text in metadata.distribution(todo.pop()).requires or []:
+            requirement = Requirement(text)
+            if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+                continue
+            name = canonicalize_name(requirement.name)
+            if name not in found:
+                found[name] = metadata.version(name)   # missing: the environment is incomplete
+                todo.append(name)
+    return found
+
+
+def main() -> None:
+    here = Path(__file__).parent
+    pins = {name: version for name, version in closure("kubeinfer").items() if not FROM_TORCH_INDEX.match(name)}
+    (here / "requirements.txt").write_text("# docker/lock.py: kubeinfer's runtime dependencies as tested\n" + "".join(
+        f"{name}=={version}\n" for name, version in sorted(pins.items())))
+    (here / "torch.txt").write_text(f"torch=={metadata.version('torch').split('+')[0]}\n")
+
+
+if __name__ == "__main__":
+    main()
