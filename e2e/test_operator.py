@@ -8,7 +8,6 @@ tests stay fast; the embedded-model test runs a real `kubeinfer serve` and chats
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -89,7 +88,13 @@ def test_autoscaled_example_settles_without_restarts(cluster: Cluster, operator:
                                                      namespace: str) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "autoscaled.yaml"))
     obj = wait_condition(cluster, namespace, "smollm2-autoscaled", "Ready", timeout=600)
-    time.sleep(25)  # two autoscaler rounds (intervalSeconds 10) on the idle service
+
+    def sampled() -> set[str]:
+        status = get_isvc(cluster, namespace, "smollm2-autoscaled").get("status") or {}
+        return {sample["time"] for sample in (status.get("autoscaler") or {}).get("samples") or []}
+    before = sampled()
+    wait_for(lambda: len(sampled() - before) >= 2, "two autoscaler rounds on the idle service", timeout=120,
+             interval=1)
     obj = get_isvc(cluster, namespace, "smollm2-autoscaled")
     assert condition(obj, "Ready")["status"] == "True" and condition(obj, "Degraded")["status"] == "False"
     pods = cluster.pods(namespace, obj["status"]["selector"])

@@ -31,6 +31,8 @@ COST = "controller.kubernetes.io/pod-deletion-cost"
 TENANTS, PER_TENANT, CONCURRENCY = 8, 16, 16
 RULES = 34   # 30 tokens each: a system prompt of 1,033 tokens, 1,047 with the question
 PROMPT_TOKENS = 1024
+ROUTER_POLL_SECONDS = 0.5      # the routers' --poll-interval default (digests)
+ROUTER_METRICS_SECONDS = 2.0   # 4 x that (the engines' gauges)
 TOPICS = ["garden tools", "train tickets", "tax forms", "pet food", "guitar strings", "bike repair",
           "tea leaves", "phone plans"]
 
@@ -90,12 +92,17 @@ async def workload(urls: list[str], salt: str, per_tenant: int = PER_TENANT) -> 
         return sum(await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies))))
 
 
-def served(engines: dict[str, str]) -> dict[str, float]:
+def gauges(engines: dict[str, str], *names: str) -> dict[str, float]:
+    """Per engine pod: the sum of the named metrics over their label sets."""
     def count(url: str) -> float:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:request_success_total"))
+                   if line.split("{", 1)[0].split(" ", 1)[0] in names)
     return {name: count(url) for name, url in engines.items()}
+
+
+def served(engines: dict[str, str]) -> dict[str, float]:
+    return gauges(engines, "vllm:request_success_total")
 
 
 def routers_ready_for_keys(routers: list[str]) -> None:
@@ -126,7 +133,11 @@ def test_prefix_aware_routing_on_the_cluster(local_cluster: Cluster, operator: s
     assert routed >= 0.85 * single
     assert max(counts) <= 1.5 * sum(counts) / len(counts)
 
-    time.sleep(5.0)   # the engines' digests and idle gauges reach both routers
+    wait_for(lambda: not any(gauges(engines, "vllm:num_requests_running", "vllm:num_requests_waiting").values()),
+             "every engine idle", timeout=120, interval=0.5)
+    # The routers learn the idle gauges by scraping each engine every 4 x --poll-interval (2 s):
+    # two such periods after the engines went idle, both have (no router exposes its view).
+    time.sleep(2 * ROUTER_METRICS_SECONDS)
     for tenant in range(TENANTS):
         chosen = []
         for router in routers:
@@ -135,7 +146,9 @@ def test_prefix_aware_routing_on_the_cluster(local_cluster: Cluster, operator: s
             assert response.status_code == 200
             end = served(engines)
             chosen.append([name for name in engines if end[name] > start[name]])
-            time.sleep(0.6)
+            # the other router reads the blocks this request stored at its next digest poll
+            # (every --poll-interval, 0.5 s): two polls
+            time.sleep(2 * ROUTER_POLL_SECONDS)
         assert chosen[0] == chosen[1] and len(chosen[0]) == 1, chosen
 
     def costs() -> dict[str, int] | None:
@@ -204,8 +217,9 @@ def test_a_scaled_up_engine_is_warmed_by_the_routers(local_cluster: Cluster, ope
     assert sent <= 2 * TENANTS
 
 
-async def stream(url: str, request: dict) -> list[str]:
-    """The data lines of one streamed answer (ends by itself: the router never leaves it hanging)."""
+async def stream(url: str, request: dict, started: asyncio.Event | None = None) -> list[str]:
+    """The data lines of one streamed answer (ends by itself: the router never leaves it hanging);
+    `started` is set at its first token."""
     events = []
     async with httpx.AsyncClient(timeout=300) as client:
         async with client.stream("POST", f"{url}/v1/chat/completions", json={**request, "stream": True}) as answer:
@@ -213,7 +227,17 @@ async def stream(url: str, request: dict) -> list[str]:
             async for line in answer.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[len("data: "):])
+                    if started is not None:
+                        started.set()
     return events
+
+
+def ending(answer: list[str]) -> str:
+    """How a stream ended: 'error' (an OpenAI error event), else its finish_reason."""
+    if any(event.startswith('{"error"') for event in answer[:-1]):
+        return "error"
+    reasons = [choice.get("finish_reason") for event in answer[:-1] for choice in json.loads(event).get("choices", [])]
+    return next((reason for reason in reversed(reasons) if reason), "none")
 
 
 def test_engine_and_router_pods_going_away(local_cluster: Cluster, operator: str, namespace: str) -> None:
@@ -224,18 +248,22 @@ def test_engine_and_router_pods_going_away(local_cluster: Cluster, operator: str
     first, second = list(routers.values())
     routers_ready_for_keys([first, second])
 
-    async def run() -> tuple[list[list[str]], list[int]]:
-        long = [{**body(t, "long", "chaos"), "max_tokens": 64, "ignore_eos": True} for t in range(6)]
-        streams = [asyncio.create_task(stream(first, request)) for request in long]
-        await asyncio.sleep(5)   # the streams are under way
-        victim = next(iter(engines))
+    async def run() -> tuple[list[list[str]], list[int], float]:
+        long = [{**body(t, "long", "chaos"), "max_tokens": 256, "ignore_eos": True} for t in range(6)]
+        started = [asyncio.Event() for _ in long]
+        streams = [asyncio.create_task(stream(first, request, flag)) for request, flag in zip(long, started)]
+        await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in started)), timeout=600)
+        # every stream has its first token: the victim is the engine running the most of them
+        running = await asyncio.to_thread(gauges, engines, "vllm:num_requests_running")
+        victim = max(running, key=running.__getitem__)
         local_cluster.kubectl("delete", "pod", victim, "-n", namespace, "--grace-period=0", "--force")
         async with httpx.AsyncClient(timeout=300) as client:   # requests not yet started go elsewhere
             later = await asyncio.gather(*(client.post(f"{first}/v1/chat/completions", json=body(t, "after", "chaos"))
                                            for t in range(TENANTS)))
-        return await asyncio.wait_for(asyncio.gather(*streams), timeout=600), [r.status_code for r in later]
+        answers = await asyncio.wait_for(asyncio.gather(*streams), timeout=900)
+        return answers, [r.status_code for r in later], running[victim]
 
-    events, later = asyncio.run(run())
+    events, later, on_victim = asyncio.run(run())
     assert later == [200] * TENANTS
     for answer in events:
         assert answer[-1] == "[DONE]"
@@ -243,8 +271,12 @@ def test_engine_and_router_pods_going_away(local_cluster: Cluster, operator: str
         # the router's when the pod went away mid-answer (502)
         broken = [json.loads(e)["error"] for e in answer[:-1] if e.startswith('{"error"')]
         assert all(error["message"] and error["type"] for error in broken)
-    cut = sum(any(e.startswith('{"error"') for e in answer) for answer in events)
-    print(f"streams: {len(events)}, cut short with an error event: {cut}")
+    endings = [ending(answer) for answer in events]
+    print(f"streams: {len(events)}, in flight on the deleted engine: {on_victim:g}, endings: {endings}")
+    # 256 tokens each: the deleted engine's streams were still running when it went; each of them
+    # ends with an error event, every other stream runs to its length
+    assert on_victim >= 1
+    assert sorted(endings) == sorted(["error"] * int(on_victim) + ["length"] * (len(events) - int(on_victim)))
     local_cluster.kubectl("delete", "pod", next(iter(routers)), "-n", namespace, "--grace-period=0", "--force")
     answer = httpx.post(f"{second}/v1/chat/completions", json=body(1, "survivor", "chaos"), timeout=600)
     assert answer.status_code == 200
