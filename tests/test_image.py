@@ -55,6 +55,7 @@ def _torch_site(target: Path) -> Path:
     return target
 
 
+@pytest.mark.unit
 def test_the_pins_are_what_the_tests_run_with() -> None:
     """docker/lock.py wrote them from this environment; a dependency upgraded since (or a new one)
     must be locked again, or the image would ship what no test ran."""
@@ -66,6 +67,7 @@ def test_the_pins_are_what_the_tests_run_with() -> None:
             assert name in pins and requirement.specifier.contains(pins[name]), (name, pins.get(name))
 
 
+@pytest.mark.unit
 def test_the_dockerfile_runs_the_install_script_as_non_root_with_a_writable_tmp() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "bash /src/docker/install.sh /src" in dockerfile
@@ -74,6 +76,7 @@ def test_the_dockerfile_runs_the_install_script_as_non_root_with_a_writable_tmp(
         assert variable in dockerfile   # a read-only root writes only in the pods' /tmp emptyDir
 
 
+@pytest.mark.unit
 def test_the_charts_default_image_is_what_make_image_builds() -> None:
     import yaml
 
@@ -88,6 +91,7 @@ def test_the_charts_default_image_is_what_make_image_builds() -> None:
     assert chart["appVersion"] == version and values["image"]["tag"] == "" and values["engineImage"] == ""
 
 
+@pytest.mark.unit
 def test_make_image_says_what_is_missing_without_a_builder(tmp_path: Path) -> None:
     bare = tmp_path / "bin"
     bare.mkdir()
@@ -101,6 +105,7 @@ def test_make_image_says_what_is_missing_without_a_builder(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_image_install_steps_give_a_working_kubeinfer(tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)

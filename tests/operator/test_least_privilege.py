@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from isvc_builders import CONFIG, body, make_isvc
 from test_reconcile import MemoryKube, conditions
 
 from kubeinfer.operator.children import desired_children, network_policy
 from kubeinfer.operator.reconcile import Reconciler
 from kubeinfer.operator.resource import NetworkPolicyConfig
+
+pytestmark = pytest.mark.unit
 
 ALLOWED = dataclasses.replace(CONFIG, allowed_images=("registry.example.com/kubeinfer/*", "kubeinfer/kubeinfer:test"))
 POLICY = NetworkPolicyConfig(operator_namespace="kubeinfer-system",

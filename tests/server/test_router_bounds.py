@@ -18,6 +18,8 @@ import httpx
 import pytest
 from helpers.serve_process import free_port, start_kubeinfer
 
+pytestmark = pytest.mark.integration
+
 LIMIT = 4 << 20                  # the router's --max-request-body-bytes
 HOSTILE_BYTES = 100_000_000      # what each hostile client tries to send
 CHUNK = b"1," * (1 << 19)        # 1 MiB of a JSON list's insides
