@@ -52,7 +52,7 @@ engines=("$@")
 [[ ${#engines[@]} -gt 0 ]] || engines=(kubeinfer vllm)
 for engine in "${engines[@]}"; do
   case "$engine" in
-    kubeinfer) evaluate kubeinfer "$PY" -m kubeinfer.server.cli serve --model "$MODEL" --dtype "$DTYPE" \
+    kubeinfer) OMP_NUM_THREADS="$THREADS" evaluate kubeinfer "$PY" -m kubeinfer.server.cli serve --model "$MODEL" --dtype "$DTYPE" \
                  --served-model-name smollm2 --host 127.0.0.1 --port "$PORT" --kv-cache-memory 1GiB \
                  --enable-prefix-caching --log-level warning ;;
     vllm) VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 \

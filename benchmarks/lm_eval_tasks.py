@@ -45,7 +45,6 @@ metric_list:
   - metric: exact_match
     aggregation: mean
     higher_is_better: true
-    ignore_whitespace: true
 """
 
 
