@@ -66,9 +66,12 @@ class Kube:
         response = self.api_client.call_api(method, url, headers, payload,
                                             _request_timeout=TIMEOUT_SECONDS)
         raw = response.read() or b"{}"
-        data = json.loads(raw) if raw.strip() else {}
         if response.status == 404 and method in ("GET", "DELETE"):
-            return None
+            return None  # also the API server's plain-text 404 for a kind whose CRD is not installed
+        try:
+            data = json.loads(raw) if raw.strip() else {}
+        except ValueError:  # not a Status object (a proxy's or the mux's plain-text answer)
+            data = {"message": raw[:500].decode(errors="replace")}
         if response.status >= 300:
             raise KubeError(response.status, data.get("message", str(raw[:500])),
                             data.get("reason", ""))

@@ -15,7 +15,7 @@ from kubeinfer.server.kube.client import Kube
 
 class Recorder(BaseHTTPRequestHandler):
     seen: list[dict[str, Any]] = []
-    answers: dict[str, tuple[int, dict[str, Any]]] = {}
+    answers: dict[str, tuple[int, dict[str, Any] | bytes]] = {}  # bytes: sent as they are
 
     def _answer(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
@@ -23,7 +23,7 @@ class Recorder(BaseHTTPRequestHandler):
         self.seen.append({"method": self.command, "path": self.path, "body": body,
                           "content_type": self.headers.get("Content-Type")})
         code, payload = self.answers.get(self.path.split("?")[0], (200, body or {}))
-        data = json.dumps(payload).encode()
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))

@@ -26,6 +26,17 @@ def test_missing_objects_read_as_none(kube: Kube) -> None:  # noqa: F811
     kube.delete("Deployment", "team-a", "chat")  # deleting what is gone is fine
 
 
+def test_plain_text_answers_of_the_api_server(kube: Kube) -> None:  # noqa: F811
+    """A kind whose CRD is not installed answers a plain-text 404: gone, not a crash; other
+    plain-text refusals keep their text."""
+    path = "/apis/inference.networking.k8s.io/v1/namespaces/team-a/inferencepools/chat"
+    Recorder.answers[path] = (404, b"404 page not found\n")
+    assert kube.request("DELETE", path) is None
+    Recorder.answers[path] = (503, b"upstream connect error")
+    with pytest.raises(KubeError, match="upstream connect error"):
+        kube.request("GET", path)
+
+
 def test_refusals_carry_the_api_message(kube: Kube) -> None:  # noqa: F811
     path = "/apis/policy/v1/namespaces/team-a/poddisruptionbudgets/chat"
     Recorder.answers[path] = (422, {"kind": "Status", "reason": "Invalid",
