@@ -181,3 +181,23 @@ def test_bad_sources_are_named_in_conditions_and_events(
     events = cluster.kubectl_json("get", "events", "-n", namespace, "--field-selector",
                                   f"involvedObject.name={NAME}")["items"]
     assert "ModelNotFound" in {e["reason"] for e in events}
+
+
+def test_warm_ahead_fills_and_labels_nodes_before_any_replica(
+        cluster: Cluster, operator: None, namespace: str, hub: HubServer, weights: dict[str, Path]) -> None:
+    repo = f"org/tiny-{uuid.uuid4().hex[:6]}"
+    commit = hub.repos.commit(repo, weights["v1"])
+    spec = json.loads(manifest({"source": f"hf://{repo}@{commit}", "endpoint": hub.url,
+                                "cache": {"nodes": 2}}, replicas=0))
+    del spec["spec"]["nodeSelector"]  # both nodes are eligible
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps(spec))
+    nodes = [node_name(i) for i in range(2)]
+    model = wait_for(lambda: (m := (isvc(cluster, namespace).get("status") or {}).get("model") or {})
+                     .get("cachedNodes") == nodes and m, "both nodes warm", timeout=300, interval=2)
+    for node in nodes:
+        assert (cluster.config.state_dir / "nodes" / node / CACHE / f"models--{repo.replace('/', '--')}"
+                / "snapshots" / commit / "model.safetensors").is_file()
+        labels = cluster.kubectl_json("get", "node", node)["metadata"]["labels"]
+        assert any(k.startswith("models.kubeinfer.io/") for k in labels)
+    assert model["revision"] == commit and not engine_pods(cluster, namespace)
+    assert hub.gets(f"{repo}/model.safetensors") == 2  # once per node
