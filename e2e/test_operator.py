@@ -80,8 +80,8 @@ def test_embedded_example_serves_a_chat_completion(cluster: Cluster, operator: s
     assert answer["choices"][0]["message"]["content"].strip()
     assert answer["model"] == "SmolLM2-135M-Instruct"
     table = cluster.kubectl("get", "kis", "-n", namespace, "-o", "wide").stdout.split("\n")
-    assert table[0].split() == ["NAME", "READY", "REPLICAS", "MODEL", "SERVED", "TP", "AGE", "URL"]
-    assert table[1].split()[:6] == ["smollm2", "True", "1/1", "embedded", "SmolLM2-135M-Instruct", "1"]
+    assert table[0].split() == ["NAME", "READY", "REPLICAS", "MODEL", "SERVED", "TP", "PP", "PODS", "AGE", "URL"]
+    assert table[1].split()[:8] == ["smollm2", "True", "1/1", "embedded", "SmolLM2-135M-Instruct", "1", "1", "1"]
 
 
 def test_autoscaled_example_settles_without_restarts(cluster: Cluster, operator: str,
