@@ -104,7 +104,6 @@ def test_make_image_says_what_is_missing_without_a_builder(tmp_path: Path) -> No
     assert "no container builder found: install Docker, Podman or Buildah" in result.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.integration
 def test_image_install_steps_give_a_working_kubeinfer(tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
