@@ -162,7 +162,7 @@ class Reconciler:
             # begun while another was in flight keeps Progressing True: announce it either way.
             events.append(Event("Normal", "RollingOut", f"generation {isvc.generation} changed the "
                                 f"engine's pod template; the {workload_kind(isvc)} rolls it out"))
-        log.info("%s/%s generation %d applied %d: %s; events %s", isvc.namespace, isvc.name,
+        log.info("%s/%s generation %d applied %s: %s; events %s", isvc.namespace, isvc.name,
                  isvc.generation, applied, ", ".join(f"{c.type}={c.status}/{c.reason}" for c in status.conditions),
                  [e.reason for e in events] or "none")
         return events
