@@ -154,18 +154,21 @@ class LocalPod:
         name, spec = container["name"], self.pod["spec"]
         try:
             secret: set[str] = set()
-            env = {**self.base_env, **container_env(self.core, self.pod, container, secret)}
-            if env.get("KUBEINFER_HOST") in WILDCARDS:  # one shared network namespace here:
-                env["KUBEINFER_HOST"] = self.ip  # a wildcard would take every pod's port
-            if self.leader_ip and "LWS_LEADER_ADDRESS" in env:   # no cluster DNS here: the name's pod IP
-                env["LWS_LEADER_ADDRESS"] = self.leader_ip
+            own_env = container_env(self.core, self.pod, container, secret)
             mounts = container_mounts(container, dirs)
         except ConfigError as err:
             self.errors[name] = str(err)
             return None
         link_root(self.dir / "root" / name, mounts)
         host_path = path_rewriter(mounts)
-        env = {key: host_path(value) for key, value in env.items()}
+        # Only the container's own values are in its view of the filesystem; the runner's (the
+        # pod's kubeconfig, the kernel cache) are host paths already, which a mount at /tmp would
+        # otherwise rewrite when the cluster itself lives under /tmp.
+        env = {**self.base_env, **{key: host_path(value) for key, value in own_env.items()}}
+        if env.get("KUBEINFER_HOST") in WILDCARDS:  # one shared network namespace here:
+            env["KUBEINFER_HOST"] = self.ip  # a wildcard would take every pod's port
+        if self.leader_ip and "LWS_LEADER_ADDRESS" in env:   # no cluster DNS here: the name's pod IP
+            env["LWS_LEADER_ADDRESS"] = self.leader_ip
         argv = [host_path(arg) for arg in command_line(container, env, self.entrypoint)]
         inherited = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
         self.exec_env[name] = {k: v for k, v in {**inherited, **env}.items() if k not in secret}

@@ -169,3 +169,17 @@ def test_processes_see_their_mounts_through_args_and_env(tmp_path: Path) -> None
     run_pod(tmp_path, spec, lambda s: (tmp_path / "nodes/node-a/var/cache/kubeinfer/home").exists())
     assert (tmp_path / "nodes/node-a/var/cache/kubeinfer/home").read_text().strip() == \
         str(tmp_path / "nodes/node-a/var/cache/kubeinfer/home-dir")
+
+
+def test_the_runners_own_host_paths_survive_a_mount_at_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster under /tmp (a clean HOME there) and a pod mounting /tmp: the runner's host paths
+    (the kubeconfig, the kernel cache) reach the process as they are, not mapped into the volume."""
+    kernels = tmp_path / "kernels"
+    assert str(kernels).startswith("/tmp/")
+    monkeypatch.setenv("KUBEINFER_CACHE_DIR", str(kernels))
+    spec = pod("tmpmount", [{"name": "tmp", "emptyDir": {}}],
+               [sh("main", "echo $KUBEINFER_CACHE_DIR > /tmp/k; mv /tmp/k /tmp/kernels; exec sleep 30",
+                   [{"name": "tmp", "mountPath": "/tmp"}])])
+    seen = tmp_path / "pods/tmpmount/volumes/tmp/kernels"
+    run_pod(tmp_path, spec, lambda s: seen.exists())
+    assert seen.read_text().strip() == str(kernels)
