@@ -80,6 +80,7 @@ def helm_state(env: dict[str, str]) -> tuple[int, dict]:
     return json.loads(history)[-1]["revision"], json.loads(values)
 
 
+@pytest.mark.timeout(2400)  # two demos, a nested cluster and its helm test: each step has its own bound
 def test_first_hour_from_the_readme_in_a_clean_home(tmp_path: Path) -> None:
     if not ports_free(range(DEMO_PORTS, DEMO_PORTS + 100), range(NESTED_PORTS, NESTED_PORTS + 100),
                       range(8000, 8001)):
