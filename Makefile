@@ -14,11 +14,12 @@ generate: venv
 # tests/gpu in a pytest process of its own (the kernel tests pin Triton's interpreter for theirs,
 # and the GPU tests need the compiler), then every tier (unit, integration, e2e, release;
 # e2e/tiers.py). The whole suite runs last so its summary is the closing line. make fails when
-# either fails (a PYTEST_ARGS filter that leaves no GPU test is not a failure).
+# either fails (a PYTEST_ARGS filter that leaves no GPU test is not a failure). The 30 slowest steps
+# are listed, so a CI log says where its time went.
 test: venv
 	status=0; $(VENV)/bin/python -m pytest -q -rfE -p no:cacheprovider tests/gpu $(PYTEST_ARGS) || \
 	{ gpu=$$?; [ $$gpu -eq 5 ] || status=$$gpu; }; \
-	$(VENV)/bin/python -m pytest -q --ignore=tests/gpu $(PYTEST_ARGS) || status=$$?; exit $$status
+	$(VENV)/bin/python -m pytest -q --durations=30 --ignore=tests/gpu $(PYTEST_ARGS) || status=$$?; exit $$status
 
 # The developer's inner loop: the unit tier alone (in-process, no servers, no 30-layer model).
 test-unit: venv
