@@ -187,7 +187,7 @@ def test_queue_growth_scales_up_then_down_after_the_delay_across_an_operator_res
     timeline.start()
     bench = subprocess.run(
         [sys.executable, "-m", "kubeinfer.server.cli", "bench", "serve", "--base-url", url,
-         "--concurrency", "8", "--num-prompts", "64", "--input-len", "32", "--output-len", "48",
+         "--concurrency", "8", "--num-prompts", "24", "--input-len", "32", "--output-len", "48",
          "--warmup", "0", "--no-progress", "--json", str(tmp_path / "bench.json")],
         env=env, capture_output=True, text=True, timeout=1800)
     assert bench.returncode == 0, bench.stderr[-2000:]
