@@ -39,9 +39,10 @@ class ContainerLog:
         return self.cri_dir.parent / f"{self.cri_dir.name}.previous.log"
 
     def begin(self, run: int, banner: str) -> None:
-        """A new run: its CRI file becomes `current`."""
+        """A new run: its CRI file, empty (a runner that restarted counts runs from 0 again, and a
+        run never shows another's lines, as each container ID has its own file), becomes `current`."""
         self.cri_dir.mkdir(parents=True, exist_ok=True)
-        (self.cri_dir / f"{run}.log").touch()
+        (self.cri_dir / f"{run}.log").write_bytes(b"")
         _link(self.current, self.cri_dir / f"{run}.log")
         with open(self.plain, "ab") as plain:
             plain.write(banner.encode() + b"\n")
