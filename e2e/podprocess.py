@@ -16,8 +16,10 @@ from pathlib import Path
 from e2e.podlogs import ContainerLog
 from e2e.probes import Probe
 from e2e.processes import record
+from kubeinfer.server.exit_codes import TERMINATION_LOG_ENV
 
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "KUBEINFER_CACHE")
+TERMINATION_MESSAGE_BYTES = 4096   # what the kubelet keeps of a termination message file
 BACKOFF_START, BACKOFF_MAX = 2.0, 60.0  # kubelet uses 10 s .. 300 s; shorter keeps tests quick
 
 
@@ -53,8 +55,17 @@ class LocalContainer:
             if kind in self.spec:
                 self.probes[kind] = Probe(self.spec[kind], self.host, self.env, ports, ok=kind == "livenessProbe")
 
+    @property
+    def termination_file(self) -> Path:
+        """The container's terminationMessagePath, a file per container here (no mount namespace):
+        kubeinfer's commands find it through exit_codes.TERMINATION_LOG_ENV."""
+        return self.cwd / "cri" / f"{self.spec['name']}.termination-log"
+
     def start(self) -> None:
         base = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        self.termination_file.parent.mkdir(parents=True, exist_ok=True)
+        self.termination_file.write_bytes(b"")
+        base[TERMINATION_LOG_ENV] = str(self.termination_file)
         self.logs.begin(self.restarts, f"--- {now_iso()} starting {self.argv}")
         self.proc = subprocess.Popen(self.argv, env={**base, **self.env}, cwd=self.cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -77,7 +88,14 @@ class LocalContainer:
         self.pid_file.unlink(missing_ok=True)
 
     def _termination_message(self, code: int) -> str:
-        """FallbackToLogsOnError as the kubelet does it: the failed run's log tail (80 lines, 2 KiB)."""
+        """As the kubelet does it: the termination message file, else with FallbackToLogsOnError the
+        failed run's log tail (80 lines, 2 KiB)."""
+        try:
+            written = self.termination_file.read_bytes()[:TERMINATION_MESSAGE_BYTES]
+        except FileNotFoundError:
+            written = b""
+        if written.strip():
+            return written.decode(errors="replace").strip()
         if code == 0 or self.spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
             return ""
         text = self.log_path.read_bytes()

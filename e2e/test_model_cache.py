@@ -129,10 +129,21 @@ def test_s3_model_on_three_replicas_at_once_downloads_each_object_once(
         k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}})
     cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest(
         {"source": f"s3://weights/{prefix}", "endpoint": s3.url, "credentialsSecret": "s3-creds"}, replicas=3))
-    for pod in ready_engines(cluster, namespace, 3):
+    pods = ready_engines(cluster, namespace, 3)
+    for pod in pods:
         answers(pod, prefix)
     for key in keys:
         assert s3.gets(f"weights/{key}") == 1, (key, s3.counts())
+    # each fetch's report (its termination message): one pod downloaded every byte, the others none
+    reports = [json.loads(next(c for c in p["status"]["initContainerStatuses"] if c["name"] == "fetch-model")
+                          ["state"]["terminated"]["message"]) for p in pods]
+    assert sorted(r["bytes_downloaded"] for r in reports) == [0, 0, sum(f.stat().st_size for f in
+                                                                        weights["v1"].rglob("*") if f.is_file())]
+    digest = reports[0]["revision"]
+    assert {r["revision"] for r in reports} == {digest}
+    model = wait_for(lambda: (m := isvc(cluster, namespace)["status"].get("model") or {}).get("revision") and m,
+                     "the listing digest in status.model", timeout=60)
+    assert model["revision"] == digest and model["lastColdStart"]["bytesDownloaded"] is not None
 
 
 def test_a_pod_killed_mid_download_leaves_nothing_a_later_pod_serves(

@@ -138,8 +138,9 @@ def test_failing_liveness_probe_restarts_the_container(local_cluster: Cluster, n
 
 
 def test_init_containers_and_volumes_run_as_on_a_node(local_cluster: Cluster, namespace: str) -> None:
-    """An init container fills a claim (bound by the local-path provisioner) and a hostPath; the
-    container reads them, a ConfigMap's file and its emptyDir at their mount paths."""
+    """An init container fills a claim (bound by the local-path provisioner) and a hostPath and
+    leaves a termination message; the container reads them, a ConfigMap's file and its emptyDir
+    at their mount paths."""
     core, state = local_cluster.core, local_cluster.config.state_dir
     core.create_namespaced_config_map(namespace, {"metadata": {"name": "cfg"}, "data": {"greeting": "hello"}})
     core.create_namespaced_persistent_volume_claim(namespace, {"metadata": {"name": "data"}, "spec": {
@@ -147,7 +148,8 @@ def test_init_containers_and_volumes_run_as_on_a_node(local_cluster: Cluster, na
     node_dir = f"/var/cache/{namespace}"  # the node's directory outlives the test
     mounts = [{"name": "data", "mountPath": "/data"}, {"name": "node", "mountPath": "/var/cache/node"},
               {"name": "cfg", "mountPath": "/etc/cfg"}, {"name": "scratch", "mountPath": "/scratch"}]
-    fill = "echo filled > /data/weights && echo $HOSTNAME >> /var/cache/node/seen"
+    fill = ("echo filled > /data/weights && echo $HOSTNAME >> /var/cache/node/seen && "
+            "echo '{\"filled\": 1}' > ${KUBEINFER_TERMINATION_LOG:-/dev/termination-log}")
     show = "cat /data/weights /etc/cfg/greeting /var/cache/node/seen; touch /scratch/x; exec sleep 300"
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "volumes"}, "spec": {
         "terminationGracePeriodSeconds": 2,
@@ -159,7 +161,8 @@ def test_init_containers_and_volumes_run_as_on_a_node(local_cluster: Cluster, na
     core.create_namespaced_pod(namespace, pod)
     running = wait_for(lambda: (p := core.read_namespaced_pod("volumes", namespace)).status.phase == "Running" and p,
                        "pod volumes Running", timeout=60)
-    assert running.status.init_container_statuses[0].state.terminated.reason == "Completed"
+    filled = running.status.init_container_statuses[0].state.terminated
+    assert filled.reason == "Completed" and filled.message == '{"filled": 1}'  # its termination message file
     assert any(c.type == "Initialized" and c.status == "True" for c in running.status.conditions)
     claim = core.read_namespaced_persistent_volume_claim("data", namespace)
     assert claim.status.phase == "Bound"

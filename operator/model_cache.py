@@ -6,9 +6,10 @@ node whose cache holds the pinned weights gets the label `models.kubeinfer.io/<d
 warm-ahead Job on it succeeded or an engine pod of the current template became Ready there;
 engine pods prefer such nodes (build.cache_affinity). With `spec.model.cache.nodes: N` the
 operator runs the same fetch as a Job on N eligible nodes (those already labelled first), so
-the autoscaler's next replica, or a scale-from-zero, starts on a warm node. Labels are never
-removed when a budget evicts a model: a preference for such a node costs one download, as a
-cold node would.
+the autoscaler's next replica, or a scale-from-zero, starts on a warm node. When a fetch
+evicted models to fit its budget it names them (its termination message), and their labels go
+from its node once its pod is reported (`evicted_labels`); a service whose pods still run there
+labels the node again.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 from . import api
 from .build import GPU_PRODUCT_LABEL
-from .model_source import CACHE_VOLUME, cache_key, fetch_container, model_mounts, pinned_source
+from .cold_start import fetch_report
+from .model_source import CACHE_VOLUME, cache_key, fetch_container, model_mounts, pinned_source, source_label
+from .status import ColdStart
 from .resource import InferenceService, OperatorConfig, label_selector
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -87,3 +90,17 @@ def warmed_nodes(isvc: InferenceService, jobs: list[dict[str, Any]], pods: list[
         if fetch is not None and source in fetch.get("args", []) and ready:
             found.add(pod["spec"].get("nodeName"))
     return {n for n in found if n}
+
+
+def evicted_labels(starts: list[ColdStart], pods: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """node -> the model labels to remove there: the sources each newly reported pod's fetch
+    evicted from that node's cache."""
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    found: dict[str, list[str]] = {}
+    for start in starts:
+        pod = by_name.get(start.pod)
+        if pod is None or not start.node:
+            continue
+        for source in fetch_report(pod).evicted:
+            found.setdefault(start.node, []).append(source_label(source))
+    return found

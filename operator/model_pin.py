@@ -7,7 +7,8 @@ operator asks the hub when the template it would render without the pin is new, 
 the answer in `status.model` with that template's hash; later reconciles (scaling, the drift
 timer, restarts) reuse it, so a branch head that moves changes nothing until the spec changes
 in a way that rolls the pods anyway. A full commit sha is pinned already and never asked.
-s3:// sources have no revisions to pin: the fetch keys the cache on a digest of the listing.
+s3:// sources have no revisions to pin: the fetch keys the cache on a digest of the listing,
+and status.model.revision shows the digest the latest engine pod's fetch found.
 """
 
 from __future__ import annotations
@@ -104,9 +105,15 @@ def template_hash(isvc: InferenceService, config: OperatorConfig) -> str:
 def model_status(isvc: InferenceService, pinned: ModelStatus | None, previous: ModelStatus | None,
                  pods: list[dict[str, Any]]) -> tuple[ModelStatus | None, list[ColdStart]]:
     """status.model: the pin, and the latest cold start of a pod serving this source (the
-    pods' starts since the last one recorded are returned to be reported)."""
+    pods' starts since the last one recorded are returned to be reported). An s3:// source's
+    revision is the listing digest its latest fetch reported."""
     if pinned is None:
         return None, []
-    last = previous.last_cold_start if previous is not None and previous.source == pinned.source else None
+    same = previous is not None and previous.source == pinned.source
+    last = previous.last_cold_start if same else None
     starts = new_cold_starts(pods, last)
-    return pinned.model_copy(update={"last_cold_start": starts[-1] if starts else last}), starts
+    update: dict[str, Any] = {"last_cold_start": starts[-1] if starts else last}
+    if pinned.source.startswith("s3://"):
+        found = [s.revision for s in starts if s.revision]
+        update["revision"] = found[-1] if found else previous.revision if same else None
+    return pinned.model_copy(update=update), starts

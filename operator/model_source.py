@@ -62,7 +62,12 @@ def served_name(isvc: InferenceService) -> str:
 
 def cache_key(isvc: InferenceService) -> str:
     """The node label that says a node holds these weights: models.kubeinfer.io/<digest>."""
-    return f"{api.MODEL_LABEL_PREFIX}/{hashlib.sha256(pinned_source(isvc).encode()).hexdigest()[:16]}"
+    return source_label(pinned_source(isvc))
+
+
+def source_label(pinned: str) -> str:
+    """models.kubeinfer.io/<digest of a pinned source>, as a fetch names what it fetched or evicted."""
+    return f"{api.MODEL_LABEL_PREFIX}/{hashlib.sha256(pinned.encode()).hexdigest()[:16]}"
 
 
 def source_env(isvc: InferenceService, config: OperatorConfig, serving: bool) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ from .adapter_sync import AdapterSync
 from .adapters import AdapterReport, action_events, gate_conditions
 from .children import desired_children, stale_children
 from .cold_start import describe, observe_metrics
-from .model_cache import warm_job, warm_job_name, warm_nodes, warm_selector, warmed_nodes
+from .model_cache import evicted_labels, warm_job, warm_job_name, warm_nodes, warm_selector, warmed_nodes
 from .model_pin import ResolveError, Resolver, hub_resolver, model_status, pin, template_hash
 from .model_source import cache_key
 from .events import Event, transition_events
@@ -153,6 +153,7 @@ class Reconciler:
         for start in starts:
             observe_metrics(isvc.namespace, isvc.name, start)
             events.append(Event("Normal", "ColdStart", describe(start)))
+        self._unlabel_evicted(evicted_labels(starts, pods))
         if pinned.model is not None and pinned.model.revision and previous.model is not None \
                 and pinned.model.revision != previous.model.revision:
             events.append(Event("Normal", "ModelResolved", f"{isvc.spec.model.source} resolved to commit "
@@ -241,6 +242,14 @@ class Reconciler:
             log.warning("model cache of %s/%s: %s", isvc.namespace, isvc.name, exc.message)
             return None
         return sorted(holding)
+
+    def _unlabel_evicted(self, labels: dict[str, list[str]]) -> None:
+        """Nodes no longer hold what their caches evicted: drop those models' labels."""
+        for node, keys in labels.items():
+            try:
+                self.kube.label("Node", "", node, dict.fromkeys(keys))
+            except KubeError as exc:  # e.g. RBAC without nodes/patch: the preference costs a download
+                log.warning("unlabelling models evicted from node %s: %s", node, exc.message)
 
     def _model_token(self, isvc: InferenceService) -> str | None:
         """The hf token the revision is resolved with (model.tokenSecretRef), if any."""

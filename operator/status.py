@@ -83,6 +83,13 @@ class ColdStart(Section):
     ready_time: datetime = Field(description="When it first passed its readiness probe.")
     fetch_seconds: float | None = Field(None, ge=0, description="The fetch-model init container: waiting for "
                                         "the node cache's lock and downloading (0 to 1 s when the node was warm).")
+    cache_wait_seconds: float | None = Field(None, ge=0, description="Of fetchSeconds: waiting for another pod's "
+                                             "download of the same weights on this node (the cache's lock).")
+    download_seconds: float | None = Field(None, ge=0, description="Of fetchSeconds: this pod's own download.")
+    bytes_downloaded: int | None = Field(None, ge=0, description="Bytes this pod's fetch downloaded (0: the "
+                                         "node's cache had them).")
+    revision: str | None = Field(None, max_length=64, description="The revision its fetch found: the commit, "
+                                 "or an s3:// prefix's listing digest.")
     load_seconds: float = Field(ge=0, description="Engine start to first Ready: loading the weights, warm-up.")
     total_seconds: float = Field(ge=0, description="Pod creation to first Ready (scheduling included).")
 
@@ -93,7 +100,8 @@ class ModelStatus(Section):
     source: str = Field(max_length=512, description="spec.model.source this was resolved from.")
     revision: str | None = Field(None, max_length=64, description="hf://: the commit every pod of the current "
                                  "pod template serves (a branch or tag resolved once; a moved head changes it "
-                                 "only with the next template change).")
+                                 "only with the next template change). s3://: the digest of the prefix's listing "
+                                 "(keys, sizes, ETags) the latest engine pod's fetch found.")
     resolved_generation: int | None = Field(None, ge=0, description="metadata.generation when it was resolved.")
     template_hash: str | None = Field(None, max_length=64, description="The pod template it was resolved for.")
     cached_nodes: list[str] | None = Field(None, max_length=1000, description="Nodes labelled as holding "

@@ -5,7 +5,9 @@ Torch-free, so the operator can import it.
 
 import os
 
-TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LOG = "/dev/termination-log"   # terminationMessagePath's default
+# A runner without per-container mounts (the local cluster's pod runner) names the file instead.
+TERMINATION_LOG_ENV = "KUBEINFER_TERMINATION_LOG"
 
 # sysexits.h's EX_CONFIG: the requested device does not exist in this container, so restarting
 # the same pod cannot help; the operator reports it as DeviceUnavailable instead of a bare crash loop.
@@ -31,6 +33,7 @@ REASONS = {
 
 def write_termination_message(message: str) -> None:
     """What Kubernetes puts in the container's last state (terminationMessagePath's default)."""
-    if os.path.exists(TERMINATION_LOG):  # only inside a container, where the kubelet mounts it
-        with open(TERMINATION_LOG, "w") as f:
+    path = os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG
+    if os.path.exists(path):  # only inside a container, where the kubelet (or the runner) made it
+        with open(path, "w") as f:
             f.write(message)

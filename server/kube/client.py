@@ -109,8 +109,8 @@ class Kube:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.request("DELETE", self.path(kind, namespace, name))
 
-    def label(self, kind: str, namespace: str, name: str, labels: dict[str, str]) -> None:
-        """Merge-patch labels onto an object (a node's model-cache label)."""
+    def label(self, kind: str, namespace: str, name: str, labels: dict[str, str | None]) -> None:
+        """Merge-patch labels onto an object (a node's model-cache label); None removes one."""
         self.request("PATCH", self.path(kind, namespace, name), {"metadata": {"labels": labels}},
                      content_type="application/merge-patch+json")
 

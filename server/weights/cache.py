@@ -7,6 +7,8 @@ Layout (Hugging Face's cache layout, so its tools can read a Hub model from here
         snapshots/<revision>/<files>     complete, verified copies, one per revision (real files)
         .partial/<revision>/             being downloaded; renamed into snapshots/ when complete
         .locks/<revision>.lock           held exclusively by the one process downloading
+        .sources/<revision>              the source it was fetched as (`hf://org/name@<commit>`),
+                                         so an eviction can say which model went
 
 Every process that wants a revision takes its lock; the first downloads, the others wait and
 find the snapshot there when they get the lock, so concurrent pods on a node download once.
@@ -53,6 +55,18 @@ class CachedModel:
     path: Path
     size: int
     last_used: float   # the snapshot directory's mtime, touched at every use
+    source: str | None = None   # what it was fetched as (None: filled before sources were recorded)
+
+
+@dataclass(frozen=True)
+class Filled:
+    """What `ModelCache.fill` did: where the snapshot is and where this call's time went."""
+
+    path: Path
+    bytes_downloaded: int        # 0: it was cached, or another process fetched it while this one waited
+    lock_wait_seconds: float     # blocked on the revision's lock (another process was downloading it)
+    download_seconds: float      # this call's own download, checks included
+    evicted: tuple[CachedModel, ...] = ()   # removed to make room for it
 
 
 class HeldModel:
@@ -121,43 +135,54 @@ class ModelCache:
             return None
 
     def write_ref(self, repo: str, ref: str, revision: str) -> None:
-        target = self.repo_dir(repo) / "refs" / ref
+        self._write_atomically(self.repo_dir(repo) / "refs" / ref, revision)
+
+    @staticmethod
+    def _write_atomically(target: Path, text: str) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        temp.write_text(revision)
+        temp.write_text(text)
         os.replace(temp, target)
 
     def fill(self, repo: str, revision: str, download: Callable[[Path], int],
-             needed_bytes: int = 0, budget_bytes: int | None = None) -> tuple[Path, int]:
+             needed_bytes: int = 0, budget_bytes: int | None = None, source: str | None = None) -> Filled:
         """The snapshot of `revision`, downloading it first if no process has: `download(partial_dir)`
         writes (and checks) every file into `partial_dir`, keeping files a killed attempt completed,
-        and returns the bytes it transferred. Returns (snapshot path, bytes this call downloaded).
-        With `budget_bytes`, least recently used snapshots not in use are evicted to make room;
-        raises CacheFull when the model cannot fit (budget or free disk space)."""
+        and returns the bytes it transferred. `source` is recorded beside the snapshot (what an
+        eviction reports). With `budget_bytes`, least recently used snapshots not in use are evicted
+        to make room; raises CacheFull when the model cannot fit (budget or free disk space)."""
         repo_dir = self.repo_dir(repo)
         final = repo_dir / "snapshots" / revision
         if final.is_dir():
-            return final, 0
+            return Filled(final, 0, 0.0, 0.0)
+        waiting = time.perf_counter()
         with _exclusive(repo_dir / ".locks" / f"{revision}.lock"):
+            waited = time.perf_counter() - waiting
             if final.is_dir():   # another process finished it while we waited
-                return final, 0
+                return Filled(final, 0, waited, 0.0)
             partial = repo_dir / ".partial" / revision
             partial.mkdir(parents=True, exist_ok=True)
-            self._make_room(needed_bytes - directory_size(partial), budget_bytes)
+            evicted = self._make_room(needed_bytes - directory_size(partial), budget_bytes)
+            downloading = time.perf_counter()
             downloaded = download(partial)
+            seconds = time.perf_counter() - downloading
+            if source is not None:
+                self._write_atomically(repo_dir / ".sources" / revision, source)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(partial, final)
             _fsync_dir(final.parent)
-            return final, downloaded
+            return Filled(final, downloaded, waited, seconds, tuple(evicted))
 
-    def _make_room(self, needed_bytes: int, budget_bytes: int | None) -> None:
+    def _make_room(self, needed_bytes: int, budget_bytes: int | None) -> list[CachedModel]:
+        """Evict within the budget for `needed_bytes` more; what was evicted."""
+        evicted: list[CachedModel] = []
         if needed_bytes <= 0:
-            return
+            return evicted
         if budget_bytes is not None:
             if needed_bytes > budget_bytes:
                 raise errors.CacheFull(f"the model needs {needed_bytes} bytes, more than the cache budget "
                                        f"of {budget_bytes} bytes ({self.root})")
-            self.evict(budget_bytes - needed_bytes)
+            evicted = self.evict(budget_bytes - needed_bytes)
             held = self.used_bytes()
             if held + needed_bytes > budget_bytes:
                 raise errors.CacheFull(f"the model needs {needed_bytes} bytes; the cache budget is {budget_bytes} "
@@ -167,6 +192,7 @@ class ModelCache:
         if free < needed_bytes:
             raise errors.CacheFull(f"the model needs {needed_bytes} bytes but the cache volume has {free} bytes "
                                    f"free ({self.root})")
+        return evicted
 
     def models(self) -> list[CachedModel]:
         """Every complete snapshot, least recently used first."""
@@ -174,19 +200,27 @@ class ModelCache:
         for snapshots in self.root.glob("*/snapshots"):
             for path in snapshots.iterdir():
                 if path.is_dir():
-                    found.append(CachedModel(path, directory_size(path), path.stat().st_mtime))
+                    found.append(CachedModel(path, directory_size(path), path.stat().st_mtime,
+                                             self._source_of(path)))
         return sorted(found, key=lambda model: model.last_used)
+
+    @staticmethod
+    def _source_of(snapshot: Path) -> str | None:
+        try:
+            return (snapshot.parent.parent / ".sources" / snapshot.name).read_text().strip() or None
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def used_bytes(self) -> int:
         return sum(model.size for model in self.models())
 
-    def evict(self, budget_bytes: int, min_idle_seconds: float = 0.0) -> list[Path]:
+    def evict(self, budget_bytes: int, min_idle_seconds: float = 0.0) -> list[CachedModel]:
         """Remove least recently used snapshots until the cache holds at most `budget_bytes`,
         skipping any a process holds (`hold`) and any used in the last `min_idle_seconds` (a
         fetch that exits before its server starts leaves that gap). Returns what was removed."""
         models = self.models()
         total = sum(model.size for model in models)
-        removed: list[Path] = []
+        removed: list[CachedModel] = []
         now = time.time()
         for model in models:
             if total <= budget_bytes:
@@ -194,7 +228,7 @@ class ModelCache:
             if now - model.last_used < min_idle_seconds:
                 continue
             if self._remove_unless_held(model.path):
-                removed.append(model.path)
+                removed.append(model)
                 total -= model.size
         return removed
 
@@ -213,6 +247,7 @@ class ModelCache:
             trash.parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, trash)
             self._drop_refs_to(path.parent.parent, path.name)
+            (path.parent.parent / ".sources" / path.name).unlink(missing_ok=True)
         finally:
             os.close(fd)
         shutil.rmtree(trash, ignore_errors=True)

@@ -19,10 +19,12 @@ from pathlib import Path
 from .. import exit_codes
 from ..flags import parse_bytes
 from . import errors, hub, s3
-from .cache import HeldModel, ModelCache, hold
+from .cache import Filled, HeldModel, ModelCache, hold
 from .uri import InvalidModelSource, ModelSource, parse_model_source
 
 logger = logging.getLogger("kubeinfer.fetch")
+TERMINATION_MESSAGE_BYTES = 4096   # what the kubelet keeps of a termination message
+
 
 @dataclass(frozen=True)
 class FetchedModel:
@@ -32,11 +34,21 @@ class FetchedModel:
     size: int               # bytes of the snapshot on disk
     bytes_downloaded: int   # by this call (0: it was cached, or another process fetched it)
     seconds: float
+    lock_wait_seconds: float = 0.0   # waiting for another process's download of the same revision
+    download_seconds: float = 0.0
+    evicted: tuple[str, ...] = ()   # sources removed from the cache to make room (a node's labels name them)
 
-    def as_json(self) -> str:
-        return json.dumps({"source": self.source, "path": str(self.path), "revision": self.revision,
-                           "size": self.size, "bytes_downloaded": self.bytes_downloaded,
-                           "seconds": round(self.seconds, 3)})
+    def as_json(self, limit: int | None = None) -> str:
+        """One JSON object; with `limit`, the evicted list is cut so it fits in `limit` bytes."""
+        report = {"source": self.source, "path": str(self.path), "revision": self.revision,
+                  "size": self.size, "bytes_downloaded": self.bytes_downloaded, "seconds": round(self.seconds, 3),
+                  "lock_wait_seconds": round(self.lock_wait_seconds, 3),
+                  "download_seconds": round(self.download_seconds, 3), "evicted": list(self.evicted)}
+        text = json.dumps(report)
+        while limit is not None and len(text.encode()) > limit and report["evicted"]:
+            report["evicted"].pop()
+            text = json.dumps(report)
+        return text
 
 
 def fetch_model(text: str, cache_dir: Path | str | None = None, budget_bytes: int | None = None) -> FetchedModel:
@@ -49,30 +61,34 @@ def fetch_model(text: str, cache_dir: Path | str | None = None, budget_bytes: in
         repo = hub.repo_cache_name(source.location)
         revision, files = hub.resolve(source, cache)
         if files is None:
-            path, downloaded = cache.snapshot(repo, revision), 0
+            filled = Filled(cache.snapshot(repo, revision), 0, 0.0, 0.0)
         else:
             wanted = hub.files_to_fetch(files)
             if not any(f.name.endswith(hub.WEIGHT_SUFFIXES) for f in wanted):
                 raise errors.NotFound(f"no weights (.safetensors or .gguf) in {source} at commit {revision}; "
                                       f"it has {', '.join(sorted(f.name for f in files)[:8]) or 'no files'}")
             needed = sum(f.size or 0 for f in wanted)
-            path, downloaded = cache.fill(repo, revision, lambda partial: hub.download(source, revision, wanted, partial),
-                                          needed, budget_bytes)
+            filled = cache.fill(repo, revision, lambda partial: hub.download(source, revision, wanted, partial),
+                                needed, budget_bytes, source=f"hf://{source.location}@{revision}")
     elif source.scheme == "s3":
         repo = s3.repo_cache_name(source)
         client = s3.client()
         revision, objects = s3.resolve(source, client)
         objects = hub.files_to_fetch(objects)
-        path, downloaded = cache.fill(repo, revision, lambda partial: s3.download(source, objects, partial, client),
-                                      sum(o.size for o in objects), budget_bytes)
+        filled = cache.fill(repo, revision, lambda partial: s3.download(source, objects, partial, client),
+                            sum(o.size for o in objects), budget_bytes, source=text)
         cache.write_ref(repo, "latest", revision)
     else:
         raise InvalidModelSource(f"model source {text!r}: only hf:// and s3:// sources are fetched "
                                  "(a local path or pvc:// claim is read where it is)")
+    path = filled.path
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    fetched = FetchedModel(str(source), path, revision, size, downloaded, time.perf_counter() - start)
-    logger.info("%s at %s: %s (%d bytes, %d downloaded in %.2fs)", source, revision, path, size, downloaded,
-                fetched.seconds)
+    fetched = FetchedModel(str(source), path, revision, size, filled.bytes_downloaded, time.perf_counter() - start,
+                           filled.lock_wait_seconds, filled.download_seconds,
+                           tuple(m.source for m in filled.evicted if m.source))
+    logger.info("%s at %s: %s (%d bytes, %d downloaded in %.2fs after %.2fs waiting for the cache's lock; "
+                "%.2fs in all)", source, revision, path, size, filled.bytes_downloaded, filled.download_seconds,
+                filled.lock_wait_seconds, fetched.seconds)
     return fetched
 
 
@@ -149,4 +165,6 @@ def run(args: argparse.Namespace) -> int:
         report_failure(f"{exc.reason}: {exc}")
         return exc.exit_code
     print(fetched.as_json(), flush=True)
+    # the operator reads the bytes, the lock wait and the evictions from the init container's status
+    exit_codes.write_termination_message(fetched.as_json(limit=TERMINATION_MESSAGE_BYTES))
     return 0

@@ -4,16 +4,18 @@ the engine reading the same pinned source from it read-only, a preference for wa
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+from prometheus_client import REGISTRY
 from isvc_builders import CONFIG, body, make_isvc
 from test_build import parsed_args
 from test_reconcile import MemoryKube
 
-from kubeinfer.operator import api
+from kubeinfer.operator import api, cold_start
 from kubeinfer.operator.build import deployment
 from kubeinfer.operator.model_pin import ResolveError
-from kubeinfer.operator.model_source import cache_key
+from kubeinfer.operator.model_source import cache_key, source_label
 from kubeinfer.operator.observe import pod_problems
 from kubeinfer.operator.reconcile import Reconciler
 from kubeinfer.operator.resource import OperatorConfig
@@ -147,9 +149,12 @@ def test_unknown_repository_is_a_condition_and_an_event_not_a_deployment() -> No
     assert ("Warning", "ModelNotFound") in [(e.type, e.reason) for e in events]
 
 
-def engine_pod(name: str, created: str, fetch: tuple[str, str] | None, started: str, ready: str | None) -> dict:
+def engine_pod(name: str, created: str, fetch: tuple[str, str] | None, started: str, ready: str | None,
+               report: dict | None = None) -> dict:
+    """An engine pod's status; `report` is its fetch's termination message (kubeinfer fetch's JSON)."""
     init = [{"name": api.FETCH_CONTAINER, "state": {"terminated": {
-        "exitCode": 0, "startedAt": fetch[0], "finishedAt": fetch[1]}}}] if fetch else []
+        "exitCode": 0, "startedAt": fetch[0], "finishedAt": fetch[1],
+        **({"message": json.dumps(report)} if report else {})}}}] if fetch else []
     conditions = [{"type": "Ready", "status": "True", "lastTransitionTime": ready}] if ready else []
     return {"metadata": {"name": name, "creationTimestamp": created}, "spec": {"nodeName": "node-a"},
             "status": {"conditions": conditions, "initContainerStatuses": init, "containerStatuses": [
@@ -173,6 +178,57 @@ def test_cold_starts_are_reported_once_with_fetch_and_load_times() -> None:
     status, events = reconcile(kube, hub, spec)
     assert [e.message.split(":")[0] for e in events if e.reason == "ColdStart"] == ["pod warm on node-a"]
     assert status["model"]["lastColdStart"]["fetchSeconds"] == 0
+
+
+def test_cold_start_splits_the_fetch_into_cache_wait_and_download_with_its_bytes() -> None:
+    kube, hub = MemoryKube(), Hub()
+    labels = {"namespace": "team-a", "inferenceservice": "chat"}
+    bytes_before = REGISTRY.get_sample_value("kubeinfer:model_download_bytes_total", labels) or 0
+    waits_before = REGISTRY.get_sample_value("kubeinfer:model_cache_wait_seconds_sum", labels) or 0
+    kube.listed["Pod"] = [engine_pod(
+        "cold", "2026-01-01T00:00:00Z", ("2026-01-01T00:00:02Z", "2026-01-01T00:00:32Z"), "2026-01-01T00:00:33Z",
+        "2026-01-01T00:00:40Z", {"revision": COMMIT, "bytes_downloaded": 2_150_000_000, "lock_wait_seconds": 4.0,
+                                 "download_seconds": 25.5, "evicted": [], "seconds": 30.0})]
+    status, events = reconcile(kube, hub, {"model": {"source": "hf://org/model@main"}})
+    last = status["model"]["lastColdStart"]
+    assert (last["cacheWaitSeconds"], last["downloadSeconds"], last["bytesDownloaded"]) == (4, 25.5, 2_150_000_000)
+    assert [e.message for e in events if e.reason == "ColdStart"] == [
+        "pod cold on node-a: fetch 30 s (cache wait 4 s, downloaded 2.15 GB in 26 s), engine load 7 s, "
+        "Ready 40 s after creation"]
+    assert REGISTRY.get_sample_value("kubeinfer:model_download_bytes_total", labels) - bytes_before == 2_150_000_000
+    assert REGISTRY.get_sample_value("kubeinfer:model_cache_wait_seconds_sum", labels) - waits_before == 4.0
+
+
+def test_s3_revision_in_status_is_the_listing_digest_the_latest_fetch_found() -> None:
+    kube, hub = MemoryKube(), Hub()
+    spec = {"model": {"source": "s3://weights/llama"}}
+    kube.listed["Pod"] = [engine_pod("a", "2026-01-01T00:00:00Z", ("2026-01-01T00:00:02Z", "2026-01-01T00:00:03Z"),
+                                     "2026-01-01T00:00:04Z", "2026-01-01T00:00:09Z",
+                                     {"revision": "d1" * 32, "bytes_downloaded": 0})]
+    status, _ = reconcile(kube, hub, spec)
+    assert status["model"]["revision"] == "d1" * 32 and hub.asked == 0
+    status, _ = reconcile(kube, hub, spec)   # nothing new reported: the digest stays
+    assert status["model"]["revision"] == "d1" * 32
+
+
+def test_a_fetch_that_evicted_a_model_removes_its_label_from_the_node() -> None:
+    kube, hub = MemoryKube(), Hub()
+    evicted = f"hf://org/other@{'e' * 40}"
+    kube.listed["Node"] = [node("node-a", {source_label(evicted): "true", "keep": "me"})]
+    kube.listed["Pod"] = [engine_pod("a", "2026-01-01T00:00:00Z", ("2026-01-01T00:00:02Z", "2026-01-01T00:00:03Z"),
+                                     "2026-01-01T00:00:04Z", "2026-01-01T00:00:09Z",
+                                     {"revision": COMMIT, "bytes_downloaded": 10, "evicted": [evicted]})]
+    reconcile(kube, hub, {"model": {"source": "hf://org/model@main"}})
+    assert kube.listed["Node"][0]["metadata"]["labels"] == {"kubernetes.io/hostname": "node-a", "keep": "me"}
+
+
+def test_a_fetch_report_that_is_not_json_is_ignored() -> None:
+    pod = engine_pod("a", "2026-01-01T00:00:00Z", ("2026-01-01T00:00:02Z", "2026-01-01T00:00:03Z"),
+                     "2026-01-01T00:00:04Z", "2026-01-01T00:00:09Z")
+    pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["message"] = "downloaded [1, 2"
+    assert cold_start.fetch_report(pod) == cold_start.FetchReport()
+    start = cold_start.cold_start(pod)
+    assert start is not None and start.bytes_downloaded is None and start.fetch_seconds == 1
 
 
 def test_failed_fetch_names_the_problem_from_its_exit_code() -> None:

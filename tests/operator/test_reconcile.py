@@ -50,9 +50,12 @@ class MemoryKube:
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.statuses.append(status)
 
-    def label(self, kind: str, namespace: str, name: str, labels: dict[str, str]) -> None:
+    def label(self, kind: str, namespace: str, name: str, labels: dict[str, str | None]) -> None:
         node = next(n for n in self.listed.get(kind, []) if n["metadata"]["name"] == name)
-        node["metadata"].setdefault("labels", {}).update(labels)
+        current = node["metadata"].setdefault("labels", {})
+        current.update(labels)
+        for key in [k for k, v in labels.items() if v is None]:   # a merge patch's null removes it
+            del current[key]
 
     def delete_with_dependents(self, kind: str, namespace: str, name: str) -> None:
         self.delete(kind, namespace, name)

@@ -84,6 +84,24 @@ def test_fetch_prints_json_and_downloads_each_file_once(hub: HubServer, tmp_path
     assert "org/tiny/pytorch_model.bin" not in after
 
 
+def test_fetch_reports_its_wait_download_and_evictions_as_the_termination_message(
+        hub: HubServer, s3: S3Server, tmp_path: Path) -> None:
+    """What the operator reads from the init container's status: bytes, lock wait, download time,
+    and the sources a budget evicted (whose node labels go)."""
+    cache, message = tmp_path / "cache", tmp_path / "termination-log"
+    message.touch()
+    env = {**hub.env(), exit_codes.TERMINATION_LOG_ENV: str(message)}
+    first = fetched(fetch("hf://org/tiny", cache, env))
+    assert json.loads(message.read_text()) == first
+    assert first["bytes_downloaded"] > 0 and first["lock_wait_seconds"] >= 0 and first["evicted"] == []
+    assert 0 < first["download_seconds"] <= first["seconds"]
+    budget = str(first["size"] + first["size"] // 2)   # room for one of the two models
+    second = fetched(fetch("s3://models/tiny", cache, {**s3.env(), exit_codes.TERMINATION_LOG_ENV: str(message)},
+                           "--cache-budget", budget))
+    assert json.loads(message.read_text()) == second
+    assert second["evicted"] == [f"hf://org/tiny@{hub.commit_sha}"] and len(snapshots(cache)) == 1
+
+
 def test_pinned_commit_in_the_cache_needs_no_hub(tmp_path: Path) -> None:
     with HubServer(tmp_path / "repos") as server:
         sha = server.repos.commit("org/tiny", write_model(tmp_path / "v1", FILES))
