@@ -3,13 +3,13 @@ generation_config.json."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
 
+from . import safetensors_stream
 from .checkpoint import GENERATION_KEYS, Checkpoint, loading_threads, split_fused
 from .config import ModelConfig
 from .quantization import QUANTIZED_TENSOR_SUFFIXES
@@ -49,14 +49,11 @@ def read_hf_directory(path: Path) -> Checkpoint:
     quantization_config = hf_config.get("quantization_config")
 
     def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as handle:
-                for name in handle.offset_keys():   # the file front to back: the disk's readahead
-                    tensor = handle.get_slice(name)
-                    with loading_threads(math.prod(tensor.get_shape())):
-                        tensor = handle.get_tensor(name)
-                        tensor = tensor if quantization_config and _stored_as_is(name, tensor) else tensor.to(dtype)
-                        yield from split_fused(name, tensor, fused)
+        for file in files:   # views of the file's pages: the consumer's copy is the only one
+            for name, tensor in safetensors_stream.tensors(file):
+                with loading_threads(tensor.numel()):
+                    tensor = tensor if quantization_config and _stored_as_is(name, tensor) else tensor.to(dtype)
+                    yield from split_fused(name, tensor, fused)
 
     num_tensors = 0
     for file in files:
