@@ -170,7 +170,10 @@ def probes() -> dict[str, Any]:
     def get(path: str, period: int, failures: int) -> dict[str, Any]:
         return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
                 "timeoutSeconds": 5, "failureThreshold": failures}
-    return {"startupProbe": get("/health", 5, 360), "readinessProbe": get("/ready", 5, 3),
+    # The server answers only once the model is loaded, so a new replica's wait for traffic is its
+    # load plus the startup probe's period plus the readiness probe's: polled every 1 s and 2 s
+    # (a loopback GET each; 30 min and 16 s to give up, as with 5 s periods), not 5 s and 5 s.
+    return {"startupProbe": get("/health", 1, 1800), "readinessProbe": get("/ready", 2, 8),
             "livenessProbe": get("/health", 10, 6)}
 
 

@@ -157,12 +157,15 @@ def run(args: argparse.Namespace) -> int:
         logger.info("API keys required on the OpenAI routes (%d configured)", len(args.api_keys))
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
         cpu_build.start_building(cpu_build.LOADING_KERNELS)
-    from ..model.loader import DeviceUnavailableError
     from ..weights.fetch import use_local_copy
+    from ..weights.prefetch import prefetch
 
     # hf:// and s3:// are fetched into the cache (once per node); the engine loads the local copy
     if code := use_local_copy(args, args.download_dir):
         return code
+    if args.model != "embedded":
+        prefetch(args.model)   # the disk reads the weights while torch and the engine import
+    from ..model.loader import DeviceUnavailableError
     try:
         if args.headless:   # this node's ranks only: node 0 serves the API
             from ..engine.config import EngineConfig

@@ -94,6 +94,11 @@ def test_probes_drain_and_restricted_security() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    # a new replica takes traffic within ~1 s + 2 s of its load; the same give-up times as before
+    startup, readiness = container["startupProbe"], container["readinessProbe"]
+    assert (startup["periodSeconds"], readiness["periodSeconds"]) == (1, 2)
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 1800
+    assert readiness["periodSeconds"] * readiness["failureThreshold"] == 16
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > pre_stop + 120
     assert pod["securityContext"]["runAsNonRoot"] and \
