@@ -28,6 +28,9 @@ LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
 LWS_VERSION = "v0.7.0"
 LWS_INSTALL = (f"kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/download/"
                f"{LWS_VERSION}/manifests.yaml")
+GIE_VERSION = "v1.5.0"   # the Gateway API Inference Extension whose InferencePool v1 spec.inferencePool renders
+GIE_INSTALL = (f"kubectl apply -f https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/"
+               f"download/{GIE_VERSION}/manifests.yaml")
 LWS_EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/exclusive-topology"
 MASTER_PORT = 29500   # the leader's rendezvous (--master-port), reached by the group's workers
 WORKER_COMPONENT = "engine-worker"   # a group's worker pods: never behind the Service, the router or the autoscaler

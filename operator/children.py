@@ -71,17 +71,18 @@ def network_policy(isvc: InferenceService, policy: NetworkPolicyConfig) -> dict[
                      "ingress": ingress}}
 
 
-def desired_children(isvc: InferenceService, config: OperatorConfig, lws_installed: bool = True
-                     ) -> list[dict[str, Any]]:
+def desired_children(isvc: InferenceService, config: OperatorConfig, lws_installed: bool = True,
+                     pool_installed: bool = True) -> list[dict[str, Any]]:
     """In apply order: the gateway exists before the Service is pointed at it. Multi-pod
-    replicas without the LeaderWorkerSet CRD get no engines (a condition says why)."""
+    replicas without the LeaderWorkerSet CRD get no engines, and `spec.inferencePool` without
+    GIE's InferencePool CRD gets its picker but no pool (a condition says why for both)."""
     children = [] if isvc.spec.multi_pod and not lws_installed else [workload(isvc, config)]
     if config.network_policy is not None:
         children.append(network_policy(isvc, config.network_policy))
     if needs_gateway(isvc):
         children += gateway_children(isvc, config)
     if isvc.spec.inference_pool.enabled:
-        children += pool_children(isvc, config)
+        children += [c for c in pool_children(isvc, config) if pool_installed or c["kind"] != POOL_KIND]
     children.append(service(isvc))
     if isvc.spec.replicas > 1:
         children.append(pod_disruption_budget(isvc))

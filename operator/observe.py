@@ -20,6 +20,7 @@ from kubeinfer.server.kube.pods import pod_ready
 from . import api
 from .adapters import AdapterReport, adapter_condition, adapter_status
 from .build import GPU_RESOURCE, device, gpus_per_pod
+from .inference_pool import POOL_CRD, picker_name
 from .model_source import model_mounts
 from .resource import InferenceService, OperatorConfig
 from .router_build import gateway_name, scales_from_zero
@@ -46,6 +47,7 @@ class Observed:
     worker_pods: list[dict[str, Any]] = field(default_factory=list)  # multi-pod replicas' workers
     lws_missing: bool = False  # multi-pod replicas asked for on a cluster without the LeaderWorkerSet CRD
     model_error: tuple[str, str] | None = None  # (reason, message): the source could not be resolved
+    pool_crd_missing: bool = False  # spec.inferencePool on a cluster without GIE's InferencePool CRD
 
 
 def lws_as_workload(lws: dict[str, Any]) -> dict[str, Any]:
@@ -64,6 +66,16 @@ def lws_missing_problem(isvc: InferenceService) -> tuple[str, str]:
             f"engine.podsPerReplica {isvc.spec.engine.pods_per_replica} makes each replica a LeaderWorkerSet group, "
             f"but the cluster has no CustomResourceDefinition {api.LWS_CRD}: install LeaderWorkerSet "
             f"({api.LWS_INSTALL}) or set engine.podsPerReplica to 1")
+
+
+def pool_crd_problems(isvc: InferenceService, missing: bool) -> list[tuple[str, str]]:
+    """spec.inferencePool without GIE's CRD: the engines serve, but no gateway can route to a pool."""
+    if not missing:
+        return []
+    return [("InferencePoolCRDMissing",
+             f"spec.inferencePool.enabled, but the cluster has no CustomResourceDefinition {POOL_CRD}, so no "
+             f"InferencePool was created (the picker {picker_name(isvc)} runs): install the Gateway API Inference "
+             f"Extension's CRDs ({api.GIE_INSTALL}) or set spec.inferencePool.enabled to false")]
 
 
 def gpu_problems(isvc: InferenceService, gpus_allocatable: int | None) -> list[tuple[str, str]]:
@@ -214,7 +226,7 @@ def conditions(isvc: InferenceService, seen: Observed, ready: int,
     else:
         progressing = (False, "RolloutComplete", f"{desired} replicas on the current spec")
     # Last: they do not keep replicas from becoming Ready, so they never name the Ready reason.
-    problems += autoscaler_problems(isvc, seen.keda_installed)
+    problems += autoscaler_problems(isvc, seen.keda_installed) + pool_crd_problems(isvc, seen.pool_crd_missing)
     degraded = (True, problems[0][0], "; ".join(dict.fromkeys(m for _, m in problems))[:MAX_MESSAGE]) \
         if problems else (False, "AsExpected", "no problems observed")
     found = [("Ready", *ready_c), ("Progressing", *progressing), ("Degraded", *degraded)]

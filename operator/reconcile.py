@@ -25,6 +25,7 @@ from . import api, hash_key
 from .adapter_sync import AdapterSync
 from .adapters import AdapterReport, action_events, gate_conditions
 from .children import desired_children, stale_children
+from .inference_pool import POOL_CRD
 from .cold_start import describe, observe_metrics
 from .model_cache import evicted_labels, warm_job, warm_job_name, warm_nodes, warm_selector, warmed_nodes
 from .model_pin import ResolveError, Resolver, hub_resolver, model_status, pin, template_hash
@@ -39,7 +40,7 @@ from .status import Condition, InferenceServiceStatus
 
 
 log = logging.getLogger(__name__)
-LWS_CHECK_SECONDS = 60.0
+CRD_CHECK_SECONDS = 60.0
 
 
 def workload_kind(isvc: InferenceService) -> str:
@@ -77,7 +78,8 @@ class Reconciler:
         self._written: dict[str, InferenceServiceStatus] = {}
         # The engine Deployment's pod template as last applied, by uid: a change is a rollout.
         self._templates: dict[str, dict[str, Any] | None] = {}
-        self._lws_checked, self._lws_known = -LWS_CHECK_SECONDS, None
+        # CRD name -> (when it was last looked up, whether it exists; None: cannot tell)
+        self._crds: dict[str, tuple[float, bool | None]] = {}
 
     def forget(self, uid: str, namespace: str, name: str) -> None:
         """Drop what is kept per InferenceService once it is deleted (else one entry per deleted
@@ -117,14 +119,15 @@ class Reconciler:
                                        f"this cluster's admin allows ({', '.join(self.config.allowed_images)})",
                                        reason="ImageNotAllowed")
         rolling_out = False
-        lws_installed = self._lws_installed(lookup=isvc.spec.multi_pod)
+        lws_installed = self._crd_installed(api.LWS_CRD, lookup=isvc.spec.multi_pod)
+        pool_installed = self._crd_installed(POOL_CRD, lookup=isvc.spec.inference_pool.enabled)
         pinned = pin(isvc, self.config, template_hash(isvc, self.config), previous.model,
                      lambda: self._model_token(isvc), self.resolve)
         if pinned.model is not None and pinned.model.revision:
             isvc = dataclasses.replace(isvc, resolved_revision=pinned.model.revision)
         if apply and pinned.error is None:  # unresolved: the Deployment keeps the template it has
             try:
-                rolling_out = self._apply_children(isvc, lws_installed)
+                rolling_out = self._apply_children(isvc, lws_installed, pool_installed)
                 applied = isvc.generation
             except KubeError as exc:
                 error = f"applying children failed: {exc.message}"
@@ -142,6 +145,7 @@ class Reconciler:
                         gpu_products=gpu_products, gpus_allocatable=gpus, gateway_pods=gateway_pods,
                         keda_installed=self._keda_installed(isvc), adapters=adapters,
                         worker_pods=worker_pods, lws_missing=lws_missing,
+                        pool_crd_missing=isvc.spec.inference_pool.enabled and pool_installed is False,
                         model_error=(pinned.error.reason, str(pinned.error)) if pinned.error else None)
         status = observe(isvc, seen, self.config, previous, datetime.now(timezone.utc))
         model, starts = model_status(isvc, pinned.model or previous.model, previous.model, pods)
@@ -168,7 +172,8 @@ class Reconciler:
                  [e.reason for e in events] or "none")
         return events
 
-    def _apply_children(self, isvc: InferenceService, lws_installed: bool | None) -> bool:
+    def _apply_children(self, isvc: InferenceService, lws_installed: bool | None,
+                        pool_installed: bool | None = None) -> bool:
         """Apply every child, delete stale ones; True when the engines' workload already existed
         and this apply changed its pod template(s), i.e. a rollout began."""
         kind = workload_kind(isvc)
@@ -180,7 +185,7 @@ class Reconciler:
             before = pod_templates(live) if live else None
         rolling_out = False
         self.kube.create(hash_key.new_secret(isvc))   # before the pods that read it
-        for child in desired_children(isvc, self.config, lws_installed is not False):
+        for child in desired_children(isvc, self.config, lws_installed is not False, pool_installed is not False):
             result = self.kube.apply(child)
             if child["kind"] == kind and child["metadata"]["name"] == isvc.name and result:
                 after = pod_templates(result)
@@ -197,19 +202,20 @@ class Reconciler:
         lws = self.kube.get(api.LWS_KIND, isvc.namespace, isvc.name)
         return lws_as_workload(lws) if lws else None
 
-    def _lws_installed(self, lookup: bool) -> bool | None:
-        """Whether the LeaderWorkerSet CRD exists (None: cannot tell), looked up for multi-pod
-        services only and at most once a minute: installing LWS later needs no operator restart.
-        Single-pod services get what is known (a stale LWS is deleted where one may exist)."""
+    def _crd_installed(self, crd: str, lookup: bool) -> bool | None:
+        """Whether a CRD (LeaderWorkerSet's, GIE's InferencePool) exists (None: cannot tell), looked
+        up for the services that need it only and at most once a minute: installing it later needs no
+        operator restart. Other services get what is known (a stale child is deleted where one may exist)."""
+        checked, known = self._crds.get(crd, (-CRD_CHECK_SECONDS, None))
         now = time.monotonic()
-        if not lookup or now - self._lws_checked < LWS_CHECK_SECONDS:
-            return self._lws_known
+        if not lookup or now - checked < CRD_CHECK_SECONDS:
+            return known
         try:
-            self._lws_known = self.kube.get("CustomResourceDefinition", "", api.LWS_CRD) is not None
+            known = self.kube.get("CustomResourceDefinition", "", crd) is not None
         except KubeError:   # e.g. RBAC: apply anyway, the error then says what is wrong
-            self._lws_known = None
-        self._lws_checked = now
-        return self._lws_known
+            known = None
+        self._crds[crd] = (now, known)
+        return known
 
     def _sync_adapters(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> AdapterReport:
         """Load and unload adapters in the Ready engines, through their admin port."""

@@ -433,7 +433,7 @@ class InferencePoolSpec(Section):
     enabled: bool = Field(False, description="Render an InferencePool (inference.networking.k8s.io/v1) "
                           "selecting the engine pods (leaders only with multi-pod replicas), and kubeinfer's "
                           "endpoint picker for it (`kubeinfer route --ext-proc-port`: Deployment, Service, "
-                          "RBAC), beside the router Service. Needs GIE's CRDs (the chart's gie.installCRDs).")
+                          "RBAC), beside the router Service. Needs GIE's InferencePool CRD (the chart's crds.gie).")
     failure_mode: Literal["FailClose", "FailOpen"] = Field(
         "FailClose", description="The pool's endpointPickerRef.failureMode: what the gateway does "
                                  "when the picker does not answer.")

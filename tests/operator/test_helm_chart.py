@@ -16,6 +16,7 @@ import yaml
 
 from e2e.binaries import binary, ensure
 from kubeinfer.operator import api
+from kubeinfer.operator.inference_pool import POOL_CRD
 
 pytestmark = pytest.mark.integration
 
@@ -86,6 +87,16 @@ def test_namespaced_install_uses_roles(helm: str) -> None:
 
 def test_crds_can_be_left_out(helm: str) -> None:
     assert not by_kind(render(helm, "crds.install=false"), "CustomResourceDefinition")
+
+
+def test_gie_inference_pool_crd_when_asked(helm: str) -> None:
+    """crds.gie: GIE's InferencePool v1 CRD (what spec.inferencePool renders), with the chart's labels."""
+    crds = {d["metadata"]["name"]: d for d in by_kind(render(helm, "crds.gie=true"), "CustomResourceDefinition")}
+    pool = crds[POOL_CRD]
+    assert pool["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == api.GIE_VERSION
+    assert [v["name"] for v in pool["spec"]["versions"] if v["served"]] == ["v1"]
+    assert pool["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    assert POOL_CRD not in {d["metadata"]["name"] for d in by_kind(render(helm), "CustomResourceDefinition")}
 
 
 def test_operator_pod_is_restricted_and_probed(helm: str) -> None:

@@ -1,14 +1,19 @@
 """spec.inferencePool renders a Gateway API Inference Extension InferencePool of the engines and
-kubeinfer's endpoint picker for it, beside the router; turning it off removes them."""
+kubeinfer's endpoint picker for it, beside the router; turning it off removes them. Without GIE's
+InferencePool CRD the rest is applied and a condition says what to install."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from isvc_builders import CONFIG, make_isvc
+from isvc_builders import CONFIG, body, make_isvc
+from test_reconcile import MemoryKube, conditions
 
+from kubeinfer.operator import api
 from kubeinfer.operator.children import desired_children, stale_children
+from kubeinfer.operator.inference_pool import POOL_CRD
+from kubeinfer.operator.reconcile import Reconciler
 from kubeinfer.server.kube.client import COLLECTIONS
 
 pytestmark = pytest.mark.unit
@@ -76,3 +81,21 @@ def test_off_by_default_and_removed_when_turned_off() -> None:
     assert ("InferencePool", "chat") in stale and ("Deployment", "chat-epp") in stale
     assert not any(name == "chat-epp" or kind == "InferencePool" for kind, name in stale_children(make_isvc(POOL)))
     assert all(kind in COLLECTIONS for kind, _ in stale)
+
+
+def test_without_gie_crds_the_rest_is_applied_and_a_condition_says_what_to_install() -> None:
+    kube = MemoryKube()   # no CustomResourceDefinition inferencepools.inference.networking.k8s.io
+    Reconciler(kube, CONFIG).reconcile(body(POOL), trigger="create")  # type: ignore[arg-type]
+    assert ("InferencePool", "chat") not in kube.objects
+    assert {("Deployment", "chat"), ("Service", "chat"), ("Deployment", "chat-epp"), ("Service", "chat-epp")} \
+        <= set(kube.objects)
+    status = kube.statuses[-1]
+    assert conditions(status)["Degraded"] == "True/InferencePoolCRDMissing"
+    assert conditions(status)["Ready"] != "False/InferencePoolCRDMissing"   # the engines serve regardless
+    message = next(c["message"] for c in status["conditions"] if c["type"] == "Degraded")
+    assert POOL_CRD in message and api.GIE_INSTALL in message
+
+    kube.objects[("CustomResourceDefinition", POOL_CRD)] = {"metadata": {"name": POOL_CRD}}
+    Reconciler(kube, CONFIG).reconcile(body(POOL), trigger="update")  # type: ignore[arg-type]
+    assert ("InferencePool", "chat") in kube.objects
+    assert conditions(kube.statuses[-1])["Degraded"] != "True/InferencePoolCRDMissing"
