@@ -1,7 +1,7 @@
 """Liveness/readiness/startup probes against a local process, the way the kubelet runs them.
 
-httpGet and tcpSocket go to the pod IP (loopback here); exec runs the command locally with the
-container's environment. Thresholds and periods follow the pod spec, with Kubernetes' defaults.
+httpGet, tcpSocket and grpc (the gRPC health protocol, e.g. an endpoint picker's) go to the pod IP
+(loopback here); exec runs the command locally with the container's environment. Thresholds and periods follow the pod spec, with Kubernetes' defaults.
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ class Probe:
                 return True
             except OSError:
                 return False
+        if "grpc" in self.spec:
+            return self._grpc_serving(self.spec["grpc"], timeout)
         if "exec" in self.spec:
             try:
                 return subprocess.run(self.spec["exec"]["command"], env=self.env, timeout=timeout,
@@ -56,6 +58,18 @@ class Probe:
             except (OSError, subprocess.TimeoutExpired):
                 return False
         raise ValueError(f"unsupported probe {sorted(self.spec)}")
+
+    def _grpc_serving(self, spec: dict, timeout: float) -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"{self.host}:{int(spec['port'])}") as channel:
+            try:
+                answer = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=spec.get("service", "")), timeout=timeout)
+            except grpc.RpcError:
+                return False
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
 
     def due(self, started_at: float, now: float) -> bool:
         return now - started_at >= self.spec.get("initialDelaySeconds", 0) and now - self.last_run >= self.period

@@ -1,0 +1,38 @@
+"""The pod runner's probes: a grpc probe asks the gRPC health service, as the kubelet does (the
+endpoint pickers of spec.inferencePool carry one)."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from e2e.probes import Probe
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_grpc_probe_follows_the_health_service() -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        servicer.set("readiness", health_pb2.HealthCheckResponse.SERVING)
+        probe = Probe({"grpc": {"port": port, "service": "readiness"}, "failureThreshold": 1}, "127.0.0.1", {}, {})
+        probe.run()
+        assert probe.ok
+        servicer.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
+        probe.run()
+        assert not probe.ok
+        unknown = Probe({"grpc": {"port": port, "service": "no-such-service"}}, "127.0.0.1", {}, {})
+        unknown.run()
+        assert not unknown.ok and unknown.failures == 1
+    finally:
+        server.stop(None)
+    gone = Probe({"grpc": {"port": port}, "timeoutSeconds": 1}, "127.0.0.1", {}, {})
+    gone.run()
+    assert not gone.ok and gone.failures == 1
