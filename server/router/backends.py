@@ -139,7 +139,7 @@ class KubeBackends:
 
 class StaticBackends:
     """Engines the user started (`kubeinfer route --backend URL ...`): those whose `/ready`
-    answered 200 at the last probe, probed at most every `ttl` seconds, in the order given.
+    (or, without one, `/health`) answered 200 at the last probe, probed at most every `ttl` seconds, in the order given.
     Nothing here can start an engine, so `wake` never scales."""
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, ttl: float = 1.0) -> None:
@@ -157,8 +157,13 @@ class StaticBackends:
             return list(self._ready)
 
     async def _probe(self, url: str) -> bool:
+        """kubeinfer's `/ready`; an engine without one (404: vLLM, SGLang) by its `/health`,
+        which those answer 200 once they serve."""
         try:
-            return (await self.client.get(f"{url}/ready", timeout=2.0)).status_code == 200
+            answer = await self.client.get(f"{url}/ready", timeout=2.0)
+            if answer.status_code == 404:
+                answer = await self.client.get(f"{url}/health", timeout=2.0)
+            return answer.status_code == 200
         except httpx.HTTPError:
             return False
 
