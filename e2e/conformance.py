@@ -12,7 +12,8 @@ PASS, FAIL (with why) or SKIP (an optional part not given). Exit status 1 when a
   usage chunk, OpenAI error objects for bad requests, and a request aborted when its client
   disconnects (the engine's running count drops back).
 - kv-events: vLLM's ZMQ KV events (msgpack batches, sequence numbers, BlockStored for a prompt,
-  the replay socket), when `--kv-events` is given.
+  the replay socket), when `--kv-events` is given. Both of vLLM's wire forms are read (events as
+  tagged arrays or as maps; replay replies with or without the topic frame); the detail says which.
 - epp: GIE's endpoint-picker protocol over ext_proc (proposal 004), when `--epp` is given.
 """
 
@@ -56,6 +57,25 @@ def parse_metrics(text: str) -> tuple[dict[str, str], dict[str, list[tuple[dict[
         for sample in family.samples:
             samples.setdefault(sample.name, []).append((sample.labels, sample.value))
     return types, samples
+
+
+KV_EVENT_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+                   "BlockRemoved": ("block_hashes",), "AllBlocksCleared": ()}
+
+
+def kv_event(event: object) -> tuple[str, dict]:
+    """(kind, fields) of one KV event in either of vLLM's msgpack forms: a tagged array
+    `["BlockStored", block_hashes, parent, token_ids, block_size, ...]` (vLLM's array_like events,
+    which kubeinfer publishes) or a map tagged by "type" (vLLM 0.32's)."""
+    if isinstance(event, dict):
+        kind = event.get("type")
+        names = KV_EVENT_FIELDS.get(kind, ())
+        check(all(name in event for name in names), f"{kind} map without {names}: {sorted(event)}")
+        return kind, {name: event[name] for name in names}
+    check(isinstance(event, list) and event, f"event layout {event!r:.80}")
+    kind, names = event[0], KV_EVENT_FIELDS.get(event[0], ())
+    check(len(event) > len(names), f"{kind} array of {len(event)} items")
+    return kind, dict(zip(names, event[1:]))
 
 
 class Suite:
@@ -180,7 +200,7 @@ class Suite:
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         try:
-            seqs, stored, prompt = [], [], list(range(100, 100 + 130))
+            seqs, stored, prompt, forms = [], [], list(range(100, 100 + 130)), set()
             for attempt in range(30):   # PUB drops what it sends before the subscription arrives
                 warm = {"model": self.model, "prompt": [[attempt + 400] * 40], "max_tokens": 1}
                 self.http.post("/v1/completions", json=warm)
@@ -197,14 +217,17 @@ class Suite:
                 batch = msgpack.unpackb(payload)
                 check(isinstance(batch, list) and isinstance(batch[0], float), f"batch layout {batch!r:.80}")
                 for event in batch[1]:
-                    check(event[0] in ("BlockStored", "BlockRemoved", "AllBlocksCleared"), f"event {event[0]!r}")
-                    if event[0] == "BlockStored":
-                        stored.append(event)
+                    kind, fields = kv_event(event)
+                    forms.add("maps" if isinstance(event, dict) else "arrays")
+                    check(kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"), f"event {kind!r}")
+                    if kind == "BlockStored":
+                        stored.append(fields)
             check(stored, "no BlockStored after a 130-token prompt")
-            tokens = [t for event in stored for t in event[3]]
+            tokens = [t for event in stored for t in event["token_ids"]]
             check(tokens and all(t in prompt for t in tokens), "BlockStored token_ids not from the prompt")
             check(seqs == sorted(seqs) and len(set(seqs)) == len(seqs), f"sequence numbers {seqs}")
-            return f"{len(stored)} BlockStored, block_size {stored[0][4]}, seq {seqs[0]}..{seqs[-1]}"
+            return (f"{len(stored)} BlockStored, block_size {stored[0]['block_size']}, seq {seqs[0]}..{seqs[-1]}; "
+                    f"events as tagged {' and '.join(sorted(forms))}")
         finally:
             sub.close(0)
             context.term()
@@ -218,15 +241,19 @@ class Suite:
         dealer.connect(self.kv_replay)
         try:
             dealer.send_multipart((b"", (0).to_bytes(8, "big")))
-            replies = 0
+            replies, layouts = 0, set()
             while True:
-                _, seq, payload = dealer.recv_multipart()
+                frames = dealer.recv_multipart()
+                # [b"", seq, payload]; vLLM 0.32 puts the topic before seq: [b"", topic, seq, payload]
+                check(len(frames) in (3, 4) and frames[0] == b"", f"reply of {len(frames)} frames")
+                layouts.add("with the topic frame" if len(frames) == 4 else "without a topic frame")
+                seq, payload = frames[-2], frames[-1]
                 if int.from_bytes(seq, "big", signed=True) == -1:
                     check(payload == b"", "end marker with a payload")
                     break
                 replies += 1
             check(replies > 0, "replay returned no batch")
-            return f"{replies} batches replayed, then the end marker"
+            return f"{replies} batches replayed, then the end marker; {' and '.join(sorted(layouts))}"
         finally:
             dealer.close(0)
             context.term()
@@ -283,7 +310,8 @@ class Suite:
 
 
 def run_suite(args: argparse.Namespace) -> list[Result]:
-    suite = Suite(args.engine, args.model, args.kv_events, args.kv_replay, args.epp)
+    suite = Suite(args.engine, args.model, args.kv_events, args.kv_replay, args.epp,
+                  timeout=getattr(args, "timeout", 60.0))
     suite.run("metrics: GIE gauges with vLLM's names and types", suite.metric_types)
     suite.run("metrics: vllm:cache_config_info block_size", suite.cache_config_info)
     suite.run("metrics: running / KV usage follow a request", suite.running_semantics)
@@ -306,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-events", help="the engine's KV-event PUB endpoint, e.g. tcp://127.0.0.1:5557")
     parser.add_argument("--kv-replay", help="its replay (ROUTER) endpoint")
     parser.add_argument("--epp", help="an endpoint picker's ext_proc address host:port")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds an HTTP request to the engine may take (raise it on a loaded machine)")
     results = run_suite(parser.parse_args(argv))
     for result in results:
         print(f"{result.status:4}  {result.item}" + (f"  ({result.detail})" if result.detail else ""))
