@@ -51,6 +51,12 @@ service-url: venv
 	@$(VENV)/bin/python -m e2e.cluster url $(SERVICE)
 test-e2e: venv
 	$(VENV)/bin/python -m pytest -q -m e2e e2e $(PYTEST_ARGS)
+# Opt-in, not in `make test`: GIE's own endpoint picker (v1.5.0, a ~15 min Go build when not cached)
+# and Envoy in front of an InferencePool of kubeinfer engines on the local cluster (#41).
+.PHONY: test-gateway
+test-gateway: venv
+	$(VENV)/bin/python -m e2e.binaries envoy gie
+	KUBEINFER_GIE_E2E=1 $(VENV)/bin/python -m pytest -q -s -rfEs -p no:cacheprovider e2e/test_gie_gateway.py $(PYTEST_ARGS)
 
 # The whole story on one machine: local cluster, Helm chart, the embedded model, a chat completion.
 .PHONY: demo

