@@ -6,7 +6,7 @@ cluster has no kube-proxy, so the test talks to pod IPs, as the Service would). 
 engines' reported cached prompt tokens are >= 85% of a single replica's for the same workload
 (run afterwards against one engine pod directly, with its own cache_salt); no engine serves
 more than 1.5x the mean of the routed requests; both routers send the same request to the same
-engine; and with the routers' deletion costs set, scaling 3 -> 2 removes the engine whose
+engine; and with the deletion costs the operator sets, scaling 3 -> 2 removes the engine whose
 cache served least (one of them, when two served equally). Scaling 2 -> 3, the routers warm the
 new engine with the tenants' system prompts.
 """
@@ -152,7 +152,7 @@ def test_prefix_aware_routing_on_the_cluster(local_cluster: Cluster, operator: s
         assert chosen[0] == chosen[1] and len(chosen[0]) == 1, chosen
 
     def costs() -> dict[str, int] | None:
-        """Every engine pod's cost once they show this traffic: the routers write every 30 s, so
+        """Every engine pod's cost once they show this traffic: the operator writes every 30 s, so
         the first annotations can be the zeros of before it (seen when the workload ran fast)."""
         pods = {p.metadata.name: (p.metadata.annotations or {}).get(COST) for p in local_cluster.pods(namespace, ENGINES)}
         if not (all(pods.values()) and len(pods) == 3):
@@ -161,6 +161,11 @@ def test_prefix_aware_routing_on_the_cluster(local_cluster: Cluster, operator: s
         return values if max(values.values()) > 0 else None
 
     cost = wait_for(costs, "deletion costs of this traffic on every engine pod", timeout=120, interval=2)
+    # the operator wrote them: the routers' own identity may read pods, never write one
+    router = f"--as=system:serviceaccount:{namespace}:{NAME}-gateway"
+    can = {verb: local_cluster.kubectl("auth", "can-i", verb, "pods", "-n", namespace, router, check=False).stdout.strip()
+           for verb in ("list", "patch", "update", "delete")}
+    assert can == {"list": "yes", "patch": "no", "update": "no", "delete": "no"}, can
     # tenants land whole on engines, so two engines may have served exactly as many cached
     # tokens: either of them is "the coldest" then, but the hottest must never be chosen
     coldest = {name for name, value in cost.items() if value == min(cost.values())}

@@ -20,6 +20,7 @@ from kubeinfer.server.kube.client import Kube, KubeError, load_api_client
 from kubeinfer.server.kube.scale import KubeScaleApi
 from . import api
 from .autoscaler.handlers import register as register_autoscaler
+from .autoscaler.deletion_cost import register as register_deletion_costs
 from .handlers import register
 from .reconcile import Reconciler
 from .resource import NetworkPolicyConfig, OperatorConfig
@@ -117,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
                             allowed_images=tuple(args.allowed_images), network_policy=policy)
     registry = kopf.get_default_registry()  # it carries kopf's default login handlers
     register(registry, Reconciler(kube, config), drift_seconds=args.drift_interval)
-    register_autoscaler(registry, KubeScaleApi(kube))
+    scale = KubeScaleApi(kube)
+    register_autoscaler(registry, scale)
+    register_deletion_costs(registry, scale)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.bind_address)
     if not args.standalone:

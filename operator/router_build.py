@@ -81,8 +81,9 @@ def gateway_children(isvc: InferenceService, config: OperatorConfig) -> list[dic
          "verbs": ["get"]},
         {"apiGroups": [api.GROUP], "resources": [f"{api.PLURAL}/scale"],
          "resourceNames": [isvc.name], "verbs": ["get", "patch"]},
-        # watch: find Ready engines; patch: their deletion cost (kubeinfer.server.router.deletion_cost)
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
+        # find Ready engines. No write to pods: a Role cannot be limited to one service's pods
+        # (RBAC selects by name, not label), so the operator writes their deletion costs.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     ]
     pdb = [gateway_pdb(isvc)] if gateway_replicas(isvc) >= 2 else []
     return [

@@ -37,9 +37,9 @@ _ENGINE_METRICS: tuple[tuple[type, str, str, Callable[[EngineStats], float]], ..
      lambda s: s.prefix_cache_hits),
     (_GAUGE, "kubeinfer:prefix_cache_hits_recent",
      "Prompt tokens found in the prefix cache, exponentially decayed: each token counts half after "
-     "600 s (credited at 15 s wall-clock boundaries, so readers within one interval agree). Routers "
-     "set the pod-deletion-cost from it: a scale-down removes the replica whose cache served least "
-     "of late.", lambda s: s.recent_prefix_cache_hits.value(time.time())),
+     "600 s (credited at 15 s wall-clock boundaries, so readers within one interval agree). The "
+     "operator sets the pod-deletion-cost from it: a scale-down removes the replica whose cache served "
+     "least of late.", lambda s: s.recent_prefix_cache_hits.value(time.time())),
     (_COUNTER, "vllm:num_preemptions", "Requests preempted by the scheduler.", lambda s: s.num_preemptions),
     (_COUNTER, "vllm:prompt_tokens", "Prefill tokens processed.", lambda s: s.prompt_tokens),
     (_COUNTER, "vllm:generation_tokens", "Tokens generated.", lambda s: s.generation_tokens),

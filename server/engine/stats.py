@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class DecayingSum:
     """A sum whose terms halve every `half_life` seconds: how much *recent* work a quantity did
-    (the routers' pod-deletion-cost is the prefix-cache hits of the last minutes, not since
+    (an engine pod's deletion cost is its prefix-cache hits of the last minutes, not since
     start). Terms are credited at the end of the wall-clock `tick` they arrived in, and `value`
-    is the sum as of the current tick's start, so every reader within one tick (several router
-    replicas, Prometheus) reads the same number and an idle engine's value still decays.
+    is the sum as of the current tick's start, so every reader within one tick (the operator,
+    Prometheus) reads the same number and an idle engine's value still decays.
     Immutable: the engine thread replaces it, snapshots share it."""
 
     half_life: float = 600.0

@@ -1,4 +1,5 @@
-"""The few Kubernetes calls the autoscaler and the gateway make, behind one small interface.
+"""The few Kubernetes calls the autoscaler, the deletion costs and the gateway make, behind one
+small interface.
 
 `ScaleApi` is what the tick and the gateway depend on, so unit tests pass an in-memory fake
 and e2e exercises `KubeScaleApi` against the real API server. It rides on the operator's own
@@ -31,6 +32,8 @@ class ScaleApi(Protocol):
                            resource_version: str | None = None) -> None: ...
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+
+    async def patch_pod(self, namespace: str, name: str, body: dict[str, Any]) -> None: ...
 
 
 def engine_selector(isvc: dict[str, Any]) -> str:
@@ -74,6 +77,6 @@ class KubeScaleApi:
         await asyncio.to_thread(self.kube.patch_status, namespace, name, status)
 
     async def patch_pod(self, namespace: str, name: str, body: dict[str, Any]) -> None:
-        """Merge-patch a pod (the router's deletion-cost annotation)."""
+        """Merge-patch a pod (the operator's deletion-cost annotation)."""
         await asyncio.to_thread(self.kube.request, "PATCH", self.kube.path("Pod", namespace, name), body,
                                 content_type=MERGE_PATCH)

@@ -104,13 +104,6 @@ class KubeBackends:
         self._watch: PodWatch | None = None
         self._lock = asyncio.Lock()
 
-    def pods(self) -> list[dict[str, Any]]:
-        """The engine pods as last watched (none before the first `ready`)."""
-        return self._watch.pods() if self._watch else []
-
-    async def patch_pod(self, name: str, body: dict[str, Any]) -> None:
-        await self.kube.patch_pod(self.namespace, name, body)
-
     async def ready(self) -> list[str]:
         async with self._lock:
             if self._watch is None:

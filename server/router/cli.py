@@ -5,9 +5,9 @@
 
 Standalone, it routes among engines you started yourself. In-cluster (the router Deployment the
 operator renders, as `kubeinfer gateway`, the same command under its older name), it routes among
-an InferenceService's Ready engine pods, holds requests while it has none and wakes one, and
-writes the engines' pod-deletion costs. The flags are `flags.py`'s; the namespace comes from the
-downward API or the service-account mount.
+an InferenceService's Ready engine pods and holds requests while it has none and wakes one (the
+operator, not the router, writes the engines' pod-deletion costs). The flags are `flags.py`'s;
+the namespace comes from the downward API or the service-account mount.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from ..model.tokenizer_files import load_tokenizer
 from ..tenancy import table_from_args, tenancy_enabled
 from .activator import Activator, ActivatorConfig, GatewayMetrics
 from .backends import Backends, KubeBackends, StaticBackends
-from .deletion_cost import DeletionCosts
 from .engine_views import EngineViews
 from .flags import BACKEND, EPP_FLAGS, PROCESS_FLAGS, ROUTING_FLAGS, TARGET_FLAGS, parse_urls
 from .pickers import Picker, PrefixAwareConfig, make_picker
@@ -128,10 +127,8 @@ def run(args: argparse.Namespace) -> int:
         from ..kube.scale import KubeScaleApi   # the kubernetes client, in-cluster only
 
         scale = KubeScaleApi()
-        kube = KubeBackends(scale, args.namespace, args.inferenceservice, scale.kube.api_client)
-        costs = DeletionCosts(kube.pods, routing.views.cache_values, kube.patch_pod)
-        routing.background.append(costs.run)
-        backends, name = kube, args.inferenceservice
+        backends = KubeBackends(scale, args.namespace, args.inferenceservice, scale.kube.api_client)
+        name = args.inferenceservice
     activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout), metrics, picker)
     routing.views.in_flight = activator.in_flight
     routing.views.api_key = next(iter(api_keys), None)   # to read the engines' adapters

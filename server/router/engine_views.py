@@ -26,9 +26,7 @@ from ..engine.kv_events import UNKEYED, BlockHasher
 from ..model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-# the last: prefix-cache hits decayed on the engine (10-minute half-life), the deletion cost
-GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-          "kubeinfer:prefix_cache_hits_recent")
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
 def scan_gauges(text: str, names: Sequence[str]) -> dict[str, float]:
@@ -66,7 +64,6 @@ class EngineView:
     waiting: float = 0.0
     others: float = 0.0   # running + waiting that are not this router's, at the last scrape
     kv_usage: float = 0.0
-    cache_value: float = 0.0   # prompt tokens its prefix cache served of late (decaying)
     metrics_at: float = float("-inf")
     adapters: frozenset[str] = frozenset()   # LoRA adapters it holds (its /v1/models)
     models: frozenset[str] = frozenset()     # every model name it serves (its /v1/models)
@@ -144,12 +141,6 @@ class EngineViews:
         view = self.views.get(url)
         return in_flight + (view.others if view else 0.0)
 
-    def cache_values(self) -> dict[str, float]:
-        """Per engine that answered a scrape: prompt tokens its prefix cache served of late, as
-        the engine itself decays them (`kubeinfer:prefix_cache_hits_recent`), so every router
-        replica reads the same figure."""
-        return {url: view.cache_value for url, view in self.views.items() if view.metrics_at > float("-inf")}
-
     def sent(self, url: str, hashes: Iterable[int]) -> None:
         """Count `hashes` as cached at `url` while the request runs (see `ended`)."""
         pending = self.get(url).pending
@@ -180,7 +171,7 @@ class EngineViews:
                 gauges = scan_gauges(response.text, GAUGES)
                 view.running, view.waiting = gauges[GAUGES[0]], gauges[GAUGES[1]]
                 view.others = max(0.0, view.running + view.waiting - self.in_flight.get(view.url, 0))
-                view.kv_usage, view.cache_value, view.metrics_at = gauges[GAUGES[2]], gauges[GAUGES[3]], now
+                view.kv_usage, view.metrics_at = gauges[GAUGES[2]], now
                 view.models, view.adapters = await self._models(view.url)
         except (httpx.HTTPError, ValueError, KeyError) as error:
             log.debug("engine %s: %s", view.url, error or type(error).__name__)

@@ -47,12 +47,14 @@ def test_children_are_owned_and_the_role_is_scoped_to_this_service() -> None:
     for obj in objects.values():
         assert obj["metadata"]["name"] == "chat-gateway"
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"
-    rules = {tuple(r["resources"]): r for r in objects["Role"]["rules"]}
-    assert rules[("inferenceservices/scale",)] == {
-        "apiGroups": ["kubeinfer.io"], "resources": ["inferenceservices/scale"],
-        "resourceNames": ["chat"], "verbs": ["get", "patch"]}
-    assert rules[("inferenceservices",)]["verbs"] == ["get"]
-    assert rules[("pods",)]["verbs"] == ["list", "watch", "patch"]
+    # the whole Role: its own InferenceService and scale by name; pods read-only (a Role cannot
+    # be limited to one service's pods, so the operator writes their deletion costs)
+    assert objects["Role"]["rules"] == [
+        {"apiGroups": ["kubeinfer.io"], "resources": ["inferenceservices"], "resourceNames": ["chat"],
+         "verbs": ["get"]},
+        {"apiGroups": ["kubeinfer.io"], "resources": ["inferenceservices/scale"], "resourceNames": ["chat"],
+         "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
     assert objects["RoleBinding"]["subjects"] == [
         {"kind": "ServiceAccount", "name": "chat-gateway", "namespace": "team-a"}]
 

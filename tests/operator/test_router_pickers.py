@@ -193,8 +193,9 @@ def test_the_line_scan_of_engine_metrics_agrees_with_the_prometheus_parser() -> 
     Gauge("vllm:num_requests_waiting", "w", ["model_name"], registry=registry).labels("a").set(2)
     Counter("vllm:prefix_cache_hits", "h", ["model_name"], registry=registry).labels("a").inc(1234)
     Gauge("kubeinfer:prefix_cache_hits_recent", "d", ["model_name"], registry=registry).labels("a").set(617.5)
+    Gauge("vllm:kv_cache_usage_perc", "u", ["model_name"], registry=registry).labels("a").set(0.25)
     Histogram("vllm:time_to_first_token_seconds", "t", registry=registry).observe(0.3)
     Histogram("kubeinfer:router_overhead_seconds", "o", registry=registry).observe(0.001)
     text = generate_latest(registry).decode()
     assert scan_gauges(text, GAUGES) == parse_gauges(text, GAUGES)
-    assert scan_gauges(text, GAUGES)["kubeinfer:prefix_cache_hits_recent"] == 617.5
+    assert scan_gauges(text, GAUGES)["vllm:kv_cache_usage_perc"] == 0.25
