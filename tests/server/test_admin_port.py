@@ -22,8 +22,6 @@ from kubeinfer.server.engine.kv_events import KEYED_HASH_SCHEME, BlockHasher, bl
 
 pytestmark = pytest.mark.integration
 
-pytestmark = pytest.mark.integration
-
 KEY = "sk-user-1"
 SECRET = "per-service-secret"
 PROMPT = list(range(5, 45))   # 5 full blocks of 8
