@@ -9,6 +9,13 @@ server's own log lines (the loader logs one line per stage with its timing), tim
 
 A fresh pod also compiles the CPU C kernels at its first request (cached per machine): point
 KUBEINFER_CACHE_DIR at an empty directory to include that in the first run.
+
+A new replica on a node whose page cache does not hold the weights (issue #39):
+
+    python benchmarks/cold_start.py --runs 3 --cold-page-cache DIR [--without-prefetch] -- --model DIR ...
+
+drops DIR's weight files from the page cache before each run (as load_bandwidth.py does);
+`--without-prefetch` runs the server with the weights' read-ahead during imports turned off.
 """
 
 from __future__ import annotations
@@ -73,7 +80,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def _first_token(url: str, max_tokens: int) -> None:
-    """Returns when the first SSE chunk carrying generated text arrives."""
+    """Returns when the first SSE chunk carrying a generated token arrives (its text may be empty:
+    a random-weight checkpoint's stand-in tokenizer cannot spell most of its tokens)."""
     body = json.dumps({"prompt": "The capital of France is", "max_tokens": max_tokens, "stream": True,
                        "temperature": 0}).encode()
     request = urllib.request.Request(url + "/v1/completions", data=body,
@@ -82,7 +90,7 @@ def _first_token(url: str, max_tokens: int) -> None:
         for raw in response:
             line = raw.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
-                if any(choice.get("text") for choice in json.loads(line[6:]).get("choices", [])):
+                if any(choice.get("text") is not None for choice in json.loads(line[6:]).get("choices", [])):
                     return
     raise RuntimeError("stream ended without a token")
 
@@ -156,13 +164,28 @@ def main() -> int:
     parser.add_argument("--importtime", action="store_true",
                         help="one extra run under -X importtime; prints the slowest top-level imports")
     parser.add_argument("--log", action="store_true", help="print each run's server log")
+    parser.add_argument("--cold-page-cache", type=Path, default=None, metavar="DIR",
+                        help="drop DIR's .safetensors / .gguf files from the page cache before each run")
+    parser.add_argument("--without-prefetch", action="store_true",
+                        help="serve without reading the weights ahead during the imports (the A/B's before)")
     parser.add_argument("serve_args", nargs="*", help="extra `kubeinfer serve` flags (after --)")
     args = parser.parse_args()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = [args.kubeinfer, "serve", *args.serve_args]
+    if args.without_prefetch:
+        command = [sys.executable, "-c", "import sys; import kubeinfer.server.weights.prefetch as p; "
+                   "p.prefetch = lambda model: None; from kubeinfer.server.cli import main; sys.exit(main())",
+                   "serve", *args.serve_args]
+    weight_files = sorted(p for p in args.cold_page_cache.iterdir() if p.suffix in (".safetensors", ".gguf")) \
+        if args.cold_page_cache else []
 
     runs = []
     for index in range(args.runs):
+        if weight_files:
+            from load_bandwidth import cached_bytes, drop_from_page_cache
+
+            drop_from_page_cache(weight_files)
+            print(f"run {index + 1}: {cached_bytes(weight_files) >> 20} MB of the weights cached before", flush=True)
         run = one_run(command, free_port(), args.max_tokens, args.timeout, env)
         runs.append(run)
         stages = "  ".join(f"{name} {seconds:.2f}" for name, seconds in run.stages.items())

@@ -11,6 +11,9 @@ DONTNEED on every file: no root needed, unlike /proc/sys/vm/drop_caches; `fincor
         CPU GEMM prepack after it, beside the model's own bytes: whether a second full copy of
         the weights was ever held.
 The two alternate, so a noisy neighbour hits both alike; each line is printed as measured.
+On a shared machine the weights stage's wall time includes waiting for a CPU: each load also
+reports the process's CPU seconds in that stage and the main thread's run-queue wait
+(/proc/thread-self/schedstat), i.e. how long it was runnable but had no CPU.
 """
 
 from __future__ import annotations
@@ -65,6 +68,14 @@ def rss_anon() -> int:
     return 0
 
 
+def cpu_and_starved() -> tuple[float, float]:
+    """(this process's CPU seconds, the calling thread's seconds runnable without a CPU)."""
+    times = os.times()
+    with open("/proc/thread-self/schedstat") as f:
+        waited = int(f.read().split()[1]) / 1e9
+    return times.user + times.system, waited
+
+
 def child(model: str, dtype: str) -> None:
     """One load in this fresh process; prints its figures as JSON."""
     import logging
@@ -89,17 +100,18 @@ def child(model: str, dtype: str) -> None:
             peak[0] = max(peak[0], rss_anon())
             time.sleep(0.01)
 
-    before_prepack = [0]
+    before_prepack, at_prepack = [0], [(0.0, 0.0)]
     pack = CausalLM.pack_weights
 
     def pack_after_noting_peak(model: CausalLM) -> None:   # the weights stage ends where prepack starts
         before_prepack[0] = max(peak[0], rss_anon())
+        at_prepack[0] = cpu_and_starved()
         pack(model)
 
     CausalLM.pack_weights = pack_after_noting_peak
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    start = time.perf_counter()
+    start, at_start = time.perf_counter(), cpu_and_starved()
     loaded = load_model(model, dtype=dtype, device="cpu")
     seconds = time.perf_counter() - start
     done.set()
@@ -110,7 +122,9 @@ def child(model: str, dtype: str) -> None:
     print(json.dumps({"load_seconds": seconds, "weights_seconds": weights, "loader_line": line,
                       "peak_anon_bytes": peak[0] - baseline,
                       "weights_peak_anon_bytes": before_prepack[0] - baseline, "model_bytes": model_bytes,
-                      "torch_threads": torch.get_num_threads()}))
+                      "torch_threads": torch.get_num_threads(),
+                      "to_prepack_cpu_seconds": at_prepack[0][0] - at_start[0],
+                      "to_prepack_starved_seconds": at_prepack[0][1] - at_start[1]}))
 
 
 def main() -> None:
@@ -147,6 +161,8 @@ def main() -> None:
               f"{result['peak_anon_bytes'] / 1e9:.2f} GB with prepack, for {result['model_bytes'] / 1e9:.2f} GB of "
               f"parameters", flush=True)
         print(f"        loader: {result['loader_line']}", flush=True)
+        print(f"        load_model to the prepack: {result['to_prepack_cpu_seconds']:.2f} CPU s; main thread runnable "
+              f"without a CPU {result['to_prepack_starved_seconds']:.2f} s", flush=True)
     print(f"median: disk {statistics.median(disk_rates):.3f} GB/s, load {statistics.median(load_rates):.3f} GB/s, "
           f"load/disk {statistics.median(ratios):.0%} (per run: {', '.join(f'{r:.0%}' for r in ratios)})")
 

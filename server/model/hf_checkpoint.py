@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from ..weights.prefetch import prefetch
 from . import safetensors_stream
 from .checkpoint import GENERATION_KEYS, Checkpoint, loading_threads, split_fused
 from .config import ModelConfig
@@ -49,6 +50,7 @@ def read_hf_directory(path: Path) -> Checkpoint:
     quantization_config = hf_config.get("quantization_config")
 
     def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        prefetch(path)   # the disk reads ahead while tensors are copied (a no-op if `serve` started it)
         for file in files:   # views of the file's pages: the consumer's copy is the only one
             for name, tensor in safetensors_stream.tensors(file):
                 with loading_threads(tensor.numel()):

@@ -5,10 +5,10 @@ Why not `safe_open(...).get_tensor`: on the CPU it copies each tensor out of its
 a new tensor, which the loader then copies into the parameter: every byte crosses memory twice
 and 2x the tensor's pages are touched for the first time. Here a tensor is a view of the mapped
 file (copy-on-write, so nothing can write the file), the parameter's `copy_` is the only copy,
-and only the parameters hold anonymous memory. While one tensor is copied, the kernel already
-reads the next `READAHEAD_BYTES` (madvise WILLNEED), so the disk and the copy overlap instead of
-taking turns. The format is safetensors' own: an 8-byte little-endian header length, a JSON
-header {name: {dtype, shape, data_offsets}}, then the data.
+and only the parameters hold anonymous memory. The disk reads ahead of the copy through
+`weights.prefetch` (the loader starts it), so the two overlap instead of taking turns. The
+format is safetensors' own: an 8-byte little-endian header length, a JSON header
+{name: {dtype, shape, data_offsets}}, then the data.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import Iterator
 
 import torch
 
-READAHEAD_BYTES = 256 << 20
 HEADER_LIMIT = 100 << 20   # safetensors' own bound on the header
 
 DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
@@ -51,8 +50,6 @@ def tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             return
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     mapped.madvise(mmap.MADV_SEQUENTIAL)
-    ahead = start   # the file is asked for up to here
-    page = mmap.PAGESIZE
     for name, info in entries:
         dtype = DTYPES.get(info["dtype"])
         if dtype is None:
@@ -62,10 +59,6 @@ def tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         count = math.prod(shape)
         if end > length or end - first != count * dtype.itemsize:
             raise ValueError(f"{path}: tensor {name} ({info['dtype']} {shape}) does not fit its data_offsets")
-        if end + READAHEAD_BYTES > ahead and ahead < length:
-            aligned = ahead - ahead % page
-            ahead = min(length, end + 2 * READAHEAD_BYTES)
-            mapped.madvise(mmap.MADV_WILLNEED, aligned, ahead - aligned)
         if count == 0:
             yield name, torch.empty(shape, dtype=dtype)
             continue

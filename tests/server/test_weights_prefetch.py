@@ -29,9 +29,10 @@ def test_plan_reads_the_weight_files_in_load_order_within_the_budget(tmp_path: P
     assert prefetch.plan(single, 10_000) == [(single, 500)]
 
 
-def test_prefetch_runs_in_the_background_and_ends(tmp_path: Path) -> None:
+def test_prefetch_runs_in_the_background_once_per_file_and_ends(tmp_path: Path) -> None:
     thread = prefetch.prefetch(str(model_dir(tmp_path)))
     assert thread is not None and thread.daemon
     thread.join(timeout=30)
     assert not thread.is_alive()
+    assert prefetch.prefetch(tmp_path) is None   # the serve command started it; the loader's call adds nothing
     assert prefetch.prefetch(str(tmp_path / "missing")) is None
