@@ -5,9 +5,9 @@ An InferenceService with `spec.inferencePool.enabled` gets its InferencePool fro
 GIE's EPP runs against that pool (the cluster's kubeconfig, its default scheduling profile:
 queue depth, KV-cache utilization and prefix-cache scorers over the engines' `vllm:` metrics) and
 Envoy (`e2e/gateway.py`, ORIGINAL_DST on `x-gateway-destination-endpoint`, GIE's ext_proc modes)
-asks it for every request. The OpenAI workload of test_routing (8 tenants x 16 chat requests
-with system prompts of over 1,024 tokens, concurrency 8) goes to Envoy's listener, then the same
-workload round-robin straight to the pods, in a cache namespace of its own. Engines hold about 4
+asks it for every request. The OpenAI client (the `openai` package) sends test_routing's workload
+(8 tenants x 16 chat requests with system prompts of over 1,024 tokens, concurrency 8) to Envoy's
+listener, then the same workload round-robin straight to the pods, in a cache namespace of its own. Engines hold about 4
 of the 8 prefixes each, so where a tenant lands matters.
 
 Asserted: every request is answered; each answer was served by the endpoint the EPP picked (the
@@ -28,10 +28,12 @@ import os
 import time
 from collections import Counter
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from openai import AsyncOpenAI
 
 from e2e import binaries
 from e2e.gateway import envoy_config, free_port, start_envoy, start_gie_epp
@@ -60,24 +62,37 @@ def manifest() -> str:
                        "metadata": {"name": NAME}, "spec": spec})
 
 
-def bodies(salt: str) -> list[dict]:
+def requests(salt: str) -> list[dict]:
+    """The OpenAI client's keyword arguments for each request, tenants interleaved."""
     return [{"model": MODEL, "messages": [{"role": "system", "content": system_prompt(t)},
                                           {"role": "user", "content": f"Question {q}: what do you recommend?"}],
-             "max_tokens": 2, "temperature": 0, "cache_salt": salt}
-            for q in range(PER_TENANT) for t in range(TENANTS)]   # tenants interleave
+             "max_tokens": 2, "temperature": 0, "extra_body": {"cache_salt": salt}}
+            for q in range(PER_TENANT) for t in range(TENANTS)]
 
 
-async def run(urls: list[str], requests: list[dict]) -> list[httpx.Response]:
-    """Request i goes to urls[i % len(urls)] (one URL: Envoy)."""
+@dataclass
+class Answer:
+    headers: httpx.Headers
+    cached_tokens: int
+
+
+async def run(urls: list[str], calls: list[dict]) -> list[Answer]:
+    """With the OpenAI client, request i to urls[i % len(urls)] (one URL: Envoy); an answer that is
+    not a completion raises (openai.APIStatusError names its status and body)."""
     slots = asyncio.Semaphore(CONCURRENCY)
     # a connection per request: a kept-alive one can be closed by the engine's idle timeout just as
     # the next request goes out on it (an httpx ReadError, seen here on the round-robin run)
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        async def one(index: int, body: dict) -> httpx.Response:
-            async with slots:
-                return await client.post(f"{urls[index % len(urls)]}/v1/chat/completions", json=body)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        clients = [AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http)
+                   for url in urls]
 
-        return await asyncio.gather(*(one(i, b) for i, b in enumerate(requests)))
+        async def one(index: int, call: dict) -> Answer:
+            async with slots:
+                raw = await clients[index % len(clients)].chat.completions.with_raw_response.create(**call)
+            usage = raw.parse().usage
+            return Answer(raw.headers, usage.prompt_tokens_details.cached_tokens)
+
+        return await asyncio.gather(*(one(i, call) for i, call in enumerate(calls)))
 
 
 def counters(engines: dict[str, str]) -> dict[str, tuple[float, float]]:
@@ -93,10 +108,8 @@ def deltas(before: dict, after: dict) -> dict[str, tuple[int, int]]:
     return {e: (int(after[e][0] - before[e][0]), int(after[e][1] - before[e][1])) for e in before}
 
 
-def cached(responses: list[httpx.Response]) -> int:
-    for response in responses:
-        assert response.status_code == 200, response.text
-    return sum(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses)
+def cached(answers: list[Answer]) -> int:
+    return sum(answer.cached_tokens for answer in answers)
 
 
 def epp_samples(metrics_url: str, name: str) -> list[str]:
@@ -128,7 +141,7 @@ def test_gie_epp_through_envoy_schedules_kubeinfer_engines(local_cluster: Cluste
 
         before = counters(engines)
         started = time.monotonic()
-        routed = asyncio.run(run([f"http://127.0.0.1:{port}"], bodies("gie")))
+        routed = asyncio.run(run([f"http://127.0.0.1:{port}"], requests("gie")))
         routed_seconds = time.monotonic() - started
         after = counters(engines)
         queues = epp_samples(epp_metrics, "inference_pool_per_pod_queue_size")
@@ -144,7 +157,7 @@ def test_gie_epp_through_envoy_schedules_kubeinfer_engines(local_cluster: Cluste
 
     before = counters(engines)
     started = time.monotonic()
-    baseline = asyncio.run(run([f"http://{e}" for e in engines.values()], bodies("round-robin")))
+    baseline = asyncio.run(run([f"http://{e}" for e in engines.values()], requests("round-robin")))
     baseline_seconds = time.monotonic() - started
     baseline_cached = cached(baseline)
     round_robin = deltas(before, counters(engines))
