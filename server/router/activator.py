@@ -63,6 +63,10 @@ class GatewayMetrics:
         self.in_flight = Gauge("kubeinfer:router_in_flight_requests",
                                "Requests this router has in flight, per engine replica.", ["replica"],
                                registry=self.registry)
+        self.retries = Counter("kubeinfer:router_retries", "Requests sent again to another engine replica "
+                               "because the one picked first refused the connection (refused) or closed it "
+                               "before answering (unanswered); nothing had reached the client.", ["reason"],
+                               registry=self.registry)
         token_buckets = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
         self.predicted_cached = Histogram("kubeinfer:router_predicted_cached_tokens",
                                           "Prompt tokens the router expected the chosen replica to "

@@ -175,7 +175,10 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
         else:
             body = await request_body(request)
         refused: list[str] = []
+        failure = None   # why the pod tried last did not answer: this attempt is a retry
         for attempt in range(2):  # a second pod if the first refused the connection or did not answer
+            if failure is not None:
+                activator.metrics.retries.labels(failure).inc()
             stack = AsyncExitStack()
             try:
                 with tracing.pick(span, attempt) if tracing is not None and span is not None else nullcontext():
@@ -194,12 +197,14 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             except CONNECT_FAILURES as error:
                 await stack.aclose()
                 refused.append(base)
+                failure = "refused"
                 activator.backends.forget()
                 log.warning("engine pod refused the connection: %s", error)
                 continue
             except UNANSWERED as error:
                 await stack.aclose()
                 refused.append(base)
+                failure = "unanswered"
                 log.warning("engine pod %s closed the connection without answering: %r", base, error)
                 if isinstance(body, StreamedBody) and body.started:
                     break   # part of the body went to that pod: it cannot be sent again

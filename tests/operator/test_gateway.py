@@ -80,6 +80,12 @@ def gateway(backends: FakeBackends, timeout: float = 30.0) -> tuple[FastAPI, Gat
     return build_app(Activator(backends, config, metrics), "llm", retry_after=7), metrics
 
 
+def retries(metrics: GatewayMetrics) -> dict[str, float]:
+    """kubeinfer:router_retries_total by reason."""
+    return {reason: metrics.registry.get_sample_value("kubeinfer:router_retries_total", {"reason": reason}) or 0.0
+            for reason in ("refused", "unanswered")}
+
+
 def held(metrics: GatewayMetrics) -> float:
     return metrics.registry.get_sample_value("kubeinfer_gateway_held_requests") or 0.0
 
@@ -151,13 +157,14 @@ async def test_past_the_activation_timeout_answers_503_with_retry_after() -> Non
 async def test_a_pod_refusing_connections_is_skipped_for_a_ready_one() -> None:
     with serving(upstream("alive")) as engine:
         backends = FakeBackends([f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{engine}"])
-        app, _ = gateway(backends)
+        app, metrics = gateway(backends)
         with serving(app) as port:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
                 answers = [await client.post("/v1/chat/completions", json=CHAT)
                            for _ in range(2)]
     assert [a.json()["pod"] for a in answers] == ["alive", "alive"]
     assert backends.forgets == 1  # the dead pod was hit once, then the other got it
+    assert retries(metrics) == {"refused": 1.0, "unanswered": 0.0}
 
 
 async def test_least_loaded_pod_first_then_round_robin() -> None:
@@ -181,6 +188,7 @@ class RawEngine:
         import socket
 
         self.reply = reply
+        self.accepted = 0
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen()
@@ -193,6 +201,7 @@ class RawEngine:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            self.accepted += 1
             with conn:
                 data = b""
                 while b"\r\n\r\n" not in data:
@@ -209,6 +218,7 @@ async def test_a_pod_closing_the_connection_without_answering_is_retried_on_anot
                 answers = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(3)]
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert {a.json()["pod"] for a in answers} == {"alive"}
+    assert hangs_up.accepted >= 1 and retries(metrics) == {"refused": 0.0, "unanswered": hangs_up.accepted}
 
 
 async def test_a_stream_whose_pod_goes_away_ends_with_an_openai_error_event() -> None:
