@@ -91,8 +91,17 @@ def scale_to(cluster: Cluster, namespace: str, groups: int) -> None:
 
 
 def router_url(cluster: Cluster, namespace: str) -> str:
-    pod = wait_for(lambda: next((p for p in cluster.pods(namespace, ROUTERS) if pod_ready(p)), None),
-                   "a Ready router pod", timeout=180, interval=2)
+    """A Ready router's URL. Bounded like a group's load: in the full suite the router once stayed
+    unready past 180 s while its groups were Ready (never alone); a timeout names each router
+    pod's phase, conditions and container state, for the next one to read."""
+    try:
+        pod = wait_for(lambda: next((p for p in cluster.pods(namespace, ROUTERS) if pod_ready(p)), None),
+                       "a Ready router pod", timeout=LOAD_TIMEOUT, interval=2)
+    except TimeoutError as timeout:
+        states = [(p.metadata.name, p.status.phase, [(c.type, c.status, c.reason) for c in p.status.conditions or []],
+                   [c.state.to_dict() for c in p.status.container_statuses or []])
+                  for p in cluster.pods(namespace, ROUTERS)]
+        raise TimeoutError(f"{timeout}; router pods: {states}") from None
     return f"http://{pod.status.pod_ip}:8080"
 
 
