@@ -81,12 +81,30 @@ class Cluster:
                                "--timeout", f"{HELM_WAIT}s", "--description", TEST_RELEASE_DESCRIPTION,
                                *[arg for s in sets for arg in ("--set", s)], check=False)
             assert result.returncode == 0 or "another operation" in result.stderr, \
-                f"helm upgrade --install failed:\n{result.stderr}{result.stdout}"
+                f"helm upgrade --install failed:\n{result.stderr}{result.stdout}\n{self.pod_report(SYSTEM_NS)}"
             return result.returncode == 0
         wait_for(upgrade, "helm upgrade of the operator chart", timeout=HELM_WAIT, interval=5)
 
     def pods(self, namespace: str, selector: str = "") -> list[client.V1Pod]:
         return self.core.list_namespaced_pod(namespace, label_selector=selector).items
+
+    def pod_report(self, namespace: str, selector: str = "", log_lines: int = 6) -> str:
+        """Each pod's IP, phase, unmet conditions and container states, and on the local cluster
+        the last lines of each container's log: what a timeout waiting on pods should say, as
+        CI keeps only the failure's text."""
+        lines = []
+        for pod in self.pods(namespace, selector):
+            unmet = [f"{c.type}={c.status}({c.reason or ''})" for c in pod.status.conditions or [] if c.status != "True"]
+            lines.append(f"pod {pod.metadata.name} ip={pod.status.pod_ip} phase={pod.status.phase} "
+                         f"unmet={unmet}")
+            for status in pod.status.container_statuses or []:
+                state = {k: v for k, v in status.state.to_dict().items() if v}
+                lines.append(f"  {status.name}: ready={status.ready} restarts={status.restart_count} {state}")
+                log = self.config.state_dir / "pods" / f"{namespace}_{pod.metadata.name}" / f"{status.name}.log"
+                if self.local and log.exists():
+                    tail = log.read_bytes().splitlines()[-log_lines:]
+                    lines.extend(f"    | {line.decode(errors='replace')[:300]}" for line in tail)
+        return "\n".join(lines) or f"no pods in {namespace} match {selector!r}"
 
 
 def foreign_release(cluster: Cluster) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,7 @@ class LocalPod:
     nodes_dir: Path = Path()
     base_env: dict[str, str] = field(default_factory=dict)
     leader_ip: str | None = None   # a LeaderWorkerSet pod's leader (for LWS_LEADER_ADDRESS)
+    previous: threading.Thread | None = None  # the stop of the last pod that had this IP
 
     @property
     def ip(self) -> str:
@@ -130,6 +132,9 @@ class LocalPod:
     def _set_up(self) -> None:
         """Volumes, then every container of ours (others are simulated), then the first to run."""
         self.next_setup = time.monotonic() + SETUP_RETRY_SECONDS
+        if held := self._ip_held():
+            self.setup_error = held
+            return
         try:
             dirs = volume_dirs(self.core, self.pod, self.dir, self.nodes_dir)
             self.leader_ip = lws_leader_ip(self.core, self.pod)
@@ -147,6 +152,25 @@ class LocalPod:
                 self.containers[container["name"]] = local
         self.mounted = True
         self._advance()
+
+    def _ip_held(self) -> str:
+        """Why this pod cannot have its IP yet, or "". kwok gives a deleted pod's IP to the next
+        pod at once, while the runner may still be stopping the old pod's processes (they get
+        their grace period); in the one network namespace that all pods share here, those would
+        hold the new pod's ports, and its probes would reach them instead of the new pod."""
+        if self.previous is not None and self.previous.is_alive():
+            return f"pod IP {self.ip} is still held by the pod before, which is being stopped"
+        ports = {p["containerPort"] for c in self.pod["spec"]["containers"]
+                 if c.get("image", "").startswith(image_prefixes())
+                 for p in c.get("ports") or [] if p.get("protocol", "TCP") == "TCP"}
+        for port in sorted(ports):
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((self.ip, port))
+                except OSError as err:
+                    return f"port {self.ip}:{port} is taken ({err.strerror}) by a process outside this pod"
+        return ""
 
     def _container(self, container: dict, dirs: dict[str, Path], restart: str) -> LocalContainer | None:
         if not container.get("image", "").startswith(image_prefixes()):

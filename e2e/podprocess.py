@@ -76,15 +76,38 @@ class LocalContainer:
             probe.successes = probe.failures = 0
             probe.ok, probe.last_run = kind == "livenessProbe", float("-inf")
 
+    def _first_exited(self) -> bool:
+        """Whether the container's first process exited. It is left unreaped (a zombie) so that
+        its pid, which names the process group, cannot go to another process before
+        ``_end_group`` has killed what is left of the group."""
+        try:
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped already
+            return True
+
+    def _end_group(self) -> int:
+        """SIGKILL every process left in the container's group, as a container runtime does when
+        the container's first process exits (its children would otherwise hold the pod IP's
+        ports, which the next pod on that IP needs), then reap the first process."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.proc.wait()
+
     def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL it after the pod's grace period."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(self.grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        """SIGTERM the process group, SIGKILL it after the pod's grace period, or as soon as
+        the first process has exited."""
+        if self.proc is not None and self.proc.returncode is None:
+            if not self._first_exited():
+                try:
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                deadline = time.monotonic() + self.grace
+                while not self._first_exited() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            self._end_group()
         self.pid_file.unlink(missing_ok=True)
 
     def _termination_message(self, code: int) -> str:
@@ -117,8 +140,8 @@ class LocalContainer:
     def tick(self) -> None:
         """Notice exits, restart when the backoff has passed, run due probes."""
         now = time.monotonic()
-        if self.proc is not None and self.proc.poll() is not None:
-            code = self.proc.returncode
+        if self.proc is not None and self._first_exited():
+            code = self._end_group()
             self._exited(128 - code if code < 0 else code, "Completed" if code == 0 else "Error")
         if self.proc is None:
             if self.next_start and now >= self.next_start:

@@ -39,6 +39,7 @@ class Runner:
         self.node_selector, self.entrypoint = node_selector, entrypoint
         self.pods: dict[str, LocalPod] = {}
         self.reported: dict[str, dict] = {}
+        self.releasing: dict[str, threading.Thread] = {}  # pod IP -> the stop of the pod that had it
         self.stopping = threading.Event()
 
     def local_nodes(self) -> set[str]:
@@ -52,10 +53,14 @@ class Runner:
             if uid in self.pods:
                 local = self.pods.pop(uid)
                 log.info("stopping %s/%s", meta["namespace"], meta["name"])
-                threading.Thread(target=local.stop, daemon=False).start()
+                stopper = threading.Thread(target=local.stop, daemon=False)
+                stopper.start()
+                self.releasing = {ip: t for ip, t in self.releasing.items() if t.is_alive()}
+                self.releasing[local.ip] = stopper
             return
         if uid not in self.pods and status.get("phase") not in ("Succeeded", "Failed"):
-            local = LocalPod(pod, self.state / f"{meta['namespace']}_{meta['name']}")
+            local = LocalPod(pod, self.state / f"{meta['namespace']}_{meta['name']}",
+                             previous=self.releasing.get(status["podIP"]))
             log.info("starting %s/%s on %s", meta["namespace"], meta["name"], local.ip)
             self.pods[uid] = local
             local.start(self.core, self.api, self.entrypoint, self.pid_dir, self.nodes_dir)
@@ -90,23 +95,32 @@ class Runner:
                 time.sleep(1)
 
     def supervise(self, interval: float = 0.5) -> None:
-        """Tick every local pod and patch its status when it changed."""
+        """Tick every local pod and patch its status when it changed. One pod's error is logged
+        and that pod tried again on the next tick: the thread that runs every pod's probes and
+        restarts must not end with it (every pod would then stay as last reported)."""
         while not self.stopping.wait(interval):
             for uid, local in list(self.pods.items()):
-                local.tick()
-                if local.mounted and not local.published:
-                    self.publish(local)
-                status = local.status()
-                if self.reported.get(uid) == status:
-                    continue
-                meta = local.pod["metadata"]
                 try:
-                    self.core.patch_namespaced_pod_status(meta["name"], meta["namespace"], {"status": status},
-                                                          _content_type="application/strategic-merge-patch+json")
-                    self.reported[uid] = status
-                except client.ApiException as err:
-                    if err.status != 404:
-                        log.warning("status patch for %s/%s failed: %s", meta["namespace"], meta["name"], err.reason)
+                    self.supervise_one(uid, local)
+                except Exception:  # noqa: BLE001
+                    meta = local.pod["metadata"]
+                    log.exception("supervising %s/%s failed; trying again", meta["namespace"], meta["name"])
+
+    def supervise_one(self, uid: str, local: LocalPod) -> None:
+        local.tick()
+        if local.mounted and not local.published:
+            self.publish(local)
+        status = local.status()
+        if self.reported.get(uid) == status:
+            return
+        meta = local.pod["metadata"]
+        try:
+            self.core.patch_namespaced_pod_status(meta["name"], meta["namespace"], {"status": status},
+                                                  _content_type="application/strategic-merge-patch+json")
+            self.reported[uid] = status
+        except client.ApiException as err:
+            if err.status != 404:
+                log.warning("status patch for %s/%s failed: %s", meta["namespace"], meta["name"], err.reason)
 
     def shutdown(self, *_: object) -> None:
         self.stopping.set()

@@ -75,8 +75,15 @@ class Probe:
         return now - started_at >= self.spec.get("initialDelaySeconds", 0) and now - self.last_run >= self.period
 
     def run(self, now: float | None = None) -> None:
+        """One probe; like the kubelet's, any error on the way (a server that is not HTTP on the
+        port, a bad status line, a named port the container lacks) is a failed probe, not the
+        runner's error."""
         self.last_run = time.monotonic() if now is None else now
-        if self._check():
+        try:
+            passed = self._check()
+        except Exception:  # noqa: BLE001 - an answer we cannot read is a failure
+            passed = False
+        if passed:
             self.successes, self.failures = self.successes + 1, 0
         else:
             self.successes, self.failures = 0, self.failures + 1

@@ -98,10 +98,7 @@ def router_url(cluster: Cluster, namespace: str) -> str:
         pod = wait_for(lambda: next((p for p in cluster.pods(namespace, ROUTERS) if pod_ready(p)), None),
                        "a Ready router pod", timeout=LOAD_TIMEOUT, interval=2)
     except TimeoutError as timeout:
-        states = [(p.metadata.name, p.status.phase, [(c.type, c.status, c.reason) for c in p.status.conditions or []],
-                   [c.state.to_dict() for c in p.status.container_statuses or []])
-                  for p in cluster.pods(namespace, ROUTERS)]
-        raise TimeoutError(f"{timeout}; router pods: {states}") from None
+        raise TimeoutError(f"{timeout}\n{cluster.pod_report(namespace, ROUTERS)}") from None
     return f"http://{pod.status.pod_ip}:8080"
 
 

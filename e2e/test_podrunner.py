@@ -1,8 +1,10 @@
 """The local pod runner runs kubeinfer-image pods as real processes on their loopback pod IP."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -186,3 +188,58 @@ def test_failing_init_container_shows_init_error_with_its_message(local_cluster:
     assert terminated.exit_code == 2 and "revision nope not found" in terminated.message
     shown = local_cluster.kubectl("get", "pod", "initfail", "-n", namespace, "--no-headers").stdout.split()
     assert shown[2] == "Init:Error"
+
+
+def test_a_containers_other_processes_end_with_its_first(local_cluster: Cluster, namespace: str,
+                                                          tmp_path: Path) -> None:
+    """As a container runtime does: when the container's first process exits, what it started
+    goes too (here it would live on and hold ports of the pod IP that the next pod gets)."""
+    child = tmp_path / "child.pid"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "forks"},
+           "spec": {"restartPolicy": "Never", "containers": [{
+               "name": "main", "image": IMAGE,
+               "command": ["sh", "-c", f"sleep 600 & echo $! > {child}.tmp && mv {child}.tmp {child}; exit 3"]}]}}
+    local_cluster.core.create_namespaced_pod(namespace, pod)
+    done = wait_for(lambda: (p := local_cluster.core.read_namespaced_pod("forks", namespace)).status.phase == "Failed"
+                    and p, "pod forks Failed", timeout=30)
+    assert done.status.container_statuses[0].state.terminated.exit_code == 3
+    pid = int(child.read_text())
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"the container's child {pid} to end",
+             timeout=10)
+
+
+def test_a_pod_whose_port_is_taken_on_its_ip_waits_for_it(local_cluster: Cluster, namespace: str,
+                                                            tmp_path: Path) -> None:
+    """kwok hands a deleted pod's IP to the next pod at once, while the pod before may still be
+    in its grace period on it. Here the test holds port 8080 on every free IP of a node's pod
+    range: a pod on that node waits, saying why, and once the port is free serves itself (its
+    probe never passes on the other process's answers)."""
+    node = local_cluster.core.list_node(label_selector="type=kwok").items[0]
+    squatters = []
+    for ip in ipaddress.ip_network(node.spec.pod_cidr).hosts():
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((str(ip), 8080))
+            sock.listen()
+            squatters.append(sock)
+        except OSError:   # a running pod's port: its IP is not free
+            sock.close()
+    try:
+        (tmp_path / "who").write_text("the pod")
+        pod = http_server_pod("late")
+        pod["spec"]["nodeName"] = node.metadata.name
+        pod["spec"]["containers"][0]["command"] = [
+            "sh", "-c", f"cd {tmp_path} && exec python -m http.server 8080 --bind $POD_IP"]
+        local_cluster.core.create_namespaced_pod(namespace, pod)
+        read = lambda: local_cluster.core.read_namespaced_pod("late", namespace)  # noqa: E731
+        waiting = wait_for(lambda: (s := read().status.container_statuses) and s[0].state.waiting
+                           and s[0].state.waiting.message and s[0].state.waiting, "late's waiting reason", timeout=30)
+        assert waiting.reason == "ContainerCreating", waiting
+        assert f"{read().status.pod_ip}:8080 is taken" in waiting.message, waiting
+    finally:
+        for sock in squatters:
+            sock.close()
+    ip = wait_for(lambda: pod_ready(p := read()) and p, "pod late Ready", timeout=60).status.pod_ip
+    with urllib.request.urlopen(f"http://{ip}:8080/who", timeout=5) as response:
+        assert response.read() == b"the pod"

@@ -63,7 +63,10 @@ def ready_urls(cluster: Cluster, namespace: str, selector: str, port: int, count
         pods = [p for p in cluster.pods(namespace, selector) if pod_ready(p) and not p.metadata.deletion_timestamp]
         return {p.metadata.name: f"http://{p.status.pod_ip}:{port}" for p in pods} if len(pods) == count else None
 
-    return wait_for(found, f"{count} Ready pods {selector}", timeout=900, interval=2)
+    try:
+        return wait_for(found, f"{count} Ready pods {selector}", timeout=900, interval=2)
+    except TimeoutError as timeout:
+        raise TimeoutError(f"{timeout}\n{cluster.pod_report(namespace, selector)}") from None
 
 
 def system_prompt(tenant: int) -> str:
