@@ -45,6 +45,7 @@ class LocalContainer:
     next_start: float = 0.0
     last_state: dict = field(default_factory=dict)
     terminated: dict | None = None
+    killing_until: float = 0.0  # while a probe-failed container has its grace period
     probes: dict[str, Probe] = field(default_factory=dict)
     logs: ContainerLog = field(init=False)
 
@@ -140,7 +141,12 @@ class LocalContainer:
     def tick(self) -> None:
         """Notice exits, restart when the backoff has passed, run due probes."""
         now = time.monotonic()
-        if self.proc is not None and self._first_exited():
+        if self.killing_until:   # a failed liveness or startup probe: SIGTERM sent, grace running
+            if self._first_exited() or now >= self.killing_until:
+                self._end_group()
+                self.killing_until = 0.0
+                self._exited(137, "Error")
+        elif self.proc is not None and self._first_exited():
             code = self._end_group()
             self._exited(128 - code if code < 0 else code, "Completed" if code == 0 else "Error")
         if self.proc is None:
@@ -152,10 +158,17 @@ class LocalContainer:
         for kind, probe in self.probes.items():
             if (kind == "startupProbe" or startup is None or startup.ok) and probe.due(self.started_at, now):
                 probe.run(now)
+        if self.killing_until:
+            return
         liveness = self.probes.get("livenessProbe")
         if (liveness and not liveness.ok) or (startup and startup.failures >= startup.spec.get("failureThreshold", 3)):
-            self.stop()
-            self._exited(137, "Error")
+            # the grace period runs on later ticks: one pod's shutdown must not hold up every
+            # other pod's probes and status, which the same thread runs
+            self.killing_until = now + self.grace
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     @property
     def succeeded(self) -> bool:
@@ -166,7 +179,8 @@ class LocalContainer:
     def ready(self) -> bool:
         readiness = self.probes.get("readinessProbe")
         startup = self.probes.get("startupProbe")
-        return self.proc is not None and (startup is None or startup.ok) and (readiness is None or readiness.ok)
+        return (self.proc is not None and not self.killing_until and (startup is None or startup.ok)
+                and (readiness is None or readiness.ok))
 
     def status(self) -> dict:
         if self.proc is not None:
