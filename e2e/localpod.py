@@ -94,7 +94,7 @@ class LocalPod:
     nodes_dir: Path = Path()
     base_env: dict[str, str] = field(default_factory=dict)
     leader_ip: str | None = None   # a LeaderWorkerSet pod's leader (for LWS_LEADER_ADDRESS)
-    previous: threading.Thread | None = None  # the stop of the last pod that had this IP
+    previous: list[threading.Thread] = field(default_factory=list)  # stops of pods with this IP or name
 
     @property
     def ip(self) -> str:
@@ -157,9 +157,10 @@ class LocalPod:
         """Why this pod cannot have its IP yet, or "". kwok gives a deleted pod's IP to the next
         pod at once, while the runner may still be stopping the old pod's processes (they get
         their grace period); in the one network namespace that all pods share here, those would
-        hold the new pod's ports, and its probes would reach them instead of the new pod."""
-        if self.previous is not None and self.previous.is_alive():
-            return f"pod IP {self.ip} is still held by the pod before, which is being stopped"
+        hold the new pod's ports, and its probes would reach them instead of the new pod. A
+        namesake (LWS recreates a group's pods under their names) shares the pod directory."""
+        if any(stop.is_alive() for stop in self.previous):   # its logs and pid files are this pod's too
+            return f"pod IP {self.ip} or this pod's name is still held by a pod before, which is being stopped"
         ports = {p["containerPort"] for c in self.pod["spec"]["containers"]
                  if c.get("image", "").startswith(image_prefixes())
                  for p in c.get("ports") or [] if p.get("protocol", "TCP") == "TCP"}

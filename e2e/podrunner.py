@@ -39,7 +39,9 @@ class Runner:
         self.node_selector, self.entrypoint = node_selector, entrypoint
         self.pods: dict[str, LocalPod] = {}
         self.reported: dict[str, dict] = {}
-        self.releasing: dict[str, threading.Thread] = {}  # pod IP -> the stop of the pod that had it
+        # pod IP, and pod directory (a namesake: LWS recreates a group's pods under their
+        # names) -> the stop of the pod that had it
+        self.releasing: dict[str, threading.Thread] = {}
         self.stopping = threading.Event()
 
     def local_nodes(self) -> set[str]:
@@ -56,11 +58,12 @@ class Runner:
                 stopper = threading.Thread(target=local.stop, daemon=False)
                 stopper.start()
                 self.releasing = {ip: t for ip, t in self.releasing.items() if t.is_alive()}
-                self.releasing[local.ip] = stopper
+                self.releasing[local.ip] = self.releasing[local.dir.name] = stopper
             return
         if uid not in self.pods and status.get("phase") not in ("Succeeded", "Failed"):
-            local = LocalPod(pod, self.state / f"{meta['namespace']}_{meta['name']}",
-                             previous=self.releasing.get(status["podIP"]))
+            pod_dir = self.state / f"{meta['namespace']}_{meta['name']}"
+            previous = [t for key in (status["podIP"], pod_dir.name) if (t := self.releasing.get(key))]
+            local = LocalPod(pod, pod_dir, previous=previous)
             log.info("starting %s/%s on %s", meta["namespace"], meta["name"], local.ip)
             self.pods[uid] = local
             local.start(self.core, self.api, self.entrypoint, self.pid_dir, self.nodes_dir)
