@@ -21,8 +21,9 @@ import time
 import torch
 from triton.testing import do_bench
 
-from kubeinfer.kernels import attention_launch, bench
-from kubeinfer.kernels.bench_cases import attention_case
+from kubeinfer.kernels.tools import bench
+from kubeinfer.kernels.tools.bench_cases import attention_case
+from kubeinfer.kernels.triton import attention_launch
 
 
 def sweep_prefill_rows(args: argparse.Namespace) -> None:

@@ -1,5 +1,5 @@
 """The W8A8 kernel's compile-time tile (`PANEL` output columns x `ROWS` rows of
-kernels/int8_linear_cpu.c) on this CPU: each variant built apart, run on SmolLM2-135M's 120
+kernels/cpu/int8_linear_cpu.c) on this CPU: each variant built apart, run on SmolLM2-135M's 120
 linears (30 layers of qkv, o, gate|up, down) with the weights read from DRAM, alternated over
 rounds (reversed every other round). Every variant must give the same outputs, bit for bit.
 The defaults (PANEL 48, ROWS 4) were chosen this way on an AMD EPYC (Zen 4); run it on another
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kubeinfer.kernels.cpu_build import CFLAGS, bind
+from kubeinfer.kernels.cpu.cpu_build import CFLAGS, bind
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]   # (in, out) of each linear in a layer

@@ -17,13 +17,13 @@ from functools import lru_cache
 
 import torch
 
-from . import fused_cpu
-from .activation_ref import silu_and_mul_ref
-from .lora_ref import lora_shrink_expand_ref
-from .moe_ref import fused_moe_ref
-from .rms_norm_ref import rms_norm_ref
-from .rope_cache import build_rope_cache, cos_sin_table
-from .rotary_ref import apply_rotary_ref, rotate_signed_ref
+from .cpu import fused_cpu
+from .reference.activation_ref import silu_and_mul_ref
+from .reference.lora_ref import lora_shrink_expand_ref
+from .reference.moe_ref import fused_moe_ref
+from .reference.rms_norm_ref import rms_norm_ref
+from .reference.rope_cache import build_rope_cache, cos_sin_table
+from .reference.rotary_ref import apply_rotary_ref, rotate_signed_ref
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("KUBEINFER_KERNEL_BACKEND", "auto")
@@ -99,11 +99,11 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = choose_num_splits(block_tables.shape[0], k_cache.shape[2], max_seq_len, max_query_len,
                                        q.device)
     if num_splits > 1:
-        from .split_kv_attention import split_kv_attention
+        from .triton.split_kv_attention import split_kv_attention
         return split_kv_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                   num_splits=num_splits, sliding_window=sliding_window, softcap=softcap,
                                   k_scale=k_scale, v_scale=v_scale)
-    from .unified_attention import unified_attention
+    from .triton.unified_attention import unified_attention
     return unified_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                              max_query_len=max_query_len, sliding_window=sliding_window, softcap=softcap,
                              k_scale=k_scale, v_scale=v_scale)
@@ -116,7 +116,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if uses_cpu_kernels(x):
             return fused_cpu.rms_norm(x, weight, eps, residual)
         return rms_norm_ref(x, weight, eps, residual)
-    from .rms_norm import rms_norm as norm
+    from .triton.rms_norm import rms_norm as norm
     return norm(x, weight, eps, residual)
 
 
@@ -125,7 +125,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     """Rotate q and k by `positions` with a `build_rope_cache` table; returns (q, k)."""
     if not uses_triton(q):
         return apply_rotary_ref(q, k, positions, cos_sin_cache, inplace)
-    from .rotary import apply_rotary as rotate
+    from .triton.rotary import apply_rotary as rotate
     return rotate(q, k, positions, cos_sin_cache, inplace)
 
 
@@ -143,7 +143,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         if uses_cpu_kernels(x):
             return fused_cpu.silu_and_mul(x)
         return silu_and_mul_ref(x)
-    from .activation import silu_and_mul as fused
+    from .triton.activation import silu_and_mul as fused
     return fused(x)
 
 
@@ -153,7 +153,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     the Triton grouped GEMM on CUDA."""
     if not uses_triton(x):
         return fused_moe_ref(x, w13, w2, weights, ids)
-    from .moe import fused_moe as grouped
+    from .triton.moe import fused_moe as grouped
     return grouped(x, w13, w2, weights, ids)
 
 
@@ -163,5 +163,5 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     sharing a slot (slot -1: none), see `lora_ref`; the Triton SGMV kernel on CUDA."""
     if not uses_triton(x):
         return lora_shrink_expand_ref(x, out, a, b, starts, slots)
-    from .lora import lora_shrink_expand as sgmv_lora
+    from .triton.lora import lora_shrink_expand as sgmv_lora
     return sgmv_lora(x, out, a, b, starts, slots, longest)

@@ -23,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
               "an InferenceService's pods, scaling it from zero (--inferenceservice NAME)."),
     "gateway": ("kubeinfer.server.router.cli", "`kubeinfer route`, under the name the operator's "
                 "router Deployments run it by."),
-    "bench-kernels": ("kubeinfer.kernels.bench", "Time the Triton kernels on a CUDA GPU."),
+    "bench-kernels": ("kubeinfer.kernels.tools.bench", "Time the Triton kernels on a CUDA GPU."),
 }
 
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import uvicorn
 
-from kubeinfer.kernels import cpu_build
+from kubeinfer.kernels.cpu import cpu_build
 from .. import exit_codes
 from ..flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 from .admission import Admission

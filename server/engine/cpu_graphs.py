@@ -1,6 +1,6 @@
 """Decode steps replayed on the CPU from recorded kernel calls, the CPU's CUDA graphs.
 
-On the CPU every op of a decode layer is one of our C kernels (`kernels/cpu_build.py`) for a
+On the CPU every op of a decode layer is one of our C kernels (`kernels/cpu/cpu_build.py`) for a
 W8A8 or GGUF model, and what is left around them is Python: module calls, checks, allocations
 and ctypes conversions. SmolLM2 W8A8 at 32 sequences spent a quarter of its decode step outside
 the kernels on the engine thread while the other OpenMP thread waited (BENCHMARKS.md, "Decode
@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kubeinfer.kernels import cpu_build
+from kubeinfer.kernels.cpu import cpu_build
 
 from ..model.forward_batch import ForwardBatch
 from ..model.llama import LlamaForCausalLM

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from kubeinfer.kernels import fused_cpu
+from kubeinfer.kernels.cpu import fused_cpu
 
 from .argmax import argmax_rows
 from .logits_processor import apply_logits_processors

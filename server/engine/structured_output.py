@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq, cast
 import numpy as np
 import torch
 
-from kubeinfer.kernels import fused_cpu
+from kubeinfer.kernels.cpu import fused_cpu
 
 from .logits_processor import LogitsProcessor, ProcessorFactory
 from .sampling_params import InvalidRequestError, StructuredOutputsParams

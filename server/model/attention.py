@@ -1,9 +1,9 @@
 """Paged attention behind one interface: a batched torch path for CPU (Triton serves CUDA).
 
 On CPU, decode tokens (one query per sequence) go to the C kernel of
-`kernels/paged_decode_cpu.py`, which reads K/V in place through the block tables. With bf16,
+`kernels/cpu/paged_decode_cpu.py`, which reads K/V in place through the block tables. With bf16,
 head_dim 64/128 and AMX (and no sliding window), every other sequence (fresh prompts and chunks
-after a cached prefix) goes to the flash-attention kernel of `kernels/paged_prefill_cpu.py`,
+after a cached prefix) goes to the flash-attention kernel of `kernels/cpu/paged_prefill_cpu.py`,
 also reading K/V through the block tables. Otherwise (and while a starting server still compiles those kernels) prefill
 chunks, and decodes where the decode kernel is unavailable, take the padded torch
 path: K/V of each sequence's context are gathered from the paged cache by its block table into
@@ -36,8 +36,9 @@ from typing import Protocol
 import torch
 from torch.nn import functional as F
 
-from kubeinfer.kernels import fused_cpu, ops, paged_decode_cpu, paged_prefill_cpu
-from kubeinfer.kernels.kv_cache_ref import FP8_MAX, dequantize_fp8_ref, quantize_fp8_ref, store_kv_cache_ref
+from kubeinfer.kernels import ops
+from kubeinfer.kernels.cpu import fused_cpu, paged_decode_cpu, paged_prefill_cpu
+from kubeinfer.kernels.reference.kv_cache_ref import FP8_MAX, dequantize_fp8_ref, quantize_fp8_ref, store_kv_cache_ref
 
 from .forward_batch import ForwardBatch
 from .kv_cache_quant import KVScales

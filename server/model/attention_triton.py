@@ -38,7 +38,7 @@ class TritonAttention:
                 kv_scales: KVScales | None = None) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] after rotary; returns [T, heads, d]. An fp8 cache
         holds k / kv_scales.k and v / kv_scales.v (quantized by the store, read by attention)."""
-        from kubeinfer.kernels.kv_cache import store_kv_cache
+        from kubeinfer.kernels.triton.kv_cache import store_kv_cache
 
         k_scale, v_scale = (kv_scales.k, kv_scales.v) if kv_scales is not None else (1.0, 1.0)
         store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)

@@ -13,8 +13,8 @@ from typing import ClassVar, Iterable, Iterator
 import torch
 from torch import nn
 
-from kubeinfer.kernels import quant_linear_cpu
-from kubeinfer.kernels.quant_linear_cpu import QuantizedWeight
+from kubeinfer.kernels.cpu import quant_linear_cpu
+from kubeinfer.kernels.cpu.quant_linear_cpu import QuantizedWeight
 
 from .checkpoint import FusedParts, QuantizedBlocks
 from .config import ModelConfig

@@ -19,7 +19,7 @@ from typing import Iterator, Mapping
 import numpy as np
 import torch
 
-from kubeinfer.kernels.quant_linear_cpu import BLOCK_BYTES
+from kubeinfer.kernels.cpu.quant_linear_cpu import BLOCK_BYTES
 
 from .checkpoint import Checkpoint, FusedParts, QuantizedBlocks, Slice, is_fused, one_intra_op_thread, split_fused
 from .config import ModelConfig

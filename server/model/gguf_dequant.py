@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from kubeinfer.kernels import quant_linear_cpu
+from kubeinfer.kernels.cpu import quant_linear_cpu
 
 from .gguf_reader import QUANT_SIZES, GGUFTensor
 from .gguf_reader import QType as Q

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kubeinfer.kernels import ops, quant_linear_cpu
-from kubeinfer.kernels.quant_linear_cpu import QuantizedWeight
+from kubeinfer.kernels import ops
+from kubeinfer.kernels.cpu import quant_linear_cpu
+from kubeinfer.kernels.cpu.quant_linear_cpu import QuantizedWeight
 
 if TYPE_CHECKING:
     from .lora_layers import LoRALayer

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kubeinfer.kernels import quant_linear_cpu
+from kubeinfer.kernels.cpu import quant_linear_cpu
 
 from .attention import get_attention_backend
 from .causal_lm import CausalLM

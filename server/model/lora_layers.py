@@ -13,8 +13,8 @@ Tensor parallelism slices A and B like the weight they patch (`weight_slices`): 
 layer's B by output rows, a row layer's A by input columns, its delta added before the
 all-reduce (`RowParallelLinear`), which sums the partial shrinks.
 
-On CUDA the per-slot matmuls are the Triton SGMV kernel (`kubeinfer.kernels.lora`). On the
-CPU the C kernel `kubeinfer.kernels.lora_cpu` adds every token's delta in one call a layer,
+On CUDA the per-slot matmuls are the Triton SGMV kernel (`kubeinfer.kernels.triton.lora`). On the
+CPU the C kernel `kubeinfer.kernels.cpu.lora_cpu` adds every token's delta in one call a layer,
 reading each slot's A and B (kept transposed and compacted, `bt`) once for all its tokens and
 only the ranks each adapter has. Should that raise (or the kernel not be built yet), the slots
 are computed one by one in torch inside a guard: a slot whose delta raises is recorded in
@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kubeinfer.kernels import lora_cpu, ops
+from kubeinfer.kernels import ops
+from kubeinfer.kernels.cpu import lora_cpu
 
 from .forward_batch import ForwardBatch
 from .linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight

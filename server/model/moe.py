@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kubeinfer.kernels import ops
-from kubeinfer.kernels.moe_ref import fused_moe_ref
+from kubeinfer.kernels.reference.moe_ref import fused_moe_ref
 
 from .config import MoEConfig
 from .linear import Linear, ParallelRole, can_pack, linear, pack_weight

@@ -9,7 +9,7 @@ import torch
 from helpers.quantized_models import quantize_compressed_tensors
 from helpers.tiny_models import build_tiny_llama, make_tiny_gemma2, make_tiny_llama
 
-from kubeinfer.kernels import int8_linear_cpu
+from kubeinfer.kernels.cpu import int8_linear_cpu
 from kubeinfer.server.engine.config import EngineConfig
 from kubeinfer.server.engine.cpu_graphs import CpuDecodeGraphs, RecordingRefused, _OnlyKernels, why_not_graphed
 from kubeinfer.server.engine.llm_engine import LLMEngine
@@ -159,7 +159,7 @@ def test_sizes_past_the_memory_budget_stay_eager(w8a8_llama, monkeypatch, caplog
 def test_no_size_is_recorded_while_a_kernel_still_compiles(w8a8_llama, monkeypatch):
     """A starting server's layers take torch's path until its kernels are built: recording then
     would refuse the size for good."""
-    from kubeinfer.kernels import cpu_build
+    from kubeinfer.kernels.cpu import cpu_build
 
     engine = _engine(w8a8_llama)
     monkeypatch.setattr(cpu_build, "building", lambda name: name == "paged_decode_cpu")

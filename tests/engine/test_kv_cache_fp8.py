@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubeinfer.kernels.attention_ref import paged_attention_ref
+from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.logits_processor import LogitsProcessor
 from kubeinfer.server.engine.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kubeinfer.kernels import fused_cpu
+from kubeinfer.kernels.cpu import fused_cpu
 from kubeinfer.server.engine.sampler import Sampler, _inverse_transform
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Request, Sequence

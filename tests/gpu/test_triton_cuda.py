@@ -20,8 +20,8 @@ from helpers.quantized_models import write_gptq
 from helpers.tiny_models import (build_tiny_llama, make_tiny_gemma2, make_tiny_gemma3, make_tiny_llama,
                                  make_tiny_mixtral, make_tiny_qwen2, make_tiny_qwen3_moe)
 
-from kubeinfer.kernels.attention_ref import paged_attention_ref
-from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
+from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
+from kubeinfer.kernels.reference.kv_cache_ref import store_kv_cache_ref
 from kubeinfer.server.model.loader import load_model
 
 pytestmark = pytest.mark.integration
@@ -70,8 +70,8 @@ DECODE = [(4000, 1), (70, 1), (1500, 1)]
 ])
 @pytest.mark.parametrize("seqs", [pytest.param(MIXED, id="mixed"), pytest.param(DECODE, id="decode")])
 def test_attention_matches_reference(heads, kv_heads, head_dim, block_size, window, softcap, seqs, dtype):
-    from kubeinfer.kernels.split_kv_attention import split_kv_attention
-    from kubeinfer.kernels.unified_attention import unified_attention
+    from kubeinfer.kernels.triton.split_kv_attention import split_kv_attention
+    from kubeinfer.kernels.triton.unified_attention import unified_attention
 
     q, k_cache, v_cache, tables, qsl, seq_lens = _paged(seqs, heads, kv_heads, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
@@ -89,8 +89,8 @@ def test_attention_matches_reference(heads, kv_heads, head_dim, block_size, wind
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_cache_store_is_bitwise_and_attention_reads_it(cache_dtype):
-    from kubeinfer.kernels.kv_cache import store_kv_cache
-    from kubeinfer.kernels.unified_attention import unified_attention
+    from kubeinfer.kernels.triton.kv_cache import store_kv_cache
+    from kubeinfer.kernels.triton.unified_attention import unified_attention
 
     gen = torch.Generator(device=CUDA).manual_seed(3)
     tokens, kv_heads, head_dim, block_size, num_blocks = 200, 8, 128, 16, 20
@@ -117,14 +117,14 @@ def test_fp8_cache_store_is_bitwise_and_attention_reads_it(cache_dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_elementwise_kernels_match_reference(dtype):
-    from kubeinfer.kernels.activation import silu_and_mul
-    from kubeinfer.kernels.activation_ref import silu_and_mul_ref
-    from kubeinfer.kernels.kv_cache import store_kv_cache
-    from kubeinfer.kernels.rms_norm import rms_norm
-    from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
-    from kubeinfer.kernels.rope_cache import build_rope_cache
-    from kubeinfer.kernels.rotary import apply_rotary
-    from kubeinfer.kernels.rotary_ref import apply_rotary_ref
+    from kubeinfer.kernels.reference.activation_ref import silu_and_mul_ref
+    from kubeinfer.kernels.reference.rms_norm_ref import rms_norm_ref
+    from kubeinfer.kernels.reference.rope_cache import build_rope_cache
+    from kubeinfer.kernels.reference.rotary_ref import apply_rotary_ref
+    from kubeinfer.kernels.triton.activation import silu_and_mul
+    from kubeinfer.kernels.triton.kv_cache import store_kv_cache
+    from kubeinfer.kernels.triton.rms_norm import rms_norm
+    from kubeinfer.kernels.triton.rotary import apply_rotary
 
     gen = torch.Generator(device=CUDA).manual_seed(1)
     rand = lambda *shape: torch.randn(*shape, generator=gen, device=CUDA).to(dtype)  # noqa: E731
@@ -162,8 +162,8 @@ def test_elementwise_kernels_match_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_moe_grouped_gemm_matches_reference(tokens, dtype):
-    from kubeinfer.kernels.moe import fused_moe
-    from kubeinfer.kernels.moe_ref import fused_moe_ref
+    from kubeinfer.kernels.reference.moe_ref import fused_moe_ref
+    from kubeinfer.kernels.triton.moe import fused_moe
 
     gen = torch.Generator(device=CUDA).manual_seed(tokens)
     experts, top_k, hidden, inter = 8, 2, 512, 384
@@ -181,8 +181,8 @@ def test_moe_grouped_gemm_matches_reference(tokens, dtype):
 @pytest.mark.parametrize("m, n, k, group_size, bits", [(1, 4096, 4096, 128, 4), (16, 11008, 4096, 128, 4),
                                                         (77, 1000, 768, 32, 8), (300, 512, 1024, 1024, 4)])
 def test_packed_integer_gemm_matches_reference(m, n, k, group_size, bits, dtype):
-    from kubeinfer.kernels.w4a16 import matmul
-    from kubeinfer.kernels.w4a16_ref import pack_rows, packed_matmul_ref
+    from kubeinfer.kernels.reference.w4a16_ref import pack_rows, packed_matmul_ref
+    from kubeinfer.kernels.triton.w4a16 import matmul
 
     gen = torch.Generator(device=CUDA).manual_seed(m)
     q = torch.randint(0, 1 << bits, (k, n), generator=gen, device=CUDA)
@@ -199,8 +199,8 @@ def test_packed_integer_gemm_matches_reference(m, n, k, group_size, bits, dtype)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lora_sgmv_matches_reference(dtype):
-    from kubeinfer.kernels.lora import lora_shrink_expand
-    from kubeinfer.kernels.lora_ref import lora_shrink_expand_ref
+    from kubeinfer.kernels.reference.lora_ref import lora_shrink_expand_ref
+    from kubeinfer.kernels.triton.lora import lora_shrink_expand
 
     gen = torch.Generator(device=CUDA).manual_seed(5)
     slots_count, rank, hidden, out_dim = 4, 16, 2048, 2560

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 KERNEL_MODULES = ["unified_attention", "split_kv_attention", "kv_cache", "rms_norm", "rotary", "activation", "moe", "w4a16",
                   "lora"]
 for _name in KERNEL_MODULES:
-    _module = importlib.import_module(f"kubeinfer.kernels.{_name}")
+    _module = importlib.import_module(f"kubeinfer.kernels.triton.{_name}")
     if any(isinstance(getattr(obj, "fn", obj), JITFunction) for obj in vars(_module).values()):
-        raise pytest.UsageError(f"kubeinfer.kernels.{_name} was imported (compiled, not interpreted) before "
+        raise pytest.UsageError(f"kubeinfer.kernels.triton.{_name} was imported (compiled, not interpreted) before "
                                 "tests/kernels/conftest.py ran; import Triton kernel modules lazily")
 
 triton.knobs.runtime.interpret = os.environ["TRITON_INTERPRET"] == "1"
@@ -41,11 +41,11 @@ def triton_backend():
         yield
 
 
-# --- CPU kernel build variants (kernels/cpu_build.py ISAS): each CPU-kernel test runs once per
+# --- CPU kernel build variants (kernels/cpu/cpu_build.py ISAS): each CPU-kernel test runs once per
 # variant its module (or its `cpu_isas` mark) names, so the paths CPUs without AMX or AVX-512
 # take are tested here too. A variant is skipped only for an instruction set this CPU lacks; the
 # summary says which variants ran.
-from kubeinfer.kernels import cpu_build  # noqa: E402
+from kubeinfer.kernels.cpu import cpu_build  # noqa: E402
 
 _COVERED: dict[str, dict[str, int]] = {}  # variant -> outcome -> tests
 _SKIPPED: dict[str, str] = {}  # variant -> why
@@ -86,7 +86,7 @@ def cpu_isa(request: pytest.FixtureRequest):
 @pytest.fixture
 def amx() -> None:
     """Skip, naming what is missing, where this process cannot run AMX tiles."""
-    from kubeinfer.kernels import quant_linear_cpu
+    from kubeinfer.kernels.cpu import quant_linear_cpu
 
     if quant_linear_cpu.amx_available():
         return

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kubeinfer.kernels import cpu_build
+from kubeinfer.kernels.cpu import cpu_build
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def test_start_building_compiles_every_kernel_without_loading_or_importing_torch
     """`kubeinfer serve` calls it before `import torch`: it must not load a kernel (that would link
     an OpenMP runtime ahead of torch's) nor pull torch in, and it must leave every build cached."""
     script = ("import sys\n"
-              "from kubeinfer.kernels import cpu_build\n"
+              "from kubeinfer.kernels.cpu import cpu_build\n"
               "cpu_build.start_building()\n"
               "for build in cpu_build._BACKGROUND.values(): build.result()\n"
               "assert 'torch' not in sys.modules\n"

@@ -4,7 +4,7 @@ AMX or AVX-512 make are tested here too (the kernels' results are in their own t
 import pytest
 import torch
 
-from kubeinfer.kernels import cpu_build, fused_cpu, paged_decode_cpu, paged_prefill_cpu, quant_linear_cpu
+from kubeinfer.kernels.cpu import cpu_build, fused_cpu, paged_decode_cpu, paged_prefill_cpu, quant_linear_cpu
 
 pytestmark = pytest.mark.unit
 

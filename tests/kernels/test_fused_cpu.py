@@ -10,11 +10,11 @@ normalised value, carried through the product with the weight).
 import pytest
 import torch
 
-from kubeinfer.kernels import fused_cpu
-from kubeinfer.kernels.activation_ref import silu_and_mul_ref
-from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
-from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
-from kubeinfer.kernels.rotary_ref import rotate_signed_ref
+from kubeinfer.kernels.cpu import fused_cpu
+from kubeinfer.kernels.reference.activation_ref import silu_and_mul_ref
+from kubeinfer.kernels.reference.kv_cache_ref import store_kv_cache_ref
+from kubeinfer.kernels.reference.rms_norm_ref import rms_norm_ref
+from kubeinfer.kernels.reference.rotary_ref import rotate_signed_ref
 
 # every build variant: AMX, AVX-512 without AMX, AVX2
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("cpu_isa")]

@@ -1,11 +1,11 @@
-"""The W8A8 int8 CPU kernel (kernels/int8_linear_cpu.c) against the torch form it replaces
+"""The W8A8 int8 CPU kernel (kernels/cpu/int8_linear_cpu.c) against the torch form it replaces
 (`Int8Weight.forward` without it: per-token int8 quantization, torch._int_mm, float32 rescale):
 the same numbers bit for bit, dynamic and static activations, with and without bias, odd sizes."""
 
 import pytest
 import torch
 
-from kubeinfer.kernels import fused_cpu, int8_linear_cpu
+from kubeinfer.kernels.cpu import fused_cpu, int8_linear_cpu
 from kubeinfer.server.model.quantization.weights import Int8Weight, _int_mm
 
 pytestmark = pytest.mark.integration

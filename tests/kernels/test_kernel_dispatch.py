@@ -5,7 +5,7 @@ import torch
 from paged_batches import BATCH_KINDS, make_paged_batch
 
 from kubeinfer.kernels import ops
-from kubeinfer.kernels.attention_ref import paged_attention_ref
+from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
 
 pytestmark = pytest.mark.unit
 

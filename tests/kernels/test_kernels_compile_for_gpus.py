@@ -1,7 +1,7 @@
 """Every kernel and autotune config compiles to a cubin for Ampere and Hopper, without a GPU.
 
 The interpreter never applies compiled-mode rules (constexpr-only globals, dtype checks,
-shared-memory limits), so this runs `kubeinfer.kernels.compile_check` in a subprocess with
+shared-memory limits), so this runs `kubeinfer.kernels.tools.compile_check` in a subprocess with
 TRITON_INTERPRET unset.
 """
 
@@ -18,7 +18,7 @@ def _compile_check(*args: str, interpret: bool = False) -> subprocess.CompletedP
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, "-W", "ignore", "-m", "kubeinfer.kernels.compile_check", *args],
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "kubeinfer.kernels.tools.compile_check", *args],
                           capture_output=True, text=True, env=env, timeout=900)
 
 

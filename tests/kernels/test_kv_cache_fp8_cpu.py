@@ -9,9 +9,9 @@ import pytest
 import torch
 from paged_batches import BATCH_KINDS, make_paged_batch
 
-from kubeinfer.kernels import fused_cpu, paged_decode_cpu, paged_prefill_cpu
-from kubeinfer.kernels.attention_ref import paged_attention_ref
-from kubeinfer.kernels.kv_cache_ref import FP8_MAX, quantize_fp8_ref, store_kv_cache_ref
+from kubeinfer.kernels.cpu import fused_cpu, paged_decode_cpu, paged_prefill_cpu
+from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
+from kubeinfer.kernels.reference.kv_cache_ref import FP8_MAX, quantize_fp8_ref, store_kv_cache_ref
 
 pytestmark = pytest.mark.integration
 

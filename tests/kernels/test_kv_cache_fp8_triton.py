@@ -8,11 +8,11 @@ import pytest
 import torch
 from paged_batches import BATCH_KINDS, make_paged_batch
 
-from kubeinfer.kernels.attention_ref import paged_attention_ref
-from kubeinfer.kernels.kv_cache import store_kv_cache
-from kubeinfer.kernels.kv_cache_ref import quantize_fp8_ref, store_kv_cache_ref
-from kubeinfer.kernels.split_kv_attention import split_kv_attention
-from kubeinfer.kernels.unified_attention import unified_attention
+from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
+from kubeinfer.kernels.reference.kv_cache_ref import quantize_fp8_ref, store_kv_cache_ref
+from kubeinfer.kernels.triton.kv_cache import store_kv_cache
+from kubeinfer.kernels.triton.split_kv_attention import split_kv_attention
+from kubeinfer.kernels.triton.unified_attention import unified_attention
 
 pytestmark = pytest.mark.integration
 

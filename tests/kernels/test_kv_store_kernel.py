@@ -7,8 +7,8 @@ arithmetic, but it copies bf16 exactly).
 import pytest
 import torch
 
-from kubeinfer.kernels.kv_cache import store_kv_cache
-from kubeinfer.kernels.kv_cache_ref import store_kv_cache_ref
+from kubeinfer.kernels.reference.kv_cache_ref import store_kv_cache_ref
+from kubeinfer.kernels.triton.kv_cache import store_kv_cache
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The CPU multi-LoRA kernel (kernels/lora_cpu.c) against a plain per-token loop:
+"""The CPU multi-LoRA kernel (kernels/cpu/lora_cpu.c) against a plain per-token loop:
 out[t] += x[t] @ A[slot(t)].T @ B[slot(t)].T, slot -1 = no delta, for merged layers whose
 shards have their own ranks (0 = not targeted), under every ISA variant this CPU can run."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers.lora_adapters import per_token_delta
 
-from kubeinfer.kernels import lora_cpu
-from kubeinfer.kernels.lora_ref import lora_shrink_expand_ref
+from kubeinfer.kernels.cpu import lora_cpu
+from kubeinfer.kernels.reference.lora_ref import lora_shrink_expand_ref
 
 pytestmark = pytest.mark.integration
 
@@ -86,9 +86,9 @@ def test_compact_b_keeps_each_shards_own_block():
 def test_a_layout_the_kernel_does_not_take_is_refused_before_anything_is_written(cpu_isa):
     a, b, ranks, bounds = _weights(torch.Generator().manual_seed(0), 2, 8, [4], 4, [[4], [4]], torch.float32)
     bt = lora_cpu.compact_b(b, bounds, 4)
-    with pytest.raises(ValueError, match="layout of kernels/lora_cpu.c"):
+    with pytest.raises(ValueError, match="layout of kernels/cpu/lora_cpu.c"):
         lora_cpu.LoRASlots(a, bt.to(torch.bfloat16), ranks, torch.tensor(bounds))
-    with pytest.raises(ValueError, match="layout of kernels/lora_cpu.c"):
+    with pytest.raises(ValueError, match="layout of kernels/cpu/lora_cpu.c"):
         lora_cpu.LoRASlots(a, bt[:, :, :1].contiguous(), ranks, torch.tensor(bounds))   # rank 2, A has 4
     slots = lora_cpu.LoRASlots(a, bt, ranks, torch.tensor(bounds))
     order, starts = lora_cpu.token_order(torch.tensor([0, 1], dtype=torch.int32), 2)

@@ -6,8 +6,8 @@ import torch
 from helpers.lora_adapters import per_token_delta
 
 from kubeinfer.kernels import ops
-from kubeinfer.kernels.lora import lora_shrink_expand
-from kubeinfer.kernels.lora_ref import lora_shrink_expand_ref
+from kubeinfer.kernels.reference.lora_ref import lora_shrink_expand_ref
+from kubeinfer.kernels.triton.lora import lora_shrink_expand
 
 pytestmark = pytest.mark.integration
 

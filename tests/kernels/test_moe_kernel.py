@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from kubeinfer.kernels.moe import align_by_expert, fused_moe
-from kubeinfer.kernels.moe_ref import fused_moe_ref
+from kubeinfer.kernels.reference.moe_ref import fused_moe_ref
+from kubeinfer.kernels.triton.moe import align_by_expert, fused_moe
 
 pytestmark = pytest.mark.integration
 

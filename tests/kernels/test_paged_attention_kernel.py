@@ -8,8 +8,8 @@ import pytest
 import torch
 from paged_batches import BATCH_KINDS, make_paged_batch
 
-from kubeinfer.kernels.attention_ref import paged_attention_ref
-from kubeinfer.kernels.unified_attention import unified_attention
+from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
+from kubeinfer.kernels.triton.unified_attention import unified_attention
 
 pytestmark = pytest.mark.integration
 

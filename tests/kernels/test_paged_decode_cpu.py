@@ -8,8 +8,8 @@ import pytest
 import torch
 from paged_batches import BATCH_KINDS, make_paged_batch
 
-from kubeinfer.kernels import paged_decode_cpu
-from kubeinfer.kernels.attention_ref import paged_attention_ref
+from kubeinfer.kernels.cpu import paged_decode_cpu
+from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
 
 # every build variant: AMX, AVX-512 without AMX, AVX2
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("cpu_isa")]

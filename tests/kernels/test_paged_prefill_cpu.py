@@ -9,8 +9,8 @@ import pytest
 import torch
 from paged_batches import BATCH_KINDS, make_paged_batch
 
-from kubeinfer.kernels import paged_prefill_cpu
-from kubeinfer.kernels.attention_ref import paged_attention_ref
+from kubeinfer.kernels.cpu import paged_prefill_cpu
+from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
 
 # native: AMX tiles where the CPU has them; avx512: the vdpbf16ps path (an AVX2-only CPU keeps
 # torch's SDPA: test_cpu_isa.py)

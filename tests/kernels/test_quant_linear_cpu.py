@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kubeinfer.kernels import cpu_build, quant_linear_cpu
+from kubeinfer.kernels.cpu import cpu_build, quant_linear_cpu
 
 # The kernel needs AVX512-BF16 (an AVX2 build has none): it runs as built for this CPU and as
 # built without AMX (the register path alone, as on an AMD EPYC with AVX-512).

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kubeinfer.kernels.rms_norm import rms_norm
-from kubeinfer.kernels.rms_norm_ref import rms_norm_ref
+from kubeinfer.kernels.reference.rms_norm_ref import rms_norm_ref
+from kubeinfer.kernels.triton.rms_norm import rms_norm
 
 pytestmark = pytest.mark.integration
 

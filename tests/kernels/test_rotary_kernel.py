@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kubeinfer.kernels.rope_cache import build_rope_cache, inverse_frequencies
-from kubeinfer.kernels.rotary import apply_rotary
-from kubeinfer.kernels.rotary_ref import apply_rotary_ref
+from kubeinfer.kernels.reference.rope_cache import build_rope_cache, inverse_frequencies
+from kubeinfer.kernels.reference.rotary_ref import apply_rotary_ref
+from kubeinfer.kernels.triton.rotary import apply_rotary
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +78,7 @@ def test_unknown_scaling_is_rejected():
                          ids=["default", "linear", "llama3"])
 def test_table_from_the_models_inverse_frequencies_matches_ours(scaling):
     """The GPU path builds its table from the model's own inv_freq (GGUF rope_freqs included)."""
-    from kubeinfer.kernels.rope_cache import cos_sin_table
+    from kubeinfer.kernels.reference.rope_cache import cos_sin_table
     from kubeinfer.server.model.rotary import rope_inv_freq
 
     model_table = cos_sin_table(rope_inv_freq(64, 500000.0, scaling), 256)

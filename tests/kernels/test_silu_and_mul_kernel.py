@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kubeinfer.kernels.activation import silu_and_mul
-from kubeinfer.kernels.activation_ref import silu_and_mul_ref
+from kubeinfer.kernels.reference.activation_ref import silu_and_mul_ref
+from kubeinfer.kernels.triton.activation import silu_and_mul
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers.tiny_models import make_tiny_llama
 
-from kubeinfer.kernels import ops, paged_prefill_cpu
+from kubeinfer.kernels import ops
+from kubeinfer.kernels.cpu import paged_prefill_cpu
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.model.attention import TorchAttention

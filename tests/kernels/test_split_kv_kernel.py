@@ -7,8 +7,8 @@ import pytest
 import torch
 from paged_batches import BATCH_KINDS, make_paged_batch
 
-from kubeinfer.kernels.attention_ref import paged_attention_ref
-from kubeinfer.kernels.split_kv_attention import split_kv_attention
+from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
+from kubeinfer.kernels.triton.split_kv_attention import split_kv_attention
 
 pytestmark = pytest.mark.integration
 

@@ -94,7 +94,7 @@ def test_new_families_decode_the_same_tokens_on_every_triton_kernel(build, tmp_p
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gptq_model_decodes_the_same_tokens_through_the_packed_gemm_kernel(bits, tmp_path):
     """A GPTQ checkpoint (act-order) with every op on Triton: its linears on the packed-integer
-    GEMM (`kernels/w4a16.py`, weights dequantized inside the kernel), against the CPU path."""
+    GEMM (`kernels/triton/w4a16.py`, weights dequantized inside the kernel), against the CPU path."""
     path, hf_model = build_tiny_llama(tmp_path)
     quantized, _ = write_gptq(path, hf_model, tmp_path / "gptq", bits=bits, desc_act=True)
     torch_model = load_model(str(quantized), dtype="float32", device="cpu").model

@@ -9,8 +9,8 @@ reference rounds only the output). bf16 is not run: the interpreter does not emu
 import pytest
 import torch
 
-from kubeinfer.kernels.w4a16 import matmul
-from kubeinfer.kernels.w4a16_ref import pack_rows, packed_matmul_ref, unpack_rows
+from kubeinfer.kernels.reference.w4a16_ref import pack_rows, packed_matmul_ref, unpack_rows
+from kubeinfer.kernels.triton.w4a16 import matmul
 
 pytestmark = pytest.mark.integration
 

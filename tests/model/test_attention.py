@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers.paged import scattered_batch
 
-from kubeinfer.kernels import paged_prefill_cpu
+from kubeinfer.kernels.cpu import paged_prefill_cpu
 from kubeinfer.server.model.attention import TorchAttention, _similar_query_lengths, get_attention_backend
 
 pytestmark = pytest.mark.unit
@@ -93,7 +93,7 @@ def test_cpu_device_gets_the_torch_backend():
 def test_decodes_take_the_torch_path_while_the_kernel_compiles(monkeypatch):
     """A starting server does not wait for gcc: steps taken while `start_building` still compiles
     the decode kernel attend in torch, and the first step after it is done uses the kernel."""
-    from kubeinfer.kernels import paged_decode_cpu
+    from kubeinfer.kernels.cpu import paged_decode_cpu
 
     if not paged_decode_cpu.available(torch.float32):
         pytest.skip("the CPU decode kernel does not build here")

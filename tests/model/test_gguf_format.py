@@ -48,7 +48,7 @@ def test_dequantize_matches_gguf_reference(qtype):
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K])
 def test_bf16_dequantize_is_the_rounded_reference(qtype, monkeypatch):
     """bf16 loads round the exact values; Q4_0/Q4_1/Q8_0 take the C kernel where it builds."""
-    from kubeinfer.kernels import quant_linear_cpu
+    from kubeinfer.kernels.cpu import quant_linear_cpu
 
     calls = []
     kernel = quant_linear_cpu.dequantize

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers.paged import PagedRunner
 
-from kubeinfer.kernels import quant_linear_cpu
+from kubeinfer.kernels.cpu import quant_linear_cpu
 from kubeinfer.server.model.linear import Linear
 from kubeinfer.server.model.loader import embedded_model_path, load_model
 

@@ -117,7 +117,7 @@ def test_logits_equal_peft_one_shot_chunked_and_mixed(tiny_llama_lora):
 
 
 def test_bf16_kernel_is_as_close_to_peft_as_torch_bf16(tiny_llama_lora, monkeypatch):
-    """In bfloat16 the CPU kernel (kernels/lora_cpu.c, one call a layer for all slots) and the
+    """In bfloat16 the CPU kernel (kernels/cpu/lora_cpu.c, one call a layer for all slots) and the
     slot-by-slot torch matmuls round differently; against PEFT's float32 logits the kernel's
     error stays that of torch's bf16 path (measured 0.06-0.13 vs 0.06-0.14, logits ~3), and base
     rows are identical."""

@@ -6,8 +6,8 @@ that form, so a 4-bit model holds about a quarter of its bf16 bytes:
 
 - `PackedIntWeight`: 4- or 8-bit integers packed along the input dimension in GPTQ's int32
   layout, with a scale and a zero point per group of input features (W4A16, W8A16, GPTQ, AWQ).
-  CUDA runs the Triton dequant-in-GEMM kernel (`kernels/w4a16.py`); elsewhere the layer's
-  weight is dequantized (`kernels/w4a16_ref.py`) for the matmul and dropped again.
+  CUDA runs the Triton dequant-in-GEMM kernel (`kernels/triton/w4a16.py`); elsewhere the layer's
+  weight is dequantized (`kernels/reference/w4a16_ref.py`) for the matmul and dropped again.
 - `Int8Weight`: int8 weights with per-output-channel scales; with activation quantization
   (W8A8) x is quantized per token (dynamic) or with the checkpoint's scale (static) and the GEMM
   runs on int8 (`torch._int_mm`: oneDNN's AMX-INT8 / VNNI on CPU), scaled back in float32.
@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from kubeinfer.kernels import int8_linear_cpu, ops
-from kubeinfer.kernels.w4a16_ref import dequantize_kn, pack_rows, unpack_rows
+from kubeinfer.kernels import ops
+from kubeinfer.kernels.cpu import int8_linear_cpu
+from kubeinfer.kernels.reference.w4a16_ref import dequantize_kn, pack_rows, unpack_rows
 
 __all__ = ["Fp8Weight", "Int8Weight", "PackedIntWeight", "pack_rows", "quantize_per_channel", "unpack_rows"]
 
@@ -69,7 +70,7 @@ class PackedIntWeight:
             x = x.index_select(-1, self.perm)
         rows = x.reshape(-1, self.in_features)
         if ops.uses_triton(rows):   # dequant-in-GEMM: the weight is never written out dequantized
-            from kubeinfer.kernels import w4a16
+            from kubeinfer.kernels.triton import w4a16
             out = w4a16.matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, self.bits)
         else:
             out = rows @ self.dequantize_kn(x.dtype)
@@ -147,7 +148,7 @@ def _int8_kernel_is_faster(rows: int, out_features: int) -> bool:
 @dataclass
 class Int8Weight(ScaledWeight):
     """int8 weights; dynamic or static activations run as an int8 x int8 matmul: on the CPU the
-    fused kernel of `kernels/int8_linear_cpu.c` (quantize, VNNI, rescale in one call) where it is
+    fused kernel of `kernels/cpu/int8_linear_cpu.c` (quantize, VNNI, rescale in one call) where it is
     faster, else `torch._int_mm` between that file's one-pass quantize and rescale; elsewhere
     `torch._int_mm` between torch passes (`forward_torch`, the numbers all of them give)."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_build
-from .kv_cache_ref import FP8_MAX, inverse_scale
+from ..reference.kv_cache_ref import FP8_MAX, inverse_scale
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .kv_cache_ref import FP8_MAX
+from ..reference.kv_cache_ref import FP8_MAX
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@
  * the expand, whose s is then rounded to bf16 as torch's bf16 matmul rounds its shrink);
  * elsewhere plain loops the compiler vectorises. In the engine the matrices come from memory each call
  * (the base weights evicted them), so both phases also prefetch the rows they read next.
- * Built by kernels/cpu_build.py, called by lora_cpu.py.
+ * Built by kernels/cpu/cpu_build.py, called by lora_cpu.py.
  */
 #include <omp.h>
 #include <stdlib.h>

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_build
-from .kv_cache_ref import FP8_MAX
+from ..reference.kv_cache_ref import FP8_MAX
 
 _FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 

@@ -16,7 +16,7 @@
  * [NB, BS, KH, D]; block_tables [S, max_blocks] int32; seq_lens, query_lens, query_starts [S]
  * int32 (a sequence's queries are its last query_lens[s] positions, rows from query_starts[s]).
  * Without AMX (an AMD EPYC, or the avx512 build) the same walk runs its products on vdpbf16ps
- * (see the second attend_block). Built by kernels/cpu_build.py, called by paged_prefill_cpu.py;
+ * (see the second attend_block). Built by kernels/cpu/cpu_build.py, called by paged_prefill_cpu.py;
  * an AMX build's caller must hold the process's AMX permission (quant_linear_cpu.amx_available()). An fp8 cache (paged_prefill_bf16_fp8)
  * is packed as bf16 (every fp8 value is exact in bf16), its scales folded into the scores and the output.
  */

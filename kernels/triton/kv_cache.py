@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_cache_ref import FP8_MAX, inverse_scale
+from ..reference.kv_cache_ref import FP8_MAX, inverse_scale
 
 # fp8 format -> (mantissa bits, smallest normal exponent)
 _FP8_FORMAT = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}

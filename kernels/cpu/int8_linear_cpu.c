@@ -17,7 +17,7 @@
  * `colsum` [N padded] int32. The microkernel keeps ROWS rows x PANEL columns of int32 sums in registers
  * over all of K; each thread takes a contiguous run of (64-row chunk, panel) items, prefetching ahead.
  * Without AVX512-VNNI every entry point returns UNSUPPORTED and the caller keeps torch.
- * Built by kernels/cpu_build.py, called by kernels/int8_linear_cpu.py.
+ * Built by kernels/cpu/cpu_build.py, called by kernels/cpu/int8_linear_cpu.py.
  */
 #include <omp.h>
 #include <stdlib.h>

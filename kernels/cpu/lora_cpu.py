@@ -77,7 +77,7 @@ class LoRASlots:
                 and width == num_shards * max_rank and ranks.shape[0] == num_slots
                 and ranks.dtype == torch.int32 and ranks.is_contiguous() and bounds.dtype == torch.int64
                 and bounds.shape == (num_shards + 1,) and bounds.is_contiguous()):
-            raise ValueError("LoRASlots: tensors do not have the layout of kernels/lora_cpu.c")
+            raise ValueError("LoRASlots: tensors do not have the layout of kernels/cpu/lora_cpu.c")
         self.dtype, self.k, self.n, self.num_slots = a.dtype, k, n, num_slots
         self._tensors = (a, bt, ranks, bounds)   # the pointers below stay valid while these live
         self._weights = (a.data_ptr(), bt.data_ptr())

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import ops
-from .attention_ref import paged_attention_ref
+from .. import ops
+from ..reference.attention_ref import paged_attention_ref
 
 
 @dataclass
@@ -73,11 +73,11 @@ def attention_case(args: argparse.Namespace, name: str, batch: int, q_len: int, 
 
 def elementwise_cases(args: argparse.Namespace) -> list[BenchCase]:
     """KV store, RMSNorm + residual, rotary and SiLU-and-mul over `args.tokens` tokens."""
-    from . import activation, kv_cache, rms_norm, rotary
-    from .activation_ref import silu_and_mul_ref
-    from .kv_cache_ref import store_kv_cache_ref
-    from .rms_norm_ref import rms_norm_ref
-    from .rotary_ref import apply_rotary_ref
+    from ..triton import activation, kv_cache, rms_norm, rotary
+    from ..reference.activation_ref import silu_and_mul_ref
+    from ..reference.kv_cache_ref import store_kv_cache_ref
+    from ..reference.rms_norm_ref import rms_norm_ref
+    from ..reference.rotary_ref import apply_rotary_ref
 
     dev, dtype, t = "cuda", getattr(torch, args.dtype), args.tokens
     kvh, h, d, hidden, inter = args.num_kv_heads, args.num_heads, args.head_dim, args.hidden_size, args.intermediate_size

@@ -1,4 +1,4 @@
-"""`python -m kubeinfer.kernels.compile_check`: compile every kernel and autotune config for
+"""`python -m kubeinfer.kernels.tools.compile_check`: compile every kernel and autotune config for
 Ampere (sm_80) and Hopper (sm_90) on a machine without a GPU.
 
 The interpreter tests prove the math; this proves the kernels are valid *compiled* Triton
@@ -30,10 +30,10 @@ class CompileCase:
 
 def cases(dtype: str) -> Iterator[CompileCase]:
     """Every kernel at Llama-3-8B-like shapes (32 query / 8 KV heads, head_dim 128), every config."""
-    from . import (activation, kv_cache, lora, moe, rms_norm, rotary, split_kv_attention, unified_attention,
-                   w4a16)
-    from .attention_launch import PREFILL_ROWS
-    from .tuning import ATTENTION_CONFIGS, MOE_CONFIGS, RMS_NORM_CONFIGS, W4A16_CONFIGS
+    from ..triton import (activation, kv_cache, lora, moe, rms_norm, rotary, split_kv_attention,
+                          unified_attention, w4a16)
+    from ..triton.attention_launch import PREFILL_ROWS
+    from ..triton.tuning import ATTENTION_CONFIGS, MOE_CONFIGS, RMS_NORM_CONFIGS, W4A16_CONFIGS
 
     p = "*" + TYPES[dtype]
     attention = dict(lse_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32",
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="SM versions, e.g. 80 90")
     parser.add_argument("--dtype", nargs="+", default=list(TYPES), choices=list(TYPES))
     args = parser.parse_args(argv)
-    from .tuning import interpreting
+    from ..triton.tuning import interpreting
 
     if interpreting():
         print("compile_check: unset TRITON_INTERPRET; the interpreter compiles nothing", file=sys.stderr)

@@ -8,7 +8,7 @@
  * [NB, BS, KH, D] contiguous;
  * block_tables [S, MB] int32; seq_lens [S] int32. A sequence attends to its keys
  * [max(0, len - window), len) (window <= 0: all). Exact two-pass softmax, the same math as
- * kernels/attention_ref.py; built by kernels/cpu_build.py, called by paged_decode_cpu.py.
+ * kernels/reference/attention_ref.py; built by kernels/cpu/cpu_build.py, called by paged_decode_cpu.py.
  * bf16 with head_dim 64 or 128 on AVX512-BF16 machines takes the intrinsics path at the end
  * (measured 1.3-1.5x the portable loop: 21 vs 32 ns per key and KV head on one thread).
  */

@@ -1,12 +1,12 @@
 /* Fused CPU elementwise kernels, one pass each: RMSNorm (+ residual add), SiLU-and-mul, the
  * rotary embedding of q and k in place, the KV-cache store, and a token bitmask on logits.
  *
- * They round exactly where the torch references do (kernels/rms_norm_ref.py,
+ * They round exactly where the torch references do (kernels/reference/rms_norm_ref.py,
  * activation_ref.py, rotary_ref.rotate_signed_ref, i.e. Hugging Face's modules in bf16): the
  * residual sum, the normalised value, the SiLU output and each rotary product are rounded to the
  * model dtype before the next operation.
  * Sums of squares are float32 in a different order than torch's (last-bit differences).
- * Built by kernels/cpu_build.py, called by kernels/fused_cpu.py; all tensors contiguous rows.
+ * Built by kernels/cpu/cpu_build.py, called by kernels/cpu/fused_cpu.py; all tensors contiguous rows.
  */
 #include <string.h>
 

@@ -22,7 +22,7 @@ def _for_this_run(configs: list[Config]) -> list[Config]:
 
 
 # Paged attention: TILE_SIZE KV tokens per loop iteration. Shared memory per program, as
-# compiled for sm_80/sm_90 at head_dim 128 (`python -m kubeinfer.kernels.compile_check`):
+# compiled for sm_80/sm_90 at head_dim 128 (`python -m kubeinfer.kernels.tools.compile_check`):
 # TILE 16: 12 KiB, 32: 20 KiB, 64: 36 KiB, 128: 68 KiB; all fit sm_86 (100 KiB) up to H100 (228 KiB).
 ATTENTION_CONFIGS = _for_this_run([
     # The safe default on every part, and the interpreter's config: short tiles, many resident

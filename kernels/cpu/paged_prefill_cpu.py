@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_build, quant_linear_cpu
-from .kv_cache_ref import FP8_MAX
+from ..reference.kv_cache_ref import FP8_MAX
 
 HEAD_DIMS = (64, 128)
 

@@ -1,0 +1,1 @@
+"""Developer tools for the kernels: micro-benchmarks (`bench`) and the Triton compile check."""
