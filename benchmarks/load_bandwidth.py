@@ -82,7 +82,7 @@ def child(model: str, dtype: str) -> None:
 
     import torch
 
-    from kubeinfer.server.model.causal_lm import CausalLM
+    from kubeinfer.server.model.families.causal_lm import CausalLM
     from kubeinfer.server.model.loader import load_model
 
     records: list[str] = []

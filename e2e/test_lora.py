@@ -58,7 +58,7 @@ def write_adapters(root: Path) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kubeinfer.server.model.tokenizer_files import embedded_model_path
+    from kubeinfer.server.model.checkpoints.tokenizer_files import embedded_model_path
 
     gguf = embedded_model_path()
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

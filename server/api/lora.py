@@ -21,10 +21,10 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
+from ..flags import LoRAModuleSpec
+from ..model.adapters.lora import LoRAError, LoRAPathError
 from .errors import OpenAIError
 from .state import ServerState
-from ..flags import LoRAModuleSpec
-from ..model.lora import LoRAError, LoRAPathError
 
 logger = logging.getLogger(__name__)
 VLLM_RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"

@@ -34,8 +34,8 @@ from torch.utils._pytree import tree_flatten
 
 from kubeinfer.kernels.cpu import cpu_build
 
+from ..model.families.llama import LlamaForCausalLM
 from ..model.forward_batch import ForwardBatch
-from ..model.llama import LlamaForCausalLM
 from .cuda_graphs import DecodeGraphs, host_dependent_rotary, why_eager
 
 log = logging.getLogger(__name__)

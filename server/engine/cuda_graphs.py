@@ -26,8 +26,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..model.attention_triton import TritonAttention
 from ..model.forward_batch import ForwardBatch
+from ..model.layers.attention_triton import TritonAttention
 
 log = logging.getLogger(__name__)
 

@@ -9,17 +9,17 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from ..model.pooling import read_pooler_config, resolve_task
+from ..model.checkpoints.pooling import read_pooler_config, resolve_task
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .kv_event_publisher import open_kv_event_publisher
 from .outputs import CompletionOutput, Logprob, RequestOutput
+from .pooler import Pooler, PoolingTask
 from .prompt_logprobs import PromptLogprobs
 from .proposer import Proposer
 from .sampler import Sampler, SamplerOutput, to_logprob_dict
 from .sampling_params import InvalidRequestError, SamplingParams
-from .pooler import Pooler, PoolingTask
 from .scheduler import Scheduler, SchedulerOutput
 from .scheduling_policy import build_policy
 from .sequence import DraftPosition, Request, SamplingRow, Sequence, SequenceStatus

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from ..flags import LoRAModuleSpec
-from ..model.lora import LoRAError, LoRAWeights
-from ..model.lora_layers import LoRAModel
-from ..model.lora_manager import LoRAManager
+from ..model.adapters.lora import LoRAError, LoRAWeights
+from ..model.adapters.lora_layers import LoRAModel
+from ..model.adapters.lora_manager import LoRAManager
 from .config import EngineConfig
 
 if TYPE_CHECKING:

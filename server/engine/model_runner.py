@@ -10,13 +10,13 @@ import numpy as np
 import torch
 
 from ..model.forward_batch import ForwardBatch
-from ..model.kv_cache_quant import LayerKVCache, kv_cache_torch_dtype, layer_kv_scales
+from ..model.layers.kv_cache_quant import LayerKVCache, kv_cache_torch_dtype, layer_kv_scales
 from ..parallel.plan import kv_heads_per_rank
 from .config import EngineConfig
 from .cpu_cache_memory import lazy_zeros, map_in_background
-from .cpu_threads import limit_torch_threads
 from .cpu_graphs import CpuDecodeGraphs
 from .cpu_graphs import why_not_graphed as why_not_cpu_graphed
+from .cpu_threads import limit_torch_threads
 from .cuda_graphs import DecodeGraphs, why_not_graphed
 from .prompt_logprobs import PromptLogprobPlan, PromptLogprobs
 from .scheduler import ScheduledSeq, SchedulerOutput

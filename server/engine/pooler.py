@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from ..model.pooling import PoolerConfig
+from ..model.checkpoints.pooling import PoolerConfig
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 

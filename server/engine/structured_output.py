@@ -33,7 +33,7 @@ from .sampling_params import InvalidRequestError, StructuredOutputsParams
 if TYPE_CHECKING:
     import xgrammar
 
-    from ..model.tokenizer import Tokenizer
+    from ..model.tokenizer.tokenizer import Tokenizer
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is for the client.
 _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")

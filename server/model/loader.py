@@ -21,18 +21,18 @@ from torch.overrides import TorchFunctionMode
 
 from kubeinfer.kernels.cpu import quant_linear_cpu
 
-from .attention import get_attention_backend
-from .causal_lm import CausalLM
-from .checkpoint import Checkpoint, one_intra_op_thread
+from .checkpoints.checkpoint import Checkpoint, one_intra_op_thread
+from .checkpoints.gguf_checkpoint import read_gguf_file
+from .checkpoints.hf_checkpoint import read_hf_directory
+from .checkpoints.pooling import with_causal_lm_names
+from .checkpoints.tokenizer_files import embedded_model_path
 from .config import ModelConfig
-from .gguf_checkpoint import read_gguf_file
-from .hf_checkpoint import read_hf_directory
-from .kv_cache_quant import KVScales, split_kv_scales
-from .pooling import with_causal_lm_names
+from .families.causal_lm import CausalLM
+from .layers.attention import get_attention_backend
+from .layers.kv_cache_quant import KVScales, split_kv_scales
 from .quantization import QuantizedLoad, resolve_for_checkpoint
 from .registry import model_family
-from .tokenizer import Tokenizer
-from .tokenizer_files import embedded_model_path
+from .tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Model families: architecture name -> model class and GGUF tensor names (vLLM's model registry).
 
-A new family is one module (a `CausalLM` subclass built from `ModelConfig` and an attention
-backend out of the layers of this package) plus one `register_model` call. The loaders, the
+A new family is one module in `families/` (a `CausalLM` subclass built from `ModelConfig` and an
+attention backend out of `layers/`) plus one `register_model` call. The loaders, the
 GGUF conversion and tensor parallelism look the family up here and name no architecture
 themselves; tensor parallelism comes from the roles of the family's linear layers
-(`linear.ParallelRole`). This module imports nothing heavy: `ModelConfig` validates against it.
+(`layers.linear.ParallelRole`). This module imports nothing heavy: `ModelConfig` validates against it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Mapping
 if TYPE_CHECKING:
     from torch import nn
 
-    from .attention import AttentionBackend
     from .config import ModelConfig
+    from .layers.attention import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -103,18 +103,18 @@ class ModelFamily:
         return self.resolve()(config, backend)
 
 
-_LLAMA = "kubeinfer.server.model.llama:LlamaForCausalLM"
+_LLAMA = "kubeinfer.server.model.families.llama:LlamaForCausalLM"
 _FAMILIES: dict[str, ModelFamily] = {
     "llama": ModelFamily(_LLAMA, LLAMA_GGUF),
     "mistral": ModelFamily(_LLAMA),
     "qwen2": ModelFamily(_LLAMA),
-    "qwen3": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
-    "qwen3_moe": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
-    "qwen3moe": ModelFamily("kubeinfer.server.model.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),   # its GGUF name
-    "mixtral": ModelFamily("kubeinfer.server.model.mixtral:MixtralForCausalLM"),
-    "phi3": ModelFamily("kubeinfer.server.model.phi3:Phi3ForCausalLM", PHI3_GGUF),
-    "gemma2": ModelFamily("kubeinfer.server.model.gemma:Gemma2ForCausalLM", GEMMA_GGUF),
-    "gemma3_text": ModelFamily("kubeinfer.server.model.gemma:Gemma3ForCausalLM", GEMMA_GGUF),
+    "qwen3": ModelFamily("kubeinfer.server.model.families.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
+    "qwen3_moe": ModelFamily("kubeinfer.server.model.families.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),
+    "qwen3moe": ModelFamily("kubeinfer.server.model.families.qwen3:Qwen3ForCausalLM", QWEN3_GGUF),   # its GGUF name
+    "mixtral": ModelFamily("kubeinfer.server.model.families.mixtral:MixtralForCausalLM"),
+    "phi3": ModelFamily("kubeinfer.server.model.families.phi3:Phi3ForCausalLM", PHI3_GGUF),
+    "gemma2": ModelFamily("kubeinfer.server.model.families.gemma:Gemma2ForCausalLM", GEMMA_GGUF),
+    "gemma3_text": ModelFamily("kubeinfer.server.model.families.gemma:Gemma3ForCausalLM", GEMMA_GGUF),
 }
 
 

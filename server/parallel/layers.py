@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ..model.linear import Linear, linear
-from ..model.moe import FusedExperts
+from ..model.layers.linear import Linear, linear
+from ..model.layers.moe import FusedExperts
 from .group import tensor_group
 
 

@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model.attention import get_attention_backend
-from ..model.causal_lm import CausalLM
-from ..model.checkpoint import Slice
+from ..model.checkpoints.checkpoint import Slice
+from ..model.families.causal_lm import CausalLM
 from ..model.forward_batch import ForwardBatch
-from ..model.kv_cache_quant import KVScales, split_kv_scales
-from ..model.linear import Linear, MergedLinear, ParallelRole
+from ..model.layers.attention import get_attention_backend
+from ..model.layers.kv_cache_quant import KVScales, split_kv_scales
+from ..model.layers.linear import Linear, MergedLinear, ParallelRole
+from ..model.layers.moe import FusedExperts
 from ..model.loader import fill_model, uninitialized_modules
-from ..model.moe import FusedExperts
 from ..model.quantization import QuantizedLoad, Reshard
 from ..model.quantization.base import QuantizationMethod
 from ..model.quantization.weights import QuantizedLinearWeight

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..model.families.llama import LlamaForCausalLM
 from ..model.forward_batch import ForwardBatch
-from ..model.llama import LlamaForCausalLM
 from .group import tensor_group
 from .plan import ShardPlan
 

@@ -18,9 +18,9 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from ..model.checkpoint import Slice
+from ..model.checkpoints.checkpoint import Slice
 from ..model.config import ModelConfig
-from ..model.linear import ParallelRole
+from ..model.layers.linear import ParallelRole
 
 __all__ = ["ShardPlan", "Slice", "check_pipeline_parallel", "check_tensor_parallel", "kv_heads_per_rank",
            "stage_layers"]

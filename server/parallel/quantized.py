@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 from torch.nn import functional as F
 
-from ..model.checkpoint import Slice
+from ..model.checkpoints.checkpoint import Slice
 from ..model.quantization.weights import PackedIntWeight, QuantizedLinearWeight, ScaledWeight, pack_rows, unpack_rows
 
 

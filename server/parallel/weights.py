@@ -16,10 +16,10 @@ from typing import Callable, Iterator, Mapping
 import torch
 from safetensors import safe_open
 
-from ..model.checkpoint import FusedParts, Slice, is_fused, split_fused
-from ..model.gguf_checkpoint import convert_tensors
-from ..model.gguf_reader import GGUFFile
-from ..model.hf_checkpoint import _safetensors_files, _stored_as_is
+from ..model.checkpoints.checkpoint import FusedParts, Slice, is_fused, split_fused
+from ..model.checkpoints.gguf_checkpoint import convert_tensors
+from ..model.checkpoints.gguf_reader import GGUFFile
+from ..model.checkpoints.hf_checkpoint import _safetensors_files, _stored_as_is
 from ..model.registry import GGUFNames
 from .plan import ShardPlan
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..model.adapters.lora import read_peft_adapter
+from ..model.adapters.lora_layers import LoRAModel
 from ..model.forward_batch import ForwardBatch
-from ..model.kv_cache_quant import LayerKVCache, kv_cache_torch_dtype, layer_kv_scales
+from ..model.layers.kv_cache_quant import LayerKVCache, kv_cache_torch_dtype, layer_kv_scales
 from ..model.loader import read_checkpoint
-from ..model.lora import read_peft_adapter
 from ..model.quantization import resolve_for_checkpoint
-from ..model.lora_layers import LoRAModel
 from ..model.registry import ModelFamily, register_model
 from .group import Topology, agree_on_load, init_group
 from .model import KVCaches, TensorParallelModel, load_shard, weight_slices

@@ -25,7 +25,7 @@ import uvicorn
 from ..api.auth import api_keys_from_args
 from ..engine.kv_events import BlockHasher
 from ..flags import LONG_CONTEXT_TOKENS, add_flags, default_max_body_bytes
-from ..model.tokenizer_files import load_tokenizer
+from ..model.checkpoints.tokenizer_files import load_tokenizer
 from ..tenancy import table_from_args, tenancy_enabled
 from .activator import Activator, ActivatorConfig, GatewayMetrics
 from .backends import Backends, KubeBackends, StaticBackends

@@ -23,7 +23,7 @@ from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 import httpx
 
 from ..engine.kv_events import UNKEYED, BlockHasher
-from ..model.tokenizer import Tokenizer
+from ..model.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")

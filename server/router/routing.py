@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Mapping
 
-from ..model.tokenizer import Tokenizer
+from ..model.tokenizer.tokenizer import Tokenizer
 from .backends import Backends
 from .engine_views import EngineViews
 from .routing_key import KeyMaker, RoutingKey

@@ -17,7 +17,7 @@ import pydantic
 
 from ..api.protocol import ChatCompletionRequest, CompletionRequest
 from ..engine.kv_events import UNKEYED, BlockHasher
-from ..model.tokenizer import Tokenizer
+from ..model.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"

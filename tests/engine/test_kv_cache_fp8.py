@@ -24,7 +24,7 @@ from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.logits_processor import LogitsProcessor
 from kubeinfer.server.engine.sampling_params import SamplingParams
-from kubeinfer.server.model.attention import TorchAttention
+from kubeinfer.server.model.layers.attention import TorchAttention
 from kubeinfer.server.model.loader import load_model
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from helpers.tiny_models import build_tiny_llama
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubeinfer.server.flags import LoRAModuleSpec
-from kubeinfer.server.model.lora import LoRAError
+from kubeinfer.server.model.adapters.lora import LoRAError
 
 pytestmark = pytest.mark.unit
 

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kubeinfer.server.model.attention import AttentionBackend
 from kubeinfer.server.model.config import ModelConfig
-from kubeinfer.server.model.linear import Linear, MergedLinear, ParallelRole
-from kubeinfer.server.model.llama import LlamaForCausalLM
+from kubeinfer.server.model.families.llama import LlamaForCausalLM
+from kubeinfer.server.model.layers.attention import AttentionBackend
+from kubeinfer.server.model.layers.linear import Linear, MergedLinear, ParallelRole
 from kubeinfer.server.model.registry import LLAMA_GGUF, ModelFamily
 
 ARCHITECTURE = "toy_gelu_llama"

@@ -16,7 +16,7 @@ from kubeinfer.server.engine.config import EngineConfig
 from kubeinfer.server.engine.cuda_graphs import DecodeGraphs, why_not_graphed
 from kubeinfer.server.engine.llm_engine import LLMEngine
 from kubeinfer.server.engine.sampling_params import SamplingParams
-from kubeinfer.server.model.attention_triton import TritonAttention
+from kubeinfer.server.model.layers.attention_triton import TritonAttention
 
 pytestmark = pytest.mark.integration
 

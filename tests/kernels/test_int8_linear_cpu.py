@@ -110,7 +110,7 @@ def test_gate_up_layer_fuses_silu_only_where_it_goes_through_int_mm(monkeypatch)
     its forward then SiLU-and-mul; at decode sizes (the fused GEMM kernel's) it runs those two steps."""
     if not int8_linear_cpu.available():
         pytest.skip("needs AVX512-VNNI and AVX512-BF16")
-    from kubeinfer.server.model.linear import MergedLinear
+    from kubeinfer.server.model.layers.linear import MergedLinear
     weight, scale, _, _ = _case(1, 64, 96, torch.bfloat16, 11)
     layer = MergedLinear(64, [48, 48], bias=False)
     layer.weight = None

@@ -102,7 +102,7 @@ def test_bad_shapes_and_inputs_are_clear_errors():
 def test_model_linear_uses_the_quants_up_to_the_row_limit_and_the_dense_weight_beyond():
     """`Linear` with both forms, made to disagree on purpose (dense weight all zero): batches up to
     the kernel's row limit come from the quants, larger ones from the dense GEMM."""
-    from kubeinfer.server.model.linear import Linear
+    from kubeinfer.server.model.layers.linear import Linear
 
     layer = Linear(64, 32, bias=False).to(torch.bfloat16)
     with torch.no_grad():

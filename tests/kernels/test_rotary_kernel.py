@@ -79,7 +79,7 @@ def test_unknown_scaling_is_rejected():
 def test_table_from_the_models_inverse_frequencies_matches_ours(scaling):
     """The GPU path builds its table from the model's own inv_freq (GGUF rope_freqs included)."""
     from kubeinfer.kernels.reference.rope_cache import cos_sin_table
-    from kubeinfer.server.model.rotary import rope_inv_freq
+    from kubeinfer.server.model.layers.rotary import rope_inv_freq
 
     model_table = cos_sin_table(rope_inv_freq(64, 500000.0, scaling), 256)
     torch.testing.assert_close(model_table, build_rope_cache(64, 256, 500000.0, scaling))

@@ -19,8 +19,8 @@ from kubeinfer.kernels import ops
 from kubeinfer.kernels.cpu import paged_prefill_cpu
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
-from kubeinfer.server.model.attention import TorchAttention
-from kubeinfer.server.model.attention_triton import TritonAttention
+from kubeinfer.server.model.layers.attention import TorchAttention
+from kubeinfer.server.model.layers.attention_triton import TritonAttention
 from kubeinfer.server.model.loader import load_model
 
 pytestmark = pytest.mark.integration

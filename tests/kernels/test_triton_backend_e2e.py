@@ -16,8 +16,8 @@ from helpers.tiny_models import (build_tiny_llama, make_tiny_gemma2, make_tiny_g
 
 from kubeinfer.kernels import ops
 
-from kubeinfer.server.model.attention import TorchAttention
-from kubeinfer.server.model.attention_triton import TritonAttention
+from kubeinfer.server.model.layers.attention import TorchAttention
+from kubeinfer.server.model.layers.attention_triton import TritonAttention
 from kubeinfer.server.model.loader import load_model
 
 pytestmark = pytest.mark.integration

@@ -21,8 +21,8 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, for `helpers` when run as a script
 from helpers.paged import scattered_batch  # noqa: E402
 
-from kubeinfer.server.model.attention import TorchAttention  # noqa: E402
 from kubeinfer.server.model.forward_batch import ForwardBatch  # noqa: E402
+from kubeinfer.server.model.layers.attention import TorchAttention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 9, 3, 64, 16, 2048
 

@@ -7,7 +7,7 @@ import torch
 from helpers.paged import scattered_batch
 
 from kubeinfer.kernels.cpu import paged_prefill_cpu
-from kubeinfer.server.model.attention import TorchAttention, _similar_query_lengths, get_attention_backend
+from kubeinfer.server.model.layers.attention import TorchAttention, _similar_query_lengths, get_attention_backend
 
 pytestmark = pytest.mark.unit
 

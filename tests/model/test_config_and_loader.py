@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers.tiny_models import make_tiny_qwen2
 
-from kubeinfer.server.model import loader, tokenizer_files
+from kubeinfer.server.model import loader
+from kubeinfer.server.model.checkpoints import tokenizer_files
 from kubeinfer.server.model.config import ModelConfig
 
 pytestmark = pytest.mark.unit

@@ -8,11 +8,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
-from kubeinfer.server.model.gguf_checkpoint import hf_name, unpermute_rope_rows
-from kubeinfer.server.model.gguf_dequant import SUPPORTED_TYPES, dequantize
-from kubeinfer.server.model.gguf_reader import QUANT_SIZES, GGUFFile, GGUFTensor, QType
-from kubeinfer.server.model.gguf_tokenizer import _byte_spelling, tokenizer_from_gguf
+from kubeinfer.server.model.checkpoints.gguf_checkpoint import hf_name, unpermute_rope_rows
+from kubeinfer.server.model.checkpoints.gguf_dequant import SUPPORTED_TYPES, dequantize
+from kubeinfer.server.model.checkpoints.gguf_reader import QUANT_SIZES, GGUFFile, GGUFTensor, QType
 from kubeinfer.server.model.loader import embedded_model_path
+from kubeinfer.server.model.tokenizer.gguf_tokenizer import _byte_spelling, tokenizer_from_gguf
 
 pytestmark = pytest.mark.unit
 

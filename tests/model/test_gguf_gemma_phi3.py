@@ -18,7 +18,7 @@ from helpers.tiny_models import BOS_ID, EOS_ID, VOCAB_SIZE, _DIMS, _build, build
 
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
-from kubeinfer.server.model.gguf_checkpoint import read_gguf_file
+from kubeinfer.server.model.checkpoints.gguf_checkpoint import read_gguf_file
 from kubeinfer.server.model.loader import load_model
 
 pytestmark = pytest.mark.integration

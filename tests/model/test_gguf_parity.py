@@ -13,7 +13,7 @@ import torch
 from helpers.paged import PagedRunner
 
 from kubeinfer.kernels.cpu import quant_linear_cpu
-from kubeinfer.server.model.linear import Linear
+from kubeinfer.server.model.layers.linear import Linear
 from kubeinfer.server.model.loader import embedded_model_path, load_model
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from kubeinfer.server.model.gguf_tokenizer import tokenizer_from_gguf
+from kubeinfer.server.model.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +81,7 @@ def test_decoding_gives_the_text_back(tmp_path, prefix):
 
 def test_the_engine_tokenizer_of_such_a_gguf(tmp_path):
     """Through `gguf_tokenizer` (what the loader uses): BOS added, EOS known, incremental text."""
-    from kubeinfer.server.model.tokenizer_files import gguf_tokenizer
+    from kubeinfer.server.model.checkpoints.tokenizer_files import gguf_tokenizer
 
     sp = _train(tmp_path, True)
     tokenizer = gguf_tokenizer(_gguf_metadata(sp, True))

@@ -19,9 +19,9 @@ from helpers.tiny_models import build_tiny_llama, build_tiny_phi3, build_tiny_qw
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.flags import LoRAModuleSpec
+from kubeinfer.server.model.adapters.lora import read_peft_adapter
+from kubeinfer.server.model.adapters.lora_layers import LoRAModel
 from kubeinfer.server.model.loader import load_model
-from kubeinfer.server.model.lora import read_peft_adapter
-from kubeinfer.server.model.lora_layers import LoRAModel
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,7 @@ def test_bf16_kernel_is_as_close_to_peft_as_torch_bf16(tiny_llama_lora, monkeypa
     slot-by-slot torch matmuls round differently; against PEFT's float32 logits the kernel's
     error stays that of torch's bf16 path (measured 0.06-0.13 vs 0.06-0.14, logits ~3), and base
     rows are identical."""
-    from kubeinfer.server.model import lora_layers
+    from kubeinfer.server.model.adapters import lora_layers
 
     base, peft_model, paths = tiny_llama_lora
     model = load_model(str(base), "bfloat16", "cpu").model
@@ -195,7 +195,7 @@ def test_other_families(tmp_path, build, targets):
 def test_a_failing_adapter_fails_only_its_requests(tiny_llama_lora, monkeypatch):
     """Fault injection: the delta of one adapter raises; the other requests of the same steps
     get exactly the tokens of a clean run, and no block leaks."""
-    from kubeinfer.server.model import lora_layers
+    from kubeinfer.server.model.adapters import lora_layers
 
     base, _, paths = tiny_llama_lora
     llm = LLM(str(base), dtype="float32", kv_cache_memory=4 << 20, enable_lora=True, max_loras=3,

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kubeinfer.server.model import safetensors_stream
+from kubeinfer.server.model.checkpoints import safetensors_stream
 
 pytestmark = pytest.mark.unit
 

@@ -7,10 +7,10 @@ import json
 import pytest
 from helpers.tiny_models import make_tiny_llama
 
-from kubeinfer.server.model.chat_template import ChatTemplateError
-from kubeinfer.server.model.gguf_checkpoint import read_gguf_file
-from kubeinfer.server.model.hf_checkpoint import read_hf_directory
+from kubeinfer.server.model.checkpoints.gguf_checkpoint import read_gguf_file
+from kubeinfer.server.model.checkpoints.hf_checkpoint import read_hf_directory
 from kubeinfer.server.model.loader import embedded_model_path
+from kubeinfer.server.model.tokenizer.chat_template import ChatTemplateError
 
 pytestmark = pytest.mark.integration
 
@@ -141,7 +141,7 @@ def test_sentencepiece_tokenizers_match_transformers_and_stream(kind, tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from kubeinfer.server.engine.detokenizer import IncrementalDetokenizer
-    from kubeinfer.server.model.tokenizer_files import hf_tokenizer
+    from kubeinfer.server.model.checkpoints.tokenizer_files import hf_tokenizer
 
     path = _sentencepiece_tokenizer_dir(tmp_path, kind)
     ours = hf_tokenizer(path)

@@ -11,8 +11,8 @@ import pytest
 from kubeinfer.operator.build import deployment
 from kubeinfer.operator.children import desired_children, stale_children
 from kubeinfer.operator.model_source import EMBEDDED_SERVED_NAME
-from kubeinfer.server.model.tokenizer_files import EMBEDDED_FILE
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
+from kubeinfer.server.model.checkpoints.tokenizer_files import EMBEDDED_FILE
 
 pytestmark = pytest.mark.unit
 

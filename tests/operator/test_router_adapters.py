@@ -12,11 +12,11 @@ import pytest
 
 from test_router_pickers import BS, SHARED, URLS, key, views
 
+from kubeinfer.server.engine.kv_events import block_hashes
+from kubeinfer.server.model.checkpoints.tokenizer_files import load_tokenizer
 from kubeinfer.server.router.engine_views import EngineViews
 from kubeinfer.server.router.pickers import PrefixAware
 from kubeinfer.server.router.routing_key import KeyMaker, RoutingKey
-from kubeinfer.server.engine.kv_events import block_hashes
-from kubeinfer.server.model.tokenizer_files import load_tokenizer
 
 pytestmark = pytest.mark.unit
 

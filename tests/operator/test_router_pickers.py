@@ -177,7 +177,7 @@ def test_the_router_imports_no_torch() -> None:
 
     code = ("import sys\n"
             "import kubeinfer.server.router.cli, kubeinfer.server.router.proxy\n"
-            "import kubeinfer.server.router.routing, kubeinfer.server.model.tokenizer_files\n"
+            "import kubeinfer.server.router.routing, kubeinfer.server.model.checkpoints.tokenizer_files\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 

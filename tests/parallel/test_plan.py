@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kubeinfer.server.model.config import ModelConfig
-from kubeinfer.server.model.linear import ParallelRole
+from kubeinfer.server.model.layers.linear import ParallelRole
 from kubeinfer.server.model.loader import uninitialized_modules
 from kubeinfer.server.model.registry import model_family
 from kubeinfer.server.parallel.model import build_shard, weight_slices

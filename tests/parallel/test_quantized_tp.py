@@ -28,7 +28,7 @@ from test_tp_parity import ENGINE, GREEDY, TINY_TOL, random_prompts
 
 from kubeinfer.server.engine.config import EngineConfig
 from kubeinfer.server.engine.llm import LLM
-from kubeinfer.server.model.checkpoint import Slice
+from kubeinfer.server.model.checkpoints.checkpoint import Slice
 from kubeinfer.server.model.quantization.weights import PackedIntWeight, pack_rows
 from kubeinfer.server.parallel.launch import load_tensor_parallel
 from kubeinfer.server.parallel.quantized import shard_quantized

@@ -11,10 +11,10 @@ import pytest
 
 from helpers.lora_adapters import make_peft_adapter
 
+from kubeinfer.server.flags import LoRAModuleSpec
+from kubeinfer.server.model.checkpoints.tokenizer_files import load_tokenizer
 from kubeinfer.server.router.engine_views import EngineView
 from kubeinfer.server.router.routing_key import KeyMaker
-from kubeinfer.server.flags import LoRAModuleSpec
-from kubeinfer.server.model.tokenizer_files import load_tokenizer
 
 pytestmark = pytest.mark.integration
 

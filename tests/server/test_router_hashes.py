@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kubeinfer.server.engine.kv_events import HASH_SCHEME, UNKEYED, BlockHasher, block_hashes
+from kubeinfer.server.model.checkpoints.tokenizer_files import load_tokenizer
 from kubeinfer.server.router.engine_views import EngineView, EngineViews
 from kubeinfer.server.router.routing_key import KeyMaker
-from kubeinfer.server.engine.kv_events import HASH_SCHEME, UNKEYED, BlockHasher, block_hashes
-from kubeinfer.server.model.tokenizer_files import load_tokenizer
 
 pytestmark = pytest.mark.integration
 

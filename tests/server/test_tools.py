@@ -12,7 +12,7 @@ from kubeinfer.server.api.errors import OpenAIError
 from kubeinfer.server.api.protocol import ChatCompletionRequest
 from kubeinfer.server.api.tools import (ToolCallStream, parse_auto, plan_tools, template_family,
                                         template_messages)
-from kubeinfer.server.model.chat_template import render_chat
+from kubeinfer.server.model.tokenizer.chat_template import render_chat
 
 pytestmark = pytest.mark.unit
 

@@ -10,17 +10,19 @@ they stream it diverts that layer's tensors, and at the end it gives each layer 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from ...flags import QUANTIZATION_METHODS
-from ..checkpoint import Checkpoint
-from ..linear import Linear
-from ..moe import FusedExperts
+from ..layers.linear import Linear
+from ..layers.moe import FusedExperts
 from .base import QuantizationMethod
 from .weights import QuantizedLinearWeight, quantize_per_channel
+
+if TYPE_CHECKING:
+    from ..checkpoints.checkpoint import Checkpoint
 
 # config.json `quant_method`s read (fp8: AutoFP8 / vLLM's FP8 export)
 CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")

@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..flags import LoRAModuleSpec
+from ...flags import LoRAModuleSpec
 from .lora import LoRAError, LoRAWeights, read_peft_adapter
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from kubeinfer.kernels import ops
 from kubeinfer.kernels.cpu import fused_cpu, paged_decode_cpu, paged_prefill_cpu
 from kubeinfer.kernels.reference.kv_cache_ref import FP8_MAX, dequantize_fp8_ref, quantize_fp8_ref, store_kv_cache_ref
 
-from .forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch
 from .kv_cache_quant import KVScales
 from .rotary import RotaryEmbedding
 

@@ -24,14 +24,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .attention import AttentionBackend
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
+from ..layers.attention import AttentionBackend
+from ..layers.mlp import SwiGLUMLP
+from ..layers.rotary import RotaryEmbedding
+from ..layers.self_attention import SelfAttention
 from .causal_lm import CausalLM
-from .config import ModelConfig
-from .forward_batch import ForwardBatch
 from .llama import PACKED_MODULES
-from .mlp import SwiGLUMLP
-from .rotary import RotaryEmbedding
-from .self_attention import SelfAttention
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 

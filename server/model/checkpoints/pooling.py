@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from ..flags import TASKS
+from ...flags import TASKS
 
 POOLING_TYPES = ("last", "mean", "cls")
 # sentence-transformers `pooling_mode` spellings -> ours

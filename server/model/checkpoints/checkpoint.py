@@ -8,8 +8,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .config import ModelConfig
-from .tokenizer import Tokenizer
+from ..config import ModelConfig
+from ..tokenizer.tokenizer import Tokenizer
 
 # Weights in transformers naming (`model.layers.0.self_attn.q_proj.weight`), converted to the given dtype.
 WeightStream = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]

@@ -32,12 +32,12 @@ from torch import nn
 from kubeinfer.kernels import ops
 from kubeinfer.kernels.cpu import lora_cpu
 
-from .forward_batch import ForwardBatch
-from .linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight
+from ..forward_batch import ForwardBatch
+from ..layers.linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight
 from .lora import LoRAError, LoRAWeights
 
 if TYPE_CHECKING:
-    from .checkpoint import Slice
+    from ..checkpoints.checkpoint import Slice
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from kubeinfer.kernels.reference.rope_cache import cos_sin_table
 
-from .forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

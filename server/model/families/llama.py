@@ -19,15 +19,15 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from .attention import AttentionBackend
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
+from ..layers.attention import AttentionBackend
+from ..layers.mlp import SwiGLUMLP
+from ..layers.moe import GATE_UP_DOWN, SparseMoE
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+from ..layers.self_attention import NormFactory, SelfAttention
 from .causal_lm import CausalLM
-from .config import ModelConfig
-from .forward_batch import ForwardBatch
-from .mlp import SwiGLUMLP
-from .moe import GATE_UP_DOWN, SparseMoE
-from .norm import RMSNorm
-from .rotary import RotaryEmbedding
-from .self_attention import NormFactory, SelfAttention
 
 # checkpoint projection name -> (merged module name, shard index)
 PACKED_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -12,7 +12,7 @@ import torch
 from kubeinfer.kernels import ops
 from kubeinfer.kernels.ops import triton_paged_attention
 
-from .forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch
 from .kv_cache_quant import KVScales
 from .rotary import RotaryEmbedding
 

@@ -19,11 +19,11 @@ from torch import nn
 from kubeinfer.kernels import ops
 from kubeinfer.kernels.reference.moe_ref import fused_moe_ref
 
-from .config import MoEConfig
+from ..config import MoEConfig
 from .linear import Linear, ParallelRole, can_pack, linear, pack_weight
 
 if TYPE_CHECKING:
-    from .quantization.weights import QuantizedLinearWeight
+    from ..quantization.weights import QuantizedLinearWeight
 
 # transformers' per-expert names (gate, up, down): Qwen3-MoE's; Mixtral's are w1, w3, w2
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")

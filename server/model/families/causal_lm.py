@@ -16,12 +16,12 @@ from torch import nn
 from kubeinfer.kernels.cpu import quant_linear_cpu
 from kubeinfer.kernels.cpu.quant_linear_cpu import QuantizedWeight
 
-from .checkpoint import FusedParts, QuantizedBlocks
-from .config import ModelConfig
-from .forward_batch import ForwardBatch
-from .linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight
-from .moe import FusedExperts
-from .rotary import RotaryEmbedding
+from ..checkpoints.checkpoint import FusedParts, QuantizedBlocks
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
+from ..layers.linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight
+from ..layers.moe import FusedExperts
+from ..layers.rotary import RotaryEmbedding
 
 
 class CausalLM(nn.Module):

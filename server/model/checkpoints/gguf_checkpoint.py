@@ -21,11 +21,11 @@ import torch
 
 from kubeinfer.kernels.cpu.quant_linear_cpu import BLOCK_BYTES
 
+from ..config import ModelConfig
+from ..registry import LLAMA_GGUF, GGUFNames, model_family
 from .checkpoint import Checkpoint, FusedParts, QuantizedBlocks, Slice, is_fused, one_intra_op_thread, split_fused
-from .config import ModelConfig
 from .gguf_dequant import dequantize
 from .gguf_reader import GGUFFile, GGUFTensor
-from .registry import LLAMA_GGUF, GGUFNames, model_family
 from .tokenizer_files import gguf_eos_ids, gguf_tokenizer
 
 # GGUF `general.sampling.*` keys (recent converters) -> our generation default names

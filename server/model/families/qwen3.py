@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..layers.norm import RMSNorm
 from .llama import DecoderParts, LlamaForCausalLM
-from .norm import RMSNorm
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

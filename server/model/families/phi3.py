@@ -8,8 +8,8 @@ Registered for `phi3` in `registry.py`.
 
 from __future__ import annotations
 
-from .checkpoint import FusedParts
-from .config import ModelConfig
+from ..checkpoints.checkpoint import FusedParts
+from ..config import ModelConfig
 from .llama import LlamaForCausalLM
 
 

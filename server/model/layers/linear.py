@@ -26,8 +26,8 @@ from kubeinfer.kernels.cpu import quant_linear_cpu
 from kubeinfer.kernels.cpu.quant_linear_cpu import QuantizedWeight
 
 if TYPE_CHECKING:
-    from .lora_layers import LoRALayer
-    from .quantization.weights import QuantizedLinearWeight
+    from ..adapters.lora_layers import LoRALayer
+    from ..quantization.weights import QuantizedLinearWeight
 
 
 class ParallelRole(enum.Enum):

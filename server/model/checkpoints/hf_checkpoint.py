@@ -9,12 +9,12 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from ..weights.prefetch import prefetch
+from ...weights.prefetch import prefetch
+from ..config import ModelConfig
+from ..quantization import QUANTIZED_TENSOR_SUFFIXES
+from ..registry import model_family
 from . import safetensors_stream
 from .checkpoint import GENERATION_KEYS, Checkpoint, loading_threads, split_fused
-from .config import ModelConfig
-from .quantization import QUANTIZED_TENSOR_SUFFIXES
-from .registry import model_family
 from .tokenizer_files import hf_tokenizer, read_json
 
 

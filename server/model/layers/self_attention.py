@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
 from .attention import AttentionBackend
-from .config import ModelConfig
-from .forward_batch import ForwardBatch
 from .kv_cache_quant import LayerKVCache
 from .linear import Linear, MergedLinear, ParallelRole
 from .rotary import RotaryEmbedding

@@ -1,0 +1,1 @@
+"""Model sources read into a `Checkpoint`: Hugging Face directories (safetensors), GGUF files, their tokenizer files and pooling."""
