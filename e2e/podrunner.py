@@ -65,8 +65,10 @@ class Runner:
             previous = [t for key in (status["podIP"], pod_dir.name) if (t := self.releasing.get(key))]
             local = LocalPod(pod, pod_dir, previous=previous)
             log.info("starting %s/%s on %s", meta["namespace"], meta["name"], local.ip)
-            self.pods[uid] = local
+            # supervised only once started: a tick before that would set the pod up without its
+            # environment (service-account token, API server) and start its containers twice
             local.start(self.core, self.api, self.entrypoint, self.pid_dir, self.nodes_dir)
+            self.pods[uid] = local
         elif uid in self.pods:
             self.pods[uid].pod = pod
 
