@@ -7,49 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 pytest.importorskip("opentelemetry.sdk")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
-    ExportTraceServiceRequest, ExportTraceServiceResponse)
+from tests.helpers.otlp import OtlpReceiver  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "a very particular prompt text"
-
-
-class OtlpReceiver:
-    """An OTLP/HTTP traces endpoint (protobuf) on 127.0.0.1 collecting every span it gets."""
-
-    def __init__(self) -> None:
-        self.spans: list = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = ExportTraceServiceRequest.FromString(body)
-                for resource in request.resource_spans:
-                    for scope in resource.scope_spans:
-                        receiver.spans.extend(scope.spans)
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -113,9 +81,9 @@ def test_one_trace_per_request_under_the_clients_traceparent(tiny_model_path, li
         assert abs(sum(c.end_time_unix_nano - c.start_time_unix_nano for c in children) - total) <= 1000
         # the request's spans against the client's own clock: they start as the request reaches
         # the app (middleware.RequestClock) and end when it finishes, so they lie inside it.
-        # NOTE: #42 also asks them to cover all but 5% of it; on the shared 2-vCPU machine (load
-        # 17-27) they covered 93.7-97.3%, the rest spent before uvicorn handed the request to the
-        # app, and how much depends on that load, so it is reported (docs/tenancy.md), not asserted.
+        # How close they come (#42: within 5%) depends on the machine's load and, for this tiny
+        # model's short requests, on the client's own overhead: benchmarks/tracing_cost.py measures
+        # it (BENCHMARKS.md), this test does not assert it.
         assert 0 < total / 1e9 <= client_seconds, (total / 1e9, client_seconds)
 
 
