@@ -30,7 +30,8 @@ _backend = os.environ.get("KUBEINFER_KERNEL_BACKEND", "auto")
 if _backend not in BACKENDS:
     raise ValueError(f"KUBEINFER_KERNEL_BACKEND={_backend!r}; expected one of {', '.join(BACKENDS)}")
 
-__all__ = ["build_rope_cache", "cos_sin_table", "triton_paged_attention", "rms_norm", "apply_rotary",
+__all__ = ["build_rope_cache", "cos_sin_table", "triton_paged_attention", "triton_store_kv_cache",
+           "triton_w4a16_matmul", "rms_norm", "apply_rotary",
            "rotate_signed", "silu_and_mul", "fused_moe", "lora_shrink_expand", "use_backend", "uses_triton",
            "uses_cpu_kernels"]
 
@@ -107,6 +108,23 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return unified_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                              max_query_len=max_query_len, sliding_window=sliding_window, softcap=softcap,
                              k_scale=k_scale, v_scale=v_scale)
+
+
+def triton_store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write `k, v [T, kv_heads, D]` into the paged caches at `slot_mapping` (-1: skip) on the Triton
+    kernel whatever the backend setting; an fp8 cache holds K / k_scale and V / v_scale."""
+    from .triton.kv_cache import store_kv_cache
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def triton_w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        group_size: int, bits: int = 4) -> torch.Tensor:
+    """x [M, K] @ a 4/8-bit packed weight (GPTQ's int32 layout, a scale and zero point per group)
+    on the Triton dequant-in-GEMM kernel whatever the backend setting (reference:
+    `w4a16_ref.packed_matmul_ref`)."""
+    from .triton.w4a16 import matmul
+    return matmul(x, qweight, scales, zeros, group_size, bits)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -1,6 +1,7 @@
 """The product's import graph, read from the source (issue 38): no module imports its way back to
-itself, the operator, the autoscaler and the router keep to their layers, and neither the
-operator nor the router can reach torch.
+itself, the operator, the autoscaler and the router keep to their layers, neither the
+operator nor the router can reach torch, and the server reaches the kernels only through their op
+modules.
 
 Imports inside functions count: a cycle closed by a lazy import is still a cycle. Imports under
 `if TYPE_CHECKING:` do not (they never run). The type-only circles left, each an annotation naming
@@ -180,6 +181,21 @@ def test_the_operator_and_the_router_cannot_reach_torch() -> None:
             if target not in parent:
                 parent[target] = module
                 queue.append(target)
+
+
+# The kernels' API (issue 38): the device-generic ops and the CPU kernels' named API. The Triton
+# and C kernel modules behind them are theirs to import, never the server's.
+KERNEL_OPS = ("kubeinfer.kernels.ops", "kubeinfer.kernels.ops_cpu")
+KERNEL_INTERNALS = ("kubeinfer.kernels.cpu", "kubeinfer.kernels.triton")
+
+
+def test_the_server_reaches_the_kernels_only_through_the_op_modules() -> None:
+    ours = graph()[0]
+    offenders = [f"{module} -> {target}" for module, targets in sorted(ours.items())
+                 if module.startswith("kubeinfer.server.") for target in sorted(targets)
+                 if target.startswith(KERNEL_INTERNALS)]
+    assert not offenders, ("server modules importing kernel modules past " + ", ".join(KERNEL_OPS) + ":\n"
+                           + "\n".join(offenders))
 
 
 def test_the_entry_points_load_without_torch() -> None:

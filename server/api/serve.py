@@ -24,7 +24,7 @@ from typing import Callable
 
 import uvicorn
 
-from kubeinfer.kernels.cpu import cpu_build
+from kubeinfer.kernels import ops_cpu
 from .. import exit_codes
 from ..flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 from .admission import Admission
@@ -111,7 +111,7 @@ async def _serve(args: argparse.Namespace) -> int:
         args.scheduling_policy = "fair"
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))
     if args.device in ("auto", "cpu"):   # the attention kernels: now, off the loading path
-        cpu_build.start_building()
+        ops_cpu.start_building()
     tracing = None
     try:
         state = ServerState.create(engine, args.model_source, args.max_queued_requests)
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_keys:
         logger.info("API keys required on the OpenAI routes (%d configured)", len(args.api_keys))
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
-        cpu_build.start_building(cpu_build.LOADING_KERNELS)
+        ops_cpu.start_building(loading_only=True)
     from ..weights.fetch import use_local_copy
     from ..weights.prefetch import prefetch
 

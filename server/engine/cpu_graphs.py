@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kubeinfer.kernels.cpu import cpu_build
+from kubeinfer.kernels import ops_cpu
 
 from ..model.families.llama import LlamaForCausalLM
 from ..model.forward_batch import ForwardBatch
@@ -142,7 +142,7 @@ class CpuDecodeGraphs(DecodeGraphs):
             return False
         size = self.padded_size(len(query_lens))
         return size in self.recorded or (size not in self.refused
-                                         and not any(map(cpu_build.building, cpu_build.KERNELS)))
+                                         and not ops_cpu.any_kernel_building())
 
     @torch.inference_mode()
     def replay(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
@@ -170,7 +170,7 @@ class CpuDecodeGraphs(DecodeGraphs):
         model.decoder_layers(embedded, batch, self.kv_caches)
         guard = _OnlyKernels()
         try:
-            with cpu_build.recording_calls() as calls, guard:
+            with ops_cpu.recording_calls() as calls, guard:
                 out = model.decoder_layers(embedded, batch, self.kv_caches)
         except RecordingRefused as refused:
             self.refused.add(size)

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from kubeinfer.kernels.cpu import fused_cpu
+from kubeinfer.kernels import ops_cpu
 
 from .argmax import argmax_rows
 from .logits_processor import apply_logits_processors
@@ -189,14 +189,14 @@ class Sampler:
         way a row goes depends on its own parameters only, so a seeded request gives the same
         tokens whatever it is batched with."""
         vocab = logits.shape[1]
-        kernel = fused_cpu.sample_rows_available(logits)
+        kernel = ops_cpu.sample_rows_available(logits)
         plain = [row for row, seq in enumerate(seqs) if kernel and not greedy[row] and _temperature_only(seq, vocab)]
         taken = set(plain)
         rest = [row for row in range(len(seqs)) if not greedy[row] and row not in taken]
         sampled = torch.zeros(len(seqs), dtype=torch.int64, device=self.device)
         if plain:
-            sampled[plain] = fused_cpu.sample_rows(logits, plain, [seqs[row].params.temperature for row in plain],
-                                                   uniform[plain])
+            sampled[plain] = ops_cpu.sample_rows(logits, plain, [seqs[row].params.temperature for row in plain],
+                                                 uniform[plain])
         if rest:
             sampled = self._sample_torch(logits, seqs, uniform, rest, sampled)
         if not any(greedy):   # an argmax pass over the whole batch for no row

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq, cast
 import numpy as np
 import torch
 
-from kubeinfer.kernels.cpu import fused_cpu
+from kubeinfer.kernels import ops_cpu
 
 from .logits_processor import LogitsProcessor, ProcessorFactory
 from .sampling_params import InvalidRequestError, StructuredOutputsParams
@@ -335,10 +335,10 @@ class GrammarProcessor(LogitsProcessor):
         json_rows = [row for row, processor in zip(rows, grammars) if processor.is_json]
         if json_rows:   # one op for all JSON rows
             bitmask[json_rows] &= backend.json_bitmask
-        if fused_cpu.token_bitmask_available(logits):
+        if ops_cpu.token_bitmask_available(logits):
             # One vectorised pass that also says which rows kept a finite logit; xgrammar's
             # CPU kernel tests bit by bit (BENCHMARKS.md, "Quiet rerun: the mask, not the forward pass").
-            dead = ~fused_cpu.apply_token_bitmask(logits, bitmask, rows)
+            dead = ~ops_cpu.apply_token_bitmask(logits, bitmask, rows)
         else:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
             # A row's max is cheaper to find than a finite entry (isfinite + any wrote a bool per logit).

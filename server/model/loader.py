@@ -19,8 +19,6 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kubeinfer.kernels.cpu import quant_linear_cpu
-
 from .checkpoints.checkpoint import Checkpoint, one_intra_op_thread
 from .checkpoints.gguf_checkpoint import read_gguf_file
 from .checkpoints.hf_checkpoint import read_hf_directory
@@ -30,7 +28,7 @@ from .config import ModelConfig
 from .families.causal_lm import CausalLM
 from .layers.attention import get_attention_backend
 from .layers.kv_cache_quant import KVScales, split_kv_scales
-from .quantization import QuantizedLoad, resolve_for_checkpoint
+from .quantization import QuantizedLoad, gguf_blocks, resolve_for_checkpoint
 from .registry import model_family
 from .tokenizer.tokenizer import Tokenizer
 
@@ -149,7 +147,7 @@ def read_checkpoint(source: str) -> Checkpoint:
 def load_model(source: str = "embedded", dtype: str = "auto", device: str = "auto",
                quantization: str = "auto", embed: bool = False) -> LoadedModel:
     """Build the model of `source` on `device` in `dtype`; with quantization 'auto', GGUF matrices
-    in a type `quant_linear_cpu` reads keep that form too (CPU, bf16, kernel available), and the
+    in a type the CPU kernel reads keep that form too (CPU, bf16, kernel available), and the
     linear layers of a quantized HF checkpoint stay quantized (see `quantization/`). `embed`: an
     embedding model, which needs no LM head and may be saved as the bare decoder (`pooling.py`)."""
     start = time.perf_counter()
@@ -186,10 +184,10 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
                 checkpoint.num_tensors, str(torch_dtype).removeprefix("torch."), torch_device, end - stage,
                 built - stage, weighted - built, end - weighted, end - start,
                 "" if method is None else f"; linear layers quantized with {method.name}")
-    if (quantization == "auto" and checkpoint.quantized and torch_device.type == "cpu"
-            and torch_dtype == torch.bfloat16 and quant_linear_cpu.available()):
+    blocks = gguf_blocks(checkpoint, quantization, torch_device, torch_dtype)   # set aside while the weights streamed
+    if blocks is not None:
         stage = time.perf_counter()
-        count = model.quantize_weights(checkpoint.quantized)
+        count = blocks.attach(model)
         logger.info("%d linear layers keep their GGUF quantization for decode (%.2fs)", count,
                     time.perf_counter() - stage)
     config.eos_token_ids = checkpoint.tokenizer.eos_token_ids

@@ -25,7 +25,7 @@ class RowParallelLinear(Linear):
         if self.weight_quant is not None:   # this rank's input features of a quantized layer
             out = self.weight_quant.forward(x, None)
         else:
-            out = linear(x, self.weight, self.packed, None, self.quantized)
+            out = linear(x, self.weight, self.packed, None)
         if self.lora is not None:   # this rank's partial delta (A sliced by input columns) joins the sum
             self.lora.apply(x, out)
         dist.all_reduce(out, group=tensor_group())

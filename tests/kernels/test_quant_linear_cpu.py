@@ -103,17 +103,19 @@ def test_model_linear_uses_the_quants_up_to_the_row_limit_and_the_dense_weight_b
     """`Linear` with both forms, made to disagree on purpose (dense weight all zero): batches up to
     the kernel's row limit come from the quants, larger ones from the dense GEMM."""
     from kubeinfer.server.model.layers.linear import Linear
+    from kubeinfer.server.model.quantization.weights import GGUFBlockWeight
 
     layer = Linear(64, 32, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         layer.weight.zero_()
     layer.pack()
-    layer.quantized = quant_linear_cpu.pack("Q4_1", _blocks("Q4_1", rows=32, cols=64))
+    tiles = quant_linear_cpu.pack("Q4_1", _blocks("Q4_1", rows=32, cols=64))
+    layer.weight_quant = GGUFBlockWeight(tiles, layer.weight, layer.packed)
     limit = quant_linear_cpu.MAX_ROWS_AMX if quant_linear_cpu.amx_available() else quant_linear_cpu.MAX_ROWS_AVX512
     for rows in (1, limit):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         out = layer(x)
-        assert torch.equal(out, quant_linear_cpu.linear(x, layer.quantized)) and out.abs().sum() > 0
+        assert torch.equal(out, quant_linear_cpu.linear(x, tiles)) and out.abs().sum() > 0
     assert torch.equal(layer(torch.ones(limit + 1, 64, dtype=torch.bfloat16)),
                        torch.zeros(limit + 1, 32, dtype=torch.bfloat16))
 

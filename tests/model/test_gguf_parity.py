@@ -96,11 +96,11 @@ def test_bfloat16_decode_runs_on_the_gguf_quants_with_the_same_weights():
     linears = [module for module in quantized.model.modules() if isinstance(module, Linear)]
     assert len(linears) == 4 * 30 and quantized.model.quantized_tied_head is not None
     for module in linears:
-        assert torch.equal(quant_linear_cpu.unpack(module.quantized), module.weight)
-    assert torch.equal(quant_linear_cpu.unpack(quantized.model.quantized_tied_head),
+        assert torch.equal(quant_linear_cpu.unpack(module.weight_quant.tiles), module.weight)
+    assert torch.equal(quant_linear_cpu.unpack(quantized.model.quantized_tied_head.tiles),
                        quantized.model.model.embed_tokens.weight)
     assert dense.model.quantized_tied_head is None
-    assert all(module.quantized is None for module in dense.model.modules() if isinstance(module, Linear))
+    assert all(module.weight_quant is None for module in dense.model.modules() if isinstance(module, Linear))
 
     prompt = quantized.tokenizer.encode(quantized.tokenizer.apply_chat_template(MESSAGES))
     runs = []

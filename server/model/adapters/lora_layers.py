@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kubeinfer.kernels import ops
-from kubeinfer.kernels.cpu import lora_cpu
+from kubeinfer.kernels import ops, ops_cpu
 
 from ..forward_batch import ForwardBatch
 from ..layers.linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight
@@ -67,8 +66,8 @@ class LoRABatch:
             longest = max(b - a for a, b in zip(starts, starts[1:]))
             self.segments = (torch.tensor(starts, dtype=torch.int32, device=indices.device),
                              torch.tensor(slots, dtype=torch.int32, device=indices.device), longest)
-        elif indices.device.type == "cpu" and not lora_cpu.building() and lora_cpu.available(self.dtype):
-            self.order = lora_cpu.token_order(indices, self.num_slots)
+        elif indices.device.type == "cpu" and ops_cpu.lora_kernel_ready(self.dtype):
+            self.order = ops_cpu.lora_token_order(indices, self.num_slots)
 
     def _runs(self) -> tuple[list[int], list[int]]:
         """Runs of equal slot in token order (a sequence's tokens are contiguous): starts + end, slots."""
@@ -114,13 +113,13 @@ class LoRALayer:
         self.a = torch.zeros(max_loras, len(sizes) * max_rank, module.in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, module.out_features, len(sizes) * max_rank, dtype=dtype, device=device)
         # the CPU kernel's form: B transposed, compacted (shards share the rank rows, their columns
-        # are disjoint) and blocked by 32 columns (`lora_cpu.compact_b`), each slot's rank per
+        # are disjoint) and blocked by 32 columns (`ops_cpu.lora_compact_b`), each slot's rank per
         # shard, the shards' first columns
-        self.bt = torch.zeros(lora_cpu.blocked_b_shape(max_loras, module.out_features, max_rank),
+        self.bt = torch.zeros(ops_cpu.lora_blocked_b_shape(max_loras, module.out_features, max_rank),
                               dtype=dtype) if device.type == "cpu" else None
         self.ranks = torch.zeros(max_loras, len(sizes), dtype=torch.int32)
         self.bounds = torch.tensor([*self.row_starts, module.out_features], dtype=torch.int64)
-        self.kernel = lora_cpu.LoRASlots(self.a, self.bt, self.ranks, self.bounds) if self.bt is not None else None
+        self.kernel = ops_cpu.LoRASlots(self.a, self.bt, self.ranks, self.bounds) if self.bt is not None else None
         # oneDNN-prepacked copies (CPU bf16, as the base weights: see linear.py), refreshed on write
         self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -138,7 +137,7 @@ class LoRALayer:
             self.b[slot, self.row_starts[i]:self.row_starts[i] + self.sizes[i], start:start + rank].copy_(b)
             self.ranks[slot, i] = rank
         if self.bt is not None:
-            self.bt[slot] = lora_cpu.compact_b(self.b[slot:slot + 1], self.bounds.tolist(), self.max_rank)[0]
+            self.bt[slot] = ops_cpu.lora_compact_b(self.b[slot:slot + 1], self.bounds.tolist(), self.max_rank)[0]
         if can_pack(self.a):
             self.packed[slot] = (pack_weight(self.a[slot]), pack_weight(self.b[slot]))
 

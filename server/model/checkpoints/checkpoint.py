@@ -33,7 +33,7 @@ class Checkpoint:
     name: str
     num_tensors: int
     weights: WeightStream
-    # GGUF matrices in a type the CPU quantized-linear kernel reads, filled as `weights` streams
+    # GGUF matrices in a type the CPU's GGUF kernel reads, filled as `weights` streams (`quantization/gguf.py`)
     quantized: QuantizedBlocks = field(default_factory=dict)
     # a HF checkpoint's config.json `quantization_config` (see quantization/)
     quantization_config: dict | None = None

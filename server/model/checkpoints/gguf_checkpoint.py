@@ -1,5 +1,6 @@
 """Read a GGUF file (llama.cpp's format): config and tokenizer from metadata, weights dequantized,
-and the raw blocks of the matrices `quant_linear_cpu` can run on in their quantized form.
+and the raw blocks of the matrices the CPU's GGUF kernel can run on in their quantized form
+(`quantization/gguf.py`).
 
 llama.cpp's converter permutes the rows of `attn_q`/`attn_k` of `llama` models for its rotary
 layout (pairs interleaved instead of halves); we undo that so weights match transformers'.
@@ -19,7 +20,7 @@ from typing import Iterator, Mapping
 import numpy as np
 import torch
 
-from kubeinfer.kernels.cpu.quant_linear_cpu import BLOCK_BYTES
+from kubeinfer.kernels.ops_cpu import GGUF_BLOCK_BYTES
 
 from ..config import ModelConfig
 from ..registry import LLAMA_GGUF, GGUFNames, model_family
@@ -111,9 +112,9 @@ def read_gguf_file(path: Path) -> Checkpoint:
         if len(tensor.shape) == 3:   # stacked experts
             return convert_tensors(names, gguf_name, tensor, dtype, *heads, {})
         name, value = convert_tensor(names, gguf_name, tensor, dtype, *heads)
-        if tensor.qtype.name in BLOCK_BYTES and len(tensor.shape) == 2:   # the raw blocks too (a view)
+        if tensor.qtype.name in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:   # the raw blocks too (a view)
             blocks = torch.from_numpy(np.ascontiguousarray(tensor.data))
-            blocks = blocks.reshape(tensor.shape[0], -1, BLOCK_BYTES[tensor.qtype.name])
+            blocks = blocks.reshape(tensor.shape[0], -1, GGUF_BLOCK_BYTES[tensor.qtype.name])
             permuted = names.rope_heads(name, *heads)
             blocks = blocks if permuted is None else unpermute_rope_rows(blocks, permuted)
             for piece_name, piece in split_fused(name, blocks, fused):   # quantized along rows: split alike

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from kubeinfer.kernels.cpu import quant_linear_cpu
+from kubeinfer.kernels import ops_cpu
 
 from .gguf_reader import QUANT_SIZES, GGUFTensor
 from .gguf_reader import QType as Q
@@ -72,14 +72,14 @@ SUPPORTED_TYPES = tuple(_PLAIN) + tuple(_QUANTIZED)
 
 def dequantize(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
     """The tensor in `dtype`, shaped `tensor.shape` (row-major). Q4_0/Q4_1/Q8_0 to bf16 go
-    through `quant_linear_cpu`'s C loop when it is built: the same values, and the embedded
+    through the GGUF kernel's C loop when it is built: the same values, and the embedded
     model's weights load in 0.26-0.29 s instead of 0.66-1.3 s."""
     raw = torch.from_numpy(np.ascontiguousarray(tensor.data))
-    if (dtype == torch.bfloat16 and tensor.qtype.name in quant_linear_cpu.BLOCK_BYTES
-            and tensor.shape[-1] % 32 == 0 and quant_linear_cpu.available()):
+    if (dtype == torch.bfloat16 and tensor.qtype.name in ops_cpu.GGUF_BLOCK_BYTES
+            and tensor.shape[-1] % 32 == 0 and ops_cpu.gguf_kernel_available()):
         cols = tensor.shape[-1]
         rows = math.prod(tensor.shape) // cols
-        return quant_linear_cpu.dequantize(tensor.qtype.name, raw, rows, cols).reshape(tensor.shape)
+        return ops_cpu.gguf_dequantize(tensor.qtype.name, raw, rows, cols).reshape(tensor.shape)
     if tensor.qtype in _PLAIN:
         values = raw.view(_PLAIN[tensor.qtype])
     elif tensor.qtype in _QUANTIZED:

@@ -3,25 +3,25 @@
 A family subclasses `CausalLM`, builds its modules from `ModelConfig` with the layers of this
 package (whose `ParallelRole`s give it tensor parallelism) and names, in `packed_modules`, the
 checkpoint matrices its merged linears stack. Loading (`load_weights`), oneDNN prepacking and
-the GGUF quantized forms then work for it unchanged.
+the quantized forms (`quantization/`) then work for it unchanged.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Iterable, Iterator
+from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from kubeinfer.kernels.cpu import quant_linear_cpu
-from kubeinfer.kernels.cpu.quant_linear_cpu import QuantizedWeight
-
-from ..checkpoints.checkpoint import FusedParts, QuantizedBlocks
+from ..checkpoints.checkpoint import FusedParts
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from ..layers.linear import Linear, MergedLinear, ParallelRole, can_pack, linear, pack_weight
 from ..layers.moe import FusedExperts
 from ..layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ..quantization.weights import QuantizedLinearWeight
 
 
 class CausalLM(nn.Module):
@@ -36,7 +36,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.lm_head: Linear | None = None   # None = tied to `input_embeddings()`
         self.packed_tied_head: torch.Tensor | None = None
-        self.quantized_tied_head: QuantizedWeight | None = None
+        self.quantized_tied_head: QuantizedLinearWeight | None = None   # GGUF's blocks (`quantization/gguf.py`)
 
     @classmethod
     def fused_checkpoint_parts(cls, config: ModelConfig) -> FusedParts:
@@ -68,8 +68,9 @@ class CausalLM(nn.Module):
         """float32 logits of final hidden states (through the tied embedding when there is no lm_head)."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        return linear(hidden, self.input_embeddings().weight, self.packed_tied_head,
-                      quantized=self.quantized_tied_head).float()
+        if self.quantized_tied_head is not None:
+            return self.quantized_tied_head.forward(hidden, None).float()
+        return linear(hidden, self.input_embeddings().weight, self.packed_tied_head).float()
 
     def reset_rotary(self, device: torch.device) -> None:
         """float32 rotary frequencies again after the model's `.to(dtype)`."""
@@ -87,21 +88,6 @@ class CausalLM(nn.Module):
         embedding = getattr(self.input_embeddings(), "weight", None)   # None: a pipeline stage without them
         if self.lm_head is None and self.packed_tied_head is None and embedding is not None and can_pack(embedding):
             self.packed_tied_head = pack_weight(embedding)   # a copy: the embedding lookup needs the plain table
-
-    @torch.no_grad()
-    def quantize_weights(self, blocks: QuantizedBlocks) -> int:
-        """Give every Linear (and the tied lm_head) the kernel form of its checkpoint matrices
-        when all of them are in one type `quant_linear_cpu` reads; returns how many got one."""
-        count = 0
-        for name, module in self.named_modules():
-            if isinstance(module, Linear):
-                module.quantized = _quantized([blocks.get(f"{source}.weight") for source, _ in
-                                               self.checkpoint_sources(name, module)])
-                count += module.quantized is not None
-        if self.lm_head is None:
-            self.quantized_tied_head = _quantized([blocks.get(f"{self._module_name(self.input_embeddings())}.weight")])
-            count += self.quantized_tied_head is not None
-        return count
 
     def checkpoint_sources(self, name: str, module: nn.Module) -> list[tuple[str, int | None]]:
         """The checkpoint modules behind module `name`: itself, or a merged module's
@@ -176,21 +162,8 @@ class CausalLM(nn.Module):
             expected.update([f"{name}#{i}" for i in range(shards)] if shards else [name])
         return expected
 
-    def _module_name(self, target: nn.Module) -> str:
-        return next(name for name, module in self.named_modules() if module is target)
-
     def _param(self, params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
         if name not in params:
             raise ValueError(f"checkpoint has an unexpected weight {name!r} for a {self.config.architecture} model")
         return params[name]
 
-
-def _quantized(parts: list[tuple[str, torch.Tensor] | None]) -> QuantizedWeight | None:
-    """The kernel form of these row blocks stacked, if all are there, of one type, and packable."""
-    if not parts or any(part is None for part in parts) or len({qtype for qtype, _ in parts}) > 1:
-        return None
-    qtype = parts[0][0]
-    blocks = torch.cat([part[1] for part in parts]) if len(parts) > 1 else parts[0][1]
-    if not quant_linear_cpu.can_pack(qtype, blocks.shape[0], 32 * blocks.shape[1]):
-        return None
-    return quant_linear_cpu.pack(qtype, blocks)

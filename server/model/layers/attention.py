@@ -30,14 +30,12 @@ from __future__ import annotations
 import importlib.util
 import itertools
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Protocol
 
 import torch
 from torch.nn import functional as F
 
-from kubeinfer.kernels import ops
-from kubeinfer.kernels.cpu import fused_cpu, paged_decode_cpu, paged_prefill_cpu
+from kubeinfer.kernels import ops, ops_cpu
 from kubeinfer.kernels.reference.kv_cache_ref import FP8_MAX, dequantize_fp8_ref, quantize_fp8_ref, store_kv_cache_ref
 
 from ..forward_batch import ForwardBatch
@@ -240,18 +238,15 @@ def _layout(batch: ForwardBatch, block_size: int, sliding_window: int | None,
     )
 
 
-def _decide_kernel(choice: bool | None, q: torch.Tensor, cache: torch.Tensor, kernel: ModuleType,
-                   *shape: int) -> bool | None:
-    """Whether a CPU attention kernel module (`paged_decode_cpu`, `paged_prefill_cpu`) serves these
-    queries and cache: `choice` once decided; None (torch now, decided at a later step) while a
-    starting server still compiles it."""
+def _decide_kernel(choice: bool | None, q: torch.Tensor, cache: torch.Tensor, kind: str) -> bool | None:
+    """Whether the CPU attention kernel of `kind` ("decode", "prefill") serves these queries and
+    cache: `choice` once decided; None (torch now, decided at a later step) while a starting
+    server still compiles it."""
     if choice is not None:
         return choice
     if cache.device.type != "cpu":
         return False
-    if kernel.building():
-        return None
-    return kernel.available(q.dtype, *shape, kv_dtype=cache.dtype)
+    return ops_cpu.attention_kernel(kind, q.dtype, cache.dtype, cache.shape[-1])
 
 
 class TorchAttention:
@@ -290,8 +285,8 @@ class TorchAttention:
                 kv_scales: KVScales | None = None) -> torch.Tensor:
         if batch is not self._batch:   # first layer of a new step
             self._batch = batch
-            self.decode_kernel = _decide_kernel(self.decode_kernel, q, k_cache, paged_decode_cpu)
-            self.prefill_kernel = _decide_kernel(self.prefill_kernel, q, k_cache, paged_prefill_cpu, k_cache.shape[-1])
+            self.decode_kernel = _decide_kernel(self.decode_kernel, q, k_cache, "decode")
+            self.prefill_kernel = _decide_kernel(self.prefill_kernel, q, k_cache, "prefill")
             self._layout = _layout(batch, k_cache.shape[1], self.sliding_window, bool(self.decode_kernel),
                                    bool(self.prefill_kernel), causal_sdpa=self.softcap is None)
         layout = self._layout
@@ -337,14 +332,13 @@ class TorchAttention:
     @staticmethod
     def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _PrefillGroup,
                  scale: float, kv: KVScales | None) -> torch.Tensor:
-        return paged_prefill_cpu.paged_prefill(q, k_cache, v_cache, group.block_tables, group.seq_lens,
-                                               group.query_lens, group.query_starts, scale,
-                                               *((kv.k, kv.v) if kv else ()))
+        return ops_cpu.paged_prefill(q, k_cache, v_cache, group.block_tables, group.seq_lens, group.query_lens,
+                                     group.query_starts, scale, *((kv.k, kv.v) if kv else ()))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 group: _DecodeGroup, scale: float, kv: KVScales | None) -> torch.Tensor:
-        return paged_decode_cpu.paged_decode(q, k_cache, v_cache, group.block_tables, group.seq_lens,
-                                             scale, self.sliding_window, *((kv.k, kv.v) if kv else ()))
+        return ops_cpu.paged_decode(q, k_cache, v_cache, group.block_tables, group.seq_lens,
+                                    scale, self.sliding_window, *((kv.k, kv.v) if kv else ()))
 
     def _padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, group: _PaddedGroup, scale: float, kv: KVScales | None) -> torch.Tensor:
@@ -371,13 +365,13 @@ class TorchAttention:
     def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                slot_mapping: torch.Tensor, layout: _StepLayout, kv: KVScales | None) -> None:
         if kv is not None:   # fp8: quantized on the way in
-            if ops.uses_cpu_kernels(k) and fused_cpu.same_rows(k, v):
-                fused_cpu.store_kv_fp8(k, v, k_cache, v_cache, slot_mapping, kv.k, kv.v)
+            if ops.uses_cpu_kernels(k) and ops_cpu.same_rows(k, v):
+                ops_cpu.store_kv_fp8(k, v, k_cache, v_cache, slot_mapping, kv.k, kv.v)
             else:
                 store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, kv.k, kv.v)
             return
-        if ops.uses_cpu_kernels(k) and fused_cpu.same_rows(k, v):
-            fused_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)   # rows copied in place, -1 skipped
+        if ops.uses_cpu_kernels(k) and ops_cpu.same_rows(k, v):
+            ops_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)   # rows copied in place, -1 skipped
             return
         if layout.store_rows is not None:
             k, v = k.index_select(0, layout.store_rows), v.index_select(0, layout.store_rows)

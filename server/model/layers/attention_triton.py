@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from kubeinfer.kernels import ops
-from kubeinfer.kernels.ops import triton_paged_attention
 
 from ..forward_batch import ForwardBatch
 from .kv_cache_quant import KVScales
@@ -38,11 +37,9 @@ class TritonAttention:
                 kv_scales: KVScales | None = None) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] after rotary; returns [T, heads, d]. An fp8 cache
         holds k / kv_scales.k and v / kv_scales.v (quantized by the store, read by attention)."""
-        from kubeinfer.kernels.triton.kv_cache import store_kv_cache
-
         k_scale, v_scale = (kv_scales.k, kv_scales.v) if kv_scales is not None else (1.0, 1.0)
-        store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
-        return triton_paged_attention(
+        ops.triton_store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
+        return ops.triton_paged_attention(
             q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale,
             max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
             sliding_window=self.sliding_window, softcap=self.softcap, k_scale=k_scale, v_scale=v_scale)

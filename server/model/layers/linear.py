@@ -8,8 +8,9 @@ plain weight (torch's gemv: different rounding from oneDNN's, and the transforme
 uses it), so the plain copy stays: packing costs one extra copy of the weights in memory.
 q/k/v and gate/up run as one GEMM each (fewer, larger matmuls are faster on CPU and GPU);
 the loader copies each checkpoint matrix into its row range.
-GGUF weights of a type `quant_linear_cpu` reads also keep their quantized form: decode-sized
-batches run on it (3.5x fewer bytes than bf16 for Q4_1), larger ones on the bf16 weights.
+A quantized layer computes on its one quantized form instead, `weight_quant` (see
+`quantization/weights.py`): a quantized HF checkpoint's, which replaces the plain weight, or
+GGUF's blocks, which decode-sized batches read beside the plain (and packed) weight.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from kubeinfer.kernels import ops
-from kubeinfer.kernels.cpu import quant_linear_cpu
-from kubeinfer.kernels.cpu.quant_linear_cpu import QuantizedWeight
 
 if TYPE_CHECKING:
     from ..adapters.lora_layers import LoRALayer
@@ -55,12 +54,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None, quantized: QuantizedWeight | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: on the `quantized` form when there is one and the kernel beats
-    the dense GEMM at x's rows; else on the `pack_weight` copy when there is one and `x` [rows, in]
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: on the `pack_weight` copy when there is one and `x` [rows, in]
     has more than one row (a single row stays on torch's gemv, see the module docstring)."""
-    if quantized is not None and quant_linear_cpu.faster_than_dense(x.shape[0]):
-        return quant_linear_cpu.linear(x, quantized, bias)
     if packed is not None and x.shape[0] > 1:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -68,11 +64,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 
 class Linear(nn.Linear):
     """nn.Linear that runs on a prepacked weight once `pack()` was called (CPU bf16 only), and on
-    a quantized copy of the weight once `quantized` is set (see `linear`). A layer of a quantized
-    HF checkpoint has no plain weight: `weight_quant` computes it (see `quantization/`)."""
+    its quantized form once `weight_quant` is set (see `quantization/`): a layer of a quantized
+    HF checkpoint has no plain weight; a GGUF layer keeps it for the batches its blocks do not take."""
 
     packed: torch.Tensor | None = None
-    quantized: QuantizedWeight | None = None
     weight_quant: "QuantizedLinearWeight | None" = None
     lora: "LoRALayer | None" = None   # adapter slots, with --enable-lora (lora_layers.py)
 
@@ -90,7 +85,7 @@ class Linear(nn.Linear):
         if self.weight_quant is not None:
             out = self.weight_quant.forward(x, self.bias)
         else:
-            out = linear(x, self.weight, self.packed, self.bias, self.quantized)
+            out = linear(x, self.weight, self.packed, self.bias)
         if self.lora is not None:
             self.lora.apply(x, out)
         return out

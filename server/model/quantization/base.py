@@ -10,6 +10,11 @@ from torch import nn
 
 from .weights import QuantizedLinearWeight
 
+# checkpoint tensor suffixes that belong to a quantized layer (kept in the checkpoint's dtype)
+QUANTIZED_TENSOR_SUFFIXES = frozenset({
+    "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale",
+    "qweight", "qzeros", "scales", "g_idx", "k_scale", "v_scale", "kv_scale", "output_scale"})
+
 
 class QuantizationMethod:
     """One format. `layer_scheme` is called once per checkpoint linear module before the weights

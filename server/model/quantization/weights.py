@@ -2,7 +2,8 @@
 
 Every format the loader reads (compressed-tensors, GPTQ, AWQ, on-the-fly fp8/int8) is converted
 once, at load, into one of three forms that stay quantized in memory; each forward computes from
-that form, so a 4-bit model holds about a quarter of its bf16 bytes:
+that form, so a 4-bit model holds about a quarter of its bf16 bytes. GGUF's blocks are a fourth
+form, kept beside the layer's dense weight (`GGUFBlockWeight`, see `gguf.py`):
 
 - `PackedIntWeight`: 4- or 8-bit integers packed along the input dimension in GPTQ's int32
   layout, with a scale and a zero point per group of input features (W4A16, W8A16, GPTQ, AWQ).
@@ -25,11 +26,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from kubeinfer.kernels import ops
-from kubeinfer.kernels.cpu import int8_linear_cpu
+from kubeinfer.kernels import ops, ops_cpu
 from kubeinfer.kernels.reference.w4a16_ref import dequantize_kn, pack_rows, unpack_rows
 
-__all__ = ["Fp8Weight", "Int8Weight", "PackedIntWeight", "pack_rows", "quantize_per_channel", "unpack_rows"]
+from ..layers.linear import linear
+
+__all__ = ["Fp8Weight", "GGUFBlockWeight", "Int8Weight", "PackedIntWeight", "pack_rows", "quantize_per_channel",
+           "unpack_rows"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 _INT8_EPS = 1e-10
@@ -70,8 +73,7 @@ class PackedIntWeight:
             x = x.index_select(-1, self.perm)
         rows = x.reshape(-1, self.in_features)
         if ops.uses_triton(rows):   # dequant-in-GEMM: the weight is never written out dequantized
-            from kubeinfer.kernels.triton import w4a16
-            out = w4a16.matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, self.bits)
+            out = ops.triton_w4a16_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, self.bits)
         else:
             out = rows @ self.dequantize_kn(x.dtype)
         if bias is not None:
@@ -152,14 +154,14 @@ class Int8Weight(ScaledWeight):
     faster, else `torch._int_mm` between that file's one-pass quantize and rescale; elsewhere
     `torch._int_mm` between torch passes (`forward_torch`, the numbers all of them give)."""
 
-    _packed: int8_linear_cpu.PackedInt8 | None = field(default=None, init=False, repr=False, compare=False)
+    _packed: ops_cpu.PackedInt8 | None = field(default=None, init=False, repr=False, compare=False)
 
     def _cpu_kernels_take(self, rows: torch.Tensor) -> bool:
-        """Whether `int8_linear_cpu` computes these rows [M, K]: int8 activations, CPU rows of
+        """Whether the int8 CPU kernels compute these rows [M, K]: int8 activations, CPU rows of
         bf16 or float32 with unit column stride, the kernels built."""
         return (self.activations is not None and rows.device.type == "cpu"
                 and rows.dtype in (torch.bfloat16, torch.float32) and rows.stride(1) == 1
-                and not int8_linear_cpu.building() and int8_linear_cpu.available())
+                and ops_cpu.int8_kernel_ready())
 
     @property
     def _static_scale(self) -> torch.Tensor | None:
@@ -170,10 +172,10 @@ class Int8Weight(ScaledWeight):
         if self._cpu_kernels_take(rows):
             static = self._static_scale
             if _int8_kernel_is_faster(rows.shape[0], self.out_features):
-                out = int8_linear_cpu.linear(rows, self.packed(), bias, static)
+                out = ops_cpu.int8_linear(rows, self.packed(), bias, static)
             else:   # oneDNN's GEMM between the kernel's one-pass quantize and rescale
-                xq, x_scale = int8_linear_cpu.quantize_rows(rows, static)
-                out = int8_linear_cpu.rescale(_int_mm(xq, self.weight.t()), x_scale, self.scale, rows.dtype)
+                xq, x_scale = ops_cpu.int8_quantize_rows(rows, static)
+                out = ops_cpu.int8_rescale(_int_mm(xq, self.weight.t()), x_scale, self.scale, rows.dtype)
                 if bias is not None:
                     out = out + bias
             return out.view(*x.shape[:-1], self.out_features)
@@ -186,15 +188,15 @@ class Int8Weight(ScaledWeight):
         if not (self._cpu_kernels_take(rows) and rows.dtype == torch.bfloat16
                 and not _int8_kernel_is_faster(rows.shape[0], self.out_features)):
             return None
-        xq, x_scale = int8_linear_cpu.quantize_rows(rows, self._static_scale)
-        out = int8_linear_cpu.rescale_silu_and_mul(_int_mm(xq, self.weight.t()), x_scale, self.scale)
+        xq, x_scale = ops_cpu.int8_quantize_rows(rows, self._static_scale)
+        out = ops_cpu.int8_rescale_silu_and_mul(_int_mm(xq, self.weight.t()), x_scale, self.scale)
         return out.view(*x.shape[:-1], self.out_features // 2)
 
-    def packed(self) -> int8_linear_cpu.PackedInt8:
+    def packed(self) -> ops_cpu.PackedInt8:
         """The weight in the CPU kernel's panels, made at the first forward (tensor parallelism's
         slices are new objects, `dataclasses.replace`, so each packs its own)."""
         if self._packed is None:
-            self._packed = int8_linear_cpu.pack(self.weight, self.scale)
+            self._packed = ops_cpu.int8_pack(self.weight, self.scale)
         return self._packed
 
     def forward_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -242,7 +244,36 @@ class Fp8Weight(ScaledWeight):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-QuantizedLinearWeight = PackedIntWeight | Int8Weight | Fp8Weight
+@dataclass
+class GGUFBlockWeight:
+    """A GGUF matrix (Q4_0, Q4_1, Q8_0) in the CPU kernel's tiles beside the layer's dense bf16
+    weight and its oneDNN copy: batches of up to the kernel's row limit (decode) read the tiles,
+    3.5x fewer bytes than bf16 for Q4_1 with the same values; larger ones run the dense GEMM."""
+
+    tiles: ops_cpu.GGUFTiles
+    weight: torch.Tensor                   # bf16 [N, K]: the same values, dequantized
+    packed: torch.Tensor | None            # its `pack_weight` copy, when the layer has one
+
+    @property
+    def in_features(self) -> int:
+        return self.tiles.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.tiles.out_features
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] (bf16 for the tiles) @ the weight + bias."""
+        if ops_cpu.gguf_kernel_is_faster(x.shape[0]):
+            return ops_cpu.gguf_linear(x, self.tiles, bias)
+        return linear(x, self.weight, self.packed, bias)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """No one-pass form here: None, the caller runs `forward` then SiLU-and-mul."""
+        return None
+
+
+QuantizedLinearWeight = PackedIntWeight | Int8Weight | Fp8Weight | GGUFBlockWeight
 
 
 def quantize_per_channel(weight: torch.Tensor, kind: str) -> QuantizedLinearWeight:
