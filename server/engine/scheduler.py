@@ -7,7 +7,8 @@ then prefill chunks of partially prefilled sequences, then waiting sequences, un
 sequence (highest priority value, latest arrival) is preempted: its blocks are freed and it
 is recomputed later, cheaply when its prefix is still cached. Which waiting sequence goes
 first and which running one gives way is the scheduling policy's choice
-(`scheduling_policy.py`: by default priority, then arrival; or fair shares among tenants).
+(`scheduling_policy.py`: by default priority, then arrival; or fair shares among tenants,
+where a tenant short of its share may also take a slot from one holding more).
 
 With prefix caching, a chunk's full blocks enter the prefix cache when it is scheduled, not
 after it runs (as vLLM v1 does): a request scheduled later in the same step shares them at
@@ -80,6 +81,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.waiting and len(self.running) >= self.max_num_seqs:
+            self._make_room()
         budget = self.max_num_batched_tokens
         preempted = False
         scheduled: set[int] = set()
@@ -141,6 +144,13 @@ class Scheduler:
             for sibling in seq.request.seqs[1:]:
                 if sibling.status is SequenceStatus.FORK_PENDING:
                     out.forks.append((sibling, len(out.scheduled) - 1))
+
+    def _make_room(self) -> None:
+        """Every slot is taken: a waiting sequence the policy picks takes a running one's place
+        in this step (fair shares among tenants), if it may start now."""
+        choice = self.policy.displacement(self.waiting, self.running)
+        if choice is not None and (self.admit is None or self.admit(choice[0])):
+            self.preempt(choice[1])
 
     def _pick_victim(self, scheduled: set[int]) -> Sequence | None:
         """The first running sequence in the policy's preemption order not already scheduled

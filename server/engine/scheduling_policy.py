@@ -12,6 +12,12 @@ tenant's virtual time, so being idle banks no credit and a newcomer waits for at
 admission of each busier tenant. Within a tenant, arrival order stays. One tenant alone is
 therefore exactly `PriorityPolicy`'s order.
 
+When every slot (`max_num_seqs`) is taken, `FairPolicy` also lets a waiting request of a tenant
+running at least two fewer sequences than another take the place of that tenant's newest
+running one (of no better priority), which is preempted and recomputed later from the prefix
+cache: a tenant holding every slot cannot keep a newcomer waiting for one of its requests to
+end, and since each such swap narrows the gap, two tenants never trade a slot back and forth.
+
 With `aging_seconds`, a waiting request's priority improves by one level per that many
 seconds it has waited, so a low-priority request is never starved: after
 `(its priority - the best priority) * aging_seconds` it competes in the top band.
@@ -20,7 +26,7 @@ seconds it has waited, so a low-priority request is never starved: after
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Iterable, Protocol
 
 from .sequence import Request, Sequence
@@ -47,6 +53,10 @@ class SchedulingPolicy(Protocol):
     def preemption_order(self, running: list[Sequence]) -> Iterable[Sequence]:
         """Running sequences, the first to give way first."""
 
+    def displacement(self, waiting: list[Sequence], running: list[Sequence]) -> tuple[Sequence, Sequence] | None:
+        """Called when every slot is taken and some sequence waits: (a waiting sequence to start
+        now, the running one to preempt for it), or None to wait for a slot to free."""
+
 
 class PriorityPolicy:
     """Priority, then arrival: the order `Sequence.sort_key` keeps both queues in."""
@@ -65,6 +75,9 @@ class PriorityPolicy:
 
     def preemption_order(self, running: list[Sequence]) -> Iterable[Sequence]:
         return reversed(running)
+
+    def displacement(self, waiting: list[Sequence], running: list[Sequence]) -> tuple[Sequence, Sequence] | None:
+        return None
 
 
 class FairPolicy:
@@ -109,7 +122,8 @@ class FairPolicy:
             priority -= int((now - seq.request.metrics.arrival_time) / self.aging_seconds)
         return priority
 
-    def admission_order(self, waiting: list[Sequence]) -> Iterable[Sequence]:
+    def _queues(self, waiting: list[Sequence]) -> dict[str, deque[tuple[int, Sequence]]]:
+        """Each tenant's waiting sequences with their ranks, in the order it admits them."""
         now = time.monotonic()
         queues: dict[str, list[Sequence]] = {}
         for seq in waiting:
@@ -120,10 +134,18 @@ class FairPolicy:
             if self.aging_seconds:   # aging can reorder a tenant's own queue
                 ranked.sort(key=lambda item: (item[0], item[1].sort_key[1:]))
             heads[tenant] = deque(ranked)
+        return heads
+
+    def _turn(self, heads: dict[str, deque[tuple[int, Sequence]]]) -> str:
+        """The tenant whose head goes next: best rank, then least virtual time, then arrival."""
+        return min(heads, key=lambda t: (heads[t][0][0], self.virtual_time.get(t, self.clock),
+                                         heads[t][0][1].sort_key[1:]))
+
+    def admission_order(self, waiting: list[Sequence]) -> Iterable[Sequence]:
+        heads = self._queues(waiting)
         while heads:
             # NOTE: virtual times are read at each pick: the scheduler charges what it admits.
-            tenant = min(heads, key=lambda t: (heads[t][0][0], self.virtual_time.get(t, self.clock),
-                                               heads[t][0][1].sort_key[1:]))
+            tenant = self._turn(heads)
             queue = heads[tenant]
             _, seq = queue.popleft()
             if not queue:
@@ -135,6 +157,27 @@ class FairPolicy:
         return sorted(running, reverse=True, key=lambda seq: (
             seq.request.params.priority, self.virtual_time.get(seq.request.tenant, self.clock),
             seq.sort_key[1:]))
+
+
+    def displacement(self, waiting: list[Sequence], running: list[Sequence]) -> tuple[Sequence, Sequence] | None:
+        """Tenants' next waiting sequences in admission order: the first that finds a running one,
+        in preemption order, of no better priority whose tenant runs at least two more sequences
+        than its own takes that one's place (see the module docstring)."""
+        running_per_tenant = Counter(seq.request.tenant for seq in running)
+        most = max(running_per_tenant.values(), default=0)
+        heads = self._queues(waiting)
+        while heads:
+            tenant = self._turn(heads)
+            _, candidate = heads.pop(tenant)[0]
+            enough = running_per_tenant[tenant] + 2
+            if enough > most:
+                continue
+            for seq in self.preemption_order(running):
+                if seq.request.params.priority < candidate.request.params.priority:
+                    break   # the rest have better priorities still
+                if running_per_tenant[seq.request.tenant] >= enough:
+                    return candidate, seq
+        return None
 
 
 def build_policy(name: str, aging_seconds: float | None = None) -> SchedulingPolicy:

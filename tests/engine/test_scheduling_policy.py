@@ -11,7 +11,7 @@ import time
 from hypothesis import given, settings, strategies as st
 import pytest
 
-from test_scheduler import FakeModel, _abort, _check_references, _run_step
+from test_scheduler import FakeModel, drive
 
 from kubeinfer.server.engine.kv_cache_manager import KVCacheManager
 from kubeinfer.server.engine.sampling_params import SamplingParams
@@ -43,6 +43,17 @@ def finish_done(sched: Scheduler, requests: list[Request]) -> None:
                 sched.finish(seq)
 
 
+def step_once(sched: Scheduler, model: FakeModel) -> list[str]:
+    """One step; the ids of the requests it scheduled, in the step's order."""
+    out = sched.schedule()
+    tokens = model.step(out)
+    sched.update(out)
+    for item, token in zip(out.scheduled, tokens):
+        if item.samples:
+            item.seq.token_ids.append(token)
+    return [item.seq.request.request_id for item in out.scheduled]
+
+
 def admitted_order(sched: Scheduler, requests: list[Request], model: FakeModel | None = None,
                    steps: int = 500) -> list[str]:
     """Request ids in the order they were first scheduled, stepping until all finish."""
@@ -50,21 +61,14 @@ def admitted_order(sched: Scheduler, requests: list[Request], model: FakeModel |
     for _ in range(steps):
         if not sched.num_unfinished_seqs:
             break
-        out = sched.schedule()
-        order += [i.seq.request.request_id for i in out.scheduled
-                  if i.seq.request.request_id not in order]
-        tokens = model.step(out)
-        sched.update(out)
-        for item, token in zip(out.scheduled, tokens):
-            if item.samples:
-                item.seq.token_ids.append(token)
+        order += [rid for rid in step_once(sched, model) if rid not in order]
         finish_done(sched, requests)
     return order
 
 
 operations = st.lists(st.one_of(
     st.tuples(st.just("add"), st.lists(st.integers(0, 2), min_size=1, max_size=20), st.integers(1, 8),
-              st.integers(1, 2), st.sampled_from(["", "a", "b", "c"]), st.integers(-1, 2)),
+              st.integers(1, 2), st.none(), st.integers(-1, 2), st.sampled_from(["", "a", "b", "c"])),
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 100)),
     st.tuples(st.just("preempt"), st.integers(0, 100)),
@@ -78,28 +82,7 @@ def test_fair_policy_never_leaks_loses_or_starves_a_request(ops, num_blocks, bud
     policy = FairPolicy(aging)
     kv = KVCacheManager(num_blocks, BS, True)
     sched = Scheduler(kv, max_seqs, budget, policy)
-    model = FakeModel(kv)
-    requests: list[Request] = []
-    for op in ops:
-        if op[0] == "add":
-            _, prompt, max_tokens, n, tenant, priority = op
-            params = SamplingParams(n=n, max_tokens=max_tokens, priority=priority, ignore_eos=True)
-            req = Request(str(len(requests)), prompt, params, frozenset(), num_blocks * BS)
-            req.tenant = tenant
-            requests.append(req)
-            sched.add_request(req)
-        elif op[0] == "step":
-            _run_step(sched, model, requests)
-        elif op[0] == "abort" and requests:
-            _abort(sched, requests[op[1] % len(requests)])
-        elif op[0] == "preempt" and sched.running:
-            sched.preempt(sched.running[op[1] % len(sched.running)])
-        _check_references(kv, [s for r in requests for s in r.seqs])
-    for _ in range(2000):
-        if not sched.num_unfinished_seqs:
-            break
-        _run_step(sched, model, requests)
-        _check_references(kv, [s for r in requests for s in r.seqs])
+    requests = drive(ops, sched, FakeModel(kv), num_blocks * BS)
     for req in requests:   # none lost or starved: every one ran to its length or was aborted
         assert req.finished
         if not req.aborted:
@@ -150,12 +133,54 @@ def test_a_newcomer_tenant_goes_before_a_busy_tenants_backlog():
     newcomer = request("b0", "b", max_tokens=8)
     sched.add_request(newcomer)
     order = admitted_order(sched, backlog + [newcomer], model)
-    assert order.index("b0") == 2   # the first free slot, ahead of a2..a7
+    assert order[:2] == ["a0", "b0"]   # the very next step, in a1's place (a holds 2 slots, b none)
     fcfs = scheduler(PriorityPolicy(), max_num_seqs=2)
     same = [request(f"a{i}", "a", max_tokens=8) for i in range(8)] + [request("b0", "b", max_tokens=8)]
     for req in same:
         fcfs.add_request(req)
     assert admitted_order(fcfs, same)[-1] == "b0"   # the default policy: behind all of a's
+
+
+@pytest.mark.parametrize("policy", [FairPolicy(), PriorityPolicy()], ids=["fair", "priority"])
+def test_a_tenant_holding_every_slot_gives_one_up_to_a_newcomer(policy):
+    sched = scheduler(policy, max_num_seqs=2)
+    held = [request(f"a{i}", "a", max_tokens=16) for i in range(3)]
+    for req in held:
+        sched.add_request(req)
+    model = FakeModel(sched.kv)
+    assert step_once(sched, model) == ["a0", "a1"]
+    sched.add_request(newcomer := request("b0", "b", max_tokens=16))
+    scheduled = step_once(sched, model)
+    if isinstance(policy, FairPolicy):
+        assert scheduled == ["a0", "b0"]   # a1, a's newest, gave way in this very step
+        assert held[1].seqs[0].status is SequenceStatus.WAITING and sched.num_preemptions == 1
+        assert newcomer.seqs[0].status is SequenceStatus.RUNNING
+    else:
+        assert scheduled == ["a0", "a1"] and sched.num_preemptions == 0   # today's: b0 waits for a slot
+    admitted_order(sched, held + [newcomer], model)
+    assert all(r.finished for r in held + [newcomer]) and sched.kv.num_used_blocks == 0
+
+
+def test_tenants_do_not_trade_a_slot_back_and_forth():
+    """Three slots, two backlogged tenants: 2 against 1 is as even as it gets, so nobody is
+    preempted (a swap would only turn it into 1 against 2)."""
+    sched = scheduler(FairPolicy(), max_num_seqs=3)
+    backlog = [request(f"{t}{i}", t, max_tokens=6) for i in range(8) for t in "ab"]
+    for req in backlog:
+        sched.add_request(req)
+    admitted_order(sched, backlog)
+    assert all(r.finished for r in backlog) and sched.num_preemptions == 0
+
+
+def test_a_tenant_does_not_take_a_slot_from_a_better_priority():
+    sched = scheduler(FairPolicy(), max_num_seqs=2)
+    urgent = [request(f"a{i}", "a", max_tokens=8, priority=0) for i in range(2)]
+    for req in urgent:
+        sched.add_request(req)
+    model = FakeModel(sched.kv)
+    step_once(sched, model)
+    sched.add_request(request("b0", "b", max_tokens=8, priority=5))
+    assert step_once(sched, model) == ["a0", "a1"] and sched.num_preemptions == 0
 
 
 def test_backlogged_tenants_get_equal_tokens_not_equal_requests():
