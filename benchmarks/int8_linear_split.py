@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from int8_gemm import timed  # this folder: a script's own folder is on its path
 from kubeinfer.server.model.quantization.weights import Int8Weight, quantize_int8_per_token, quantize_per_channel
-
-
-def timed(fn, repeats: int = 200) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats * 1e6
 
 
 def main() -> None:
@@ -54,7 +46,7 @@ def main() -> None:
         results = {name: [] for name in parts}
         for _ in range(args.rounds):
             for name, fn in parts.items():
-                results[name].append(timed(fn))
+                results[name].append(timed(fn, 200) * 1e6)
         print(f"M={m} K={k} N={n}")
         for name, values in results.items():
             print(f"  {name:34s} {statistics.median(values):9.1f}")

@@ -86,14 +86,15 @@ def coverage(url: str, receiver: OtlpReceiver, count: int, output_len: int) -> l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="embedded")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--coverage-requests", type=int, default=20)
-    parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--model", default="embedded", help="what both servers serve")
+    parser.add_argument("--rounds", type=int, default=4, help="benchmark runs per server, in ABBA order")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per benchmark run")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight per benchmark run")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (random token ids)")
+    parser.add_argument("--output-len", type=int, default=64, help="output tokens of every request")
+    parser.add_argument("--coverage-requests", type=int, default=20,
+                        help="sequential traced requests whose spans are compared with the client's time")
+    parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()), help="the servers' logs go here")
     args = parser.parse_args()
     receiver = OtlpReceiver()
     common = ["--model", args.model, "--max-num-seqs", str(max(32, args.concurrency)), "--log-level", "warning"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.engine_runs import run_requests
 
 from kubeinfer.kernels.reference.attention_ref import paged_attention_ref
 from kubeinfer.server.engine.llm import LLM
@@ -62,17 +63,13 @@ def _run(llm: LLM, prompts: list[str], forced: list[list[int]] | None = None
     """Greedy continuations and, per prompt, the [steps, vocab] logits of every step."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     logs: list[list[torch.Tensor]] = [[] for _ in prompts]
-    engine = llm.engine
+    engine, requests = llm.engine, []
     for i, prompt in enumerate(prompts):
         request = engine.make_request(f"r{i}", prompt, params)
         request.seqs[0].logits_processors.append(TeacherForcing(forced[i] if forced else None, logs[i]))
-        engine.add_request(request.request_id, request)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = output.outputs[0].token_ids
-    return [list(outputs[f"r{i}"]) for i in range(len(prompts))], [torch.stack(log) for log in logs]
+        requests.append(request)
+    outputs = run_requests(engine, requests)
+    return [list(outputs[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts))], [torch.stack(log) for log in logs]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.engine_runs import run_requests
 
 from kubeinfer.server.engine.logits_processor import LogitsProcessor
 from kubeinfer.server.engine.sampling_params import SamplingParams
@@ -71,16 +72,6 @@ def test_known_token_proposer_gives_greedy_output_in_fewer_steps(make_llm, rando
     _no_leaks(llm)
 
 
-def _run(llm, requests) -> dict:
-    for request in requests:
-        llm.engine.add_request(request.request_id, request)
-    done = {}
-    while llm.engine.has_unfinished_requests():
-        for output in llm.engine.step():
-            done[output.request_id] = output
-    return done
-
-
 def test_a_ban_token_processor_next_to_a_drafted_sequence(make_llm, random_prompts):
     """One batch, two requests: a "ban token X" processor on one (not drafted: processors follow
     accepted tokens only), known-token drafts for the other; both equal their references."""
@@ -95,10 +86,10 @@ def test_a_ban_token_processor_next_to_a_drafted_sequence(make_llm, random_promp
         return made
 
     reference_llm = make_llm()
-    reference = _run(reference_llm, requests(reference_llm))
+    reference = run_requests(reference_llm.engine, requests(reference_llm))
     llm = make_llm()
     llm.engine.proposer = proposer = KnownTokens({str(i): o.outputs[0].token_ids for i, o in enumerate(plain)})
-    done = _run(llm, requests(llm))
+    done = run_requests(llm.engine, requests(llm))
     assert banned not in done["0"].outputs[0].token_ids
     assert done["0"].outputs[0].token_ids == reference["0"].outputs[0].token_ids
     assert done["1"].outputs[0].token_ids == plain[1].outputs[0].token_ids

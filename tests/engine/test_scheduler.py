@@ -54,11 +54,15 @@ class FakeModel:
         for item in out.scheduled:
             seq = item.seq
             hashes = _prefix_hashes(seq.token_ids)
-            for pos in range(seq.num_computed_tokens):  # the cached prefix this chunk attends to
+            for pos in range(self.first_key(seq), seq.num_computed_tokens):  # the cached keys it attends to
                 assert self.slots.get(self._slot(seq, pos)) == hashes[pos], "read a foreign slot"
             end = seq.num_computed_tokens + item.num_new_tokens
             sampled.append(hashes[end - 1] % 3 if item.samples else -1)
         return sampled
+
+    def first_key(self, seq: Sequence) -> int:
+        """The first cached position a chunk of `seq` attends to."""
+        return 0
 
     @staticmethod
     def _slot(seq: Sequence, pos: int) -> int:
@@ -132,11 +136,13 @@ def drive(ops: list[tuple], sched: Scheduler, model: FakeModel, max_total_tokens
     kv = sched.kv
     requests: list[Request] = []
     for op in ops:
-        if op[0] == "add":
-            _, prompt, max_tokens, n, salt, priority = op
+        if op[0] == "add":   # ("add", prompt, max_tokens, n, cache salt, priority[, tenant])
+            _, prompt, max_tokens, n, salt, priority, *tenant = op
             params = SamplingParams(n=n, max_tokens=max_tokens + extra_tokens, cache_salt=salt,
                                     priority=priority, ignore_eos=True)
             request = Request(str(len(requests)), prompt, params, frozenset(), max_total_tokens)
+            if tenant:
+                request.tenant = tenant[0]
             requests.append(request)
             sched.add_request(request)
         elif op[0] == "step":

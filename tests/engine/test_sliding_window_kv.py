@@ -19,13 +19,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import torch
 from test_parity import GREEDY
-from test_scheduler import BS, FakeModel, _prefix_hashes, drive, operations
+from test_scheduler import BS, FakeModel, drive, operations
 
 from helpers.tiny_models import build_tiny_gemma2, build_tiny_mistral, build_tiny_phi3
 from kubeinfer.server.engine.kv_cache_manager import KVCacheManager
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
-from kubeinfer.server.engine.scheduler import Scheduler, SchedulerOutput
+from kubeinfer.server.engine.scheduler import Scheduler
+from kubeinfer.server.engine.sequence import Sequence
 
 pytestmark = pytest.mark.integration
 
@@ -40,27 +41,10 @@ class WindowedFakeModel(FakeModel):
         super().__init__(kv)
         self.window = window
 
-    def step(self, out: SchedulerOutput) -> list[int]:
-        written: set[int] = set()
-        for item in out.scheduled:
-            seq = item.seq
-            hashes = _prefix_hashes(seq.token_ids)
-            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens):
-                slot = self._slot(seq, pos)
-                assert slot not in written
-                written.add(slot)
-                self.slots[slot] = hashes[pos]
-        sampled = []
-        for item in out.scheduled:
-            seq = item.seq
-            hashes = _prefix_hashes(seq.token_ids)
-            first_key = max(0, seq.num_computed_tokens - self.window + 1)
-            assert first_key >= seq.num_released_blocks * BS, "a query's window reaches a given-back block"
-            for pos in range(first_key, seq.num_computed_tokens):
-                assert self.slots.get(self._slot(seq, pos)) == hashes[pos], "read a foreign slot"
-            end = seq.num_computed_tokens + item.num_new_tokens
-            sampled.append(hashes[end - 1] % 3 if item.samples else -1)
-        return sampled
+    def first_key(self, seq: Sequence) -> int:
+        first = max(0, seq.num_computed_tokens - self.window + 1)
+        assert first >= seq.num_released_blocks * BS, "a query's window reaches a given-back block"
+        return first
 
 
 @settings(max_examples=150, deadline=None)

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from helpers.engine_runs import run_requests
 from helpers.tiny_models import build_tiny_qwen2
 
 from kubeinfer.server.engine.llm import LLM
@@ -448,13 +449,7 @@ def test_a_grammar_that_raises_mid_verify_fails_only_its_own_request(where, make
     requests = [engine.make_request(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
     processor = requests[0].seqs[0].logits_processors[0]
     faulty = processor.matcher = _FailsMidVerify(processor, where)
-    for request in requests:
-        engine.add_request(request.request_id, request)
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output
+    done = run_requests(engine, requests)
     assert faulty.raised > 0
     assert done["0"].error is not None and done["0"].outputs[0].finish_reason == "error"
     for i in (1, 2, 3):

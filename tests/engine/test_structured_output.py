@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from helpers.engine_runs import run_requests
 
 from kubeinfer.server.engine.logits_processor import LogitsProcessor
 from kubeinfer.server.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -208,12 +209,7 @@ def test_a_logits_processor_touches_only_its_rows(make_llm, random_prompts):
     requests = [llm.engine.make_request(str(i), prompt, greedy) for i, prompt in enumerate(prompts)]
     ban = _Ban(banned)
     requests[0].seqs[0].logits_processors.append(ban)
-    for request in requests:
-        llm.engine.add_request(request.request_id, request)
-    done = {}
-    while llm.engine.has_unfinished_requests():
-        for output in llm.engine.step():
-            done[output.request_id] = output
+    done = run_requests(llm.engine, requests)
     assert banned not in done["0"].outputs[0].token_ids
     assert ban.seen == done["0"].outputs[0].token_ids
     assert done["1"].outputs[0].token_ids == free[1].outputs[0].token_ids

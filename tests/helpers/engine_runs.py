@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from kubeinfer.server.engine.llm_engine import LLMEngine
+from kubeinfer.server.engine.outputs import RequestOutput
 from kubeinfer.server.engine.sampling_params import SamplingParams
+from kubeinfer.server.engine.sequence import Request
 
 
 def generate_tokens(engine: LLMEngine, prompts: list[list[int]],
@@ -22,3 +24,15 @@ def generate_tokens(engine: LLMEngine, prompts: list[list[int]],
                 assert out.error is None, out.error
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
     return [outputs[request_id] for request_id in ids]
+
+
+def run_requests(engine: LLMEngine, requests: list[Request]) -> dict[str, RequestOutput]:
+    """Add requests made by `engine.make_request` (with parts a test attached to them), step until
+    all are done; the last output of each, by request id."""
+    for request in requests:
+        engine.add_request(request.request_id, request)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            done[output.request_id] = output
+    return done

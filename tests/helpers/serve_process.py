@@ -32,6 +32,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds; reaped either way."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def start_kubeinfer(args: list[str], port: int, stack: ExitStack) -> subprocess.Popen:
     """`kubeinfer <args> --port <port>` until `stack` closes, once it answers `/ready`; one
     torch thread, so several engines on a small machine do not fight over its cores."""
@@ -39,15 +50,6 @@ def start_kubeinfer(args: list[str], port: int, stack: ExitStack) -> subprocess.
     process = subprocess.Popen([sys.executable, "-m", "kubeinfer.server.cli", *args, "--port", str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
-    def stop() -> None:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    stack.callback(stop)
+    stack.callback(stop_process, process)
     wait_until_ready(process, f"http://127.0.0.1:{port}", timeout=240)
     return process

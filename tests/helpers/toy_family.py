@@ -10,26 +10,20 @@ in an importable module (not a test function) because tensor-parallel workers un
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from kubeinfer.server.model.config import ModelConfig
 from kubeinfer.server.model.families.llama import LlamaForCausalLM
 from kubeinfer.server.model.layers.attention import AttentionBackend
-from kubeinfer.server.model.layers.linear import Linear, MergedLinear, ParallelRole
+from kubeinfer.server.model.layers.mlp import SwiGLUMLP
 from kubeinfer.server.model.registry import LLAMA_GGUF, ModelFamily
 
 ARCHITECTURE = "toy_gelu_llama"
 
 
-class GeluMLP(nn.Module):
-    """down(gelu(gate(x)) * up(x)): the one part that differs from Llama."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=False,
-                                         roles=[ParallelRole.COLUMN, ParallelRole.COLUMN])
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, role=ParallelRole.ROW)
+class GeluMLP(SwiGLUMLP):
+    """down(gelu(gate(x)) * up(x)): the one part that differs from Llama (its projections, another
+    activation)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

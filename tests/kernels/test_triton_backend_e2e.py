@@ -46,6 +46,16 @@ def _greedy(model: torch.nn.Module) -> tuple[dict[str, list[int]], list[torch.Te
     return generated, all_logits
 
 
+def _assert_triton_decodes_as_torch(torch_model: torch.nn.Module, triton_model: torch.nn.Module) -> None:
+    """The same tokens and (within fp32 rounding) logits with every op on Triton as on torch."""
+    want_tokens, want_logits = _greedy(torch_model)
+    with ops.use_backend("triton"):
+        got_tokens, got_logits = _greedy(triton_model)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_tiny_llama_decodes_the_same_tokens_through_triton_attention(tmp_path):
     path = str(make_tiny_llama(tmp_path))
     torch_model = load_model(path, dtype="float32", device="cpu").model
@@ -83,12 +93,7 @@ def test_new_families_decode_the_same_tokens_on_every_triton_kernel(build, tmp_p
     for layer in triton_model.model.layers:
         backend = layer.self_attn.backend
         layer.self_attn.backend = TritonAttention(backend.sliding_window, getattr(backend, "softcap", None))
-    want_tokens, want_logits = _greedy(torch_model)
-    with ops.use_backend("triton"):
-        got_tokens, got_logits = _greedy(triton_model)
-    assert got_tokens == want_tokens
-    for got, want in zip(got_logits, want_logits):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _assert_triton_decodes_as_torch(torch_model, triton_model)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -101,9 +106,4 @@ def test_gptq_model_decodes_the_same_tokens_through_the_packed_gemm_kernel(bits,
     triton_model = load_model(str(quantized), dtype="float32", device="cpu").model
     for layer in triton_model.model.layers:
         layer.self_attn.backend = TritonAttention()
-    want_tokens, want_logits = _greedy(torch_model)
-    with ops.use_backend("triton"):
-        got_tokens, got_logits = _greedy(triton_model)
-    assert got_tokens == want_tokens
-    for got, want in zip(got_logits, want_logits):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _assert_triton_decodes_as_torch(torch_model, triton_model)

@@ -28,7 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.serve_process import free_port, start_kubeinfer
+from helpers.serve_process import free_port, start_kubeinfer, stop_process
 
 pytestmark = pytest.mark.integration
 DESTINATION = "x-gateway-destination-endpoint"
@@ -49,7 +49,7 @@ def _router(backends: list[str], stack: ExitStack, *extra: str) -> str:
             "--ext-proc-port", str(grpc_port), "--poll-interval", "0.2", *extra]
     process = subprocess.Popen([sys.executable, "-m", "kubeinfer.server.cli", *args], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
-    stack.callback(_stop, process)
+    stack.callback(stop_process, process, 15)
     address = f"127.0.0.1:{grpc_port}"
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -63,15 +63,6 @@ def _router(backends: list[str], stack: ExitStack, *extra: str) -> str:
                 pass
             assert time.monotonic() < deadline, "the ext_proc server never answered"
             time.sleep(0.2)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture(scope="module")

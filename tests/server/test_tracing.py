@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 pytest.importorskip("opentelemetry.sdk")
-from tests.helpers.otlp import OtlpReceiver  # noqa: E402
+from helpers.otlp import OtlpReceiver  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
