@@ -1,4 +1,7 @@
 """The kernel API the model calls: tensors in, tensors out, Triton on CUDA, torch elsewhere.
+With `ops_cpu.py` (the C kernels' named API) it is all the server imports of `kernels/`: the torch
+references the model runs as such (the fp8 KV-cache conversions, the packed-int helpers of
+quantized weights, the rotary tables) are named here too.
 
 On CPU, RMSNorm, SiLU-and-mul and the rotary embedding run the fused C kernels of `fused_cpu`
 when they could be built (backend "auto"); "torch" forces the pure-torch references everywhere.
@@ -19,21 +22,23 @@ import torch
 
 from .cpu import fused_cpu
 from .reference.activation_ref import silu_and_mul_ref
+from .reference.kv_cache_ref import FP8_MAX, dequantize_fp8_ref, quantize_fp8_ref, store_kv_cache_ref
 from .reference.lora_ref import lora_shrink_expand_ref
-from .reference.moe_ref import fused_moe_ref
+from .reference.moe_ref import ExpertLinear, fused_moe_ref
 from .reference.rms_norm_ref import rms_norm_ref
 from .reference.rope_cache import build_rope_cache, cos_sin_table
 from .reference.rotary_ref import apply_rotary_ref, rotate_signed_ref
+from .reference.w4a16_ref import dequantize_kn, pack_rows, unpack_rows
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("KUBEINFER_KERNEL_BACKEND", "auto")
 if _backend not in BACKENDS:
     raise ValueError(f"KUBEINFER_KERNEL_BACKEND={_backend!r}; expected one of {', '.join(BACKENDS)}")
 
-__all__ = ["build_rope_cache", "cos_sin_table", "triton_paged_attention", "triton_store_kv_cache",
-           "triton_w4a16_matmul", "rms_norm", "apply_rotary",
-           "rotate_signed", "silu_and_mul", "fused_moe", "lora_shrink_expand", "use_backend", "uses_triton",
-           "uses_cpu_kernels"]
+__all__ = ["FP8_MAX", "ExpertLinear", "apply_rotary", "build_rope_cache", "cos_sin_table", "dequantize_fp8_ref",
+           "dequantize_kn", "fused_moe", "lora_shrink_expand", "pack_rows", "quantize_fp8_ref", "rms_norm",
+           "rotate_signed", "silu_and_mul", "store_kv_cache_ref", "triton_paged_attention", "triton_store_kv_cache",
+           "triton_w4a16_matmul", "unpack_rows", "use_backend", "uses_cpu_kernels", "uses_triton"]
 
 
 @contextmanager
@@ -165,12 +170,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return fused(x)
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, weights: torch.Tensor,
+              ids: torch.Tensor, expert_linear: ExpertLinear | None = None) -> torch.Tensor:
     """Top-k routed SwiGLU experts, see `moe_ref.fused_moe_ref`: the grouped torch path on CPU,
-    the Triton grouped GEMM on CUDA."""
-    if not uses_triton(x):
-        return fused_moe_ref(x, w13, w2, weights, ids)
+    the Triton grouped GEMM on CUDA. An `expert_linear` (prepacked or quantized experts, which
+    pass no w13 / w2) computes each expert's matmuls on the grouped torch path, on any device."""
+    if expert_linear is not None or not uses_triton(x):
+        return fused_moe_ref(x, w13, w2, weights, ids, expert_linear)
     from .triton.moe import fused_moe as grouped
     return grouped(x, w13, w2, weights, ids)
 

@@ -36,7 +36,7 @@ import torch
 from torch.nn import functional as F
 
 from kubeinfer.kernels import ops, ops_cpu
-from kubeinfer.kernels.reference.kv_cache_ref import FP8_MAX, dequantize_fp8_ref, quantize_fp8_ref, store_kv_cache_ref
+from kubeinfer.kernels.ops import FP8_MAX, dequantize_fp8_ref, quantize_fp8_ref, store_kv_cache_ref
 
 from ..forward_batch import ForwardBatch
 from .kv_cache_quant import KVScales

@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, NamedTuple
 
 import torch
 
-from kubeinfer.kernels.reference.kv_cache_ref import FP8_MAX
+from kubeinfer.kernels.ops import FP8_MAX
 
 log = logging.getLogger(__name__)
 

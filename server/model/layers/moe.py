@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from kubeinfer.kernels import ops
-from kubeinfer.kernels.reference.moe_ref import fused_moe_ref
 
 from ..config import MoEConfig
 from .linear import Linear, ParallelRole, can_pack, linear, pack_weight
@@ -83,9 +82,9 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:   # grouped by expert, each expert's matmuls on its compute form
-            return fused_moe_ref(x, None, None, weights, ids, self._quantized_linear)
+            return ops.fused_moe(x, None, None, weights, ids, self._quantized_linear)
         if self.packed is not None and not ops.uses_triton(x):
-            return fused_moe_ref(x, self.w13, self.w2, weights, ids, self._packed_linear)
+            return ops.fused_moe(x, self.w13, self.w2, weights, ids, self._packed_linear)
         return ops.fused_moe(x, self.w13, self.w2, weights, ids)
 
     def _quantized_linear(self, rows: torch.Tensor, expert: int, which: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kubeinfer.kernels.reference.rope_cache import cos_sin_table
+from kubeinfer.kernels.ops import cos_sin_table
 
 from ..forward_batch import ForwardBatch
 

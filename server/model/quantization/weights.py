@@ -27,7 +27,7 @@ import torch
 from torch.nn import functional as F
 
 from kubeinfer.kernels import ops, ops_cpu
-from kubeinfer.kernels.reference.w4a16_ref import dequantize_kn, pack_rows, unpack_rows
+from kubeinfer.kernels.ops import dequantize_kn, pack_rows, unpack_rows
 
 from ..layers.linear import linear
 
