@@ -36,26 +36,26 @@ test-unit: venv
 # The local Kubernetes cluster (e2e/): binaries built once into ~/.cache/kubeinfer/bin.
 .PHONY: cluster-binaries cluster-up cluster-down cluster-status test-e2e env service-url
 cluster-binaries: venv
-	$(VENV)/bin/python -m e2e.binaries
+	$(VENV)/bin/python -m e2e.localcluster.binaries
 cluster-up: venv
-	$(VENV)/bin/python -m e2e.cluster up
+	$(VENV)/bin/python -m e2e.localcluster up
 cluster-down: venv
-	$(VENV)/bin/python -m e2e.cluster down
+	$(VENV)/bin/python -m e2e.localcluster down
 cluster-status: venv
-	$(VENV)/bin/python -m e2e.cluster status
+	$(VENV)/bin/python -m e2e.localcluster status
 # eval "$(make -s env)": kubeinfer, helm and KUBECONFIG (and a second cluster's settings) in this shell.
 env: venv
-	@$(VENV)/bin/python -m e2e.cluster env
+	@$(VENV)/bin/python -m e2e.localcluster env
 # make -s service-url SERVICE=[namespace/]name: the Service's http://127.0.0.1:<port> on this machine.
 service-url: venv
-	@$(VENV)/bin/python -m e2e.cluster url $(SERVICE)
+	@$(VENV)/bin/python -m e2e.localcluster url $(SERVICE)
 test-e2e: venv
 	$(VENV)/bin/python -m pytest -q -m e2e e2e $(PYTEST_ARGS)
 # Opt-in, not in `make test`: GIE's own endpoint picker (v1.5.0, a ~15 min Go build when not cached)
 # and Envoy in front of an InferencePool of kubeinfer engines on the local cluster (#41).
 .PHONY: test-gateway
 test-gateway: venv
-	$(VENV)/bin/python -m e2e.binaries envoy gie
+	$(VENV)/bin/python -m e2e.localcluster.binaries envoy gie
 	KUBEINFER_GIE_E2E=1 $(VENV)/bin/python -m pytest -q -s -rfEs -p no:cacheprovider e2e/test_gie_gateway.py $(PYTEST_ARGS)
 
 # The whole story on one machine: local cluster, Helm chart, the embedded model, a chat completion.

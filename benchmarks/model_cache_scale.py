@@ -34,12 +34,12 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from e2e import cluster as cluster_mod  # noqa: E402  (benchmark infrastructure, not product)
-from e2e.config import ClusterConfig  # noqa: E402
+from e2e.localcluster import cluster as cluster_mod  # noqa: E402  (benchmark infrastructure, not product)
+from e2e.localcluster.config import ClusterConfig  # noqa: E402
 from e2e.demo import bring_up_cluster, install_chart  # noqa: E402
 from e2e.helpers import Cluster, wait_for  # noqa: E402
 from e2e.model_stores import HubServer  # noqa: E402
-from e2e.nodes import node_name  # noqa: E402
+from e2e.localcluster.nodes import node_name  # noqa: E402
 
 NAME = "cache-bench"
 ENGINES = f"app.kubernetes.io/component=engine,kubeinfer.io/inferenceservice={NAME}"

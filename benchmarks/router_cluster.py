@@ -12,7 +12,7 @@ has its own seed, so it starts with prefixes no engine has cached.
 
     python benchmarks/router_cluster.py OUT_DIR --rounds 3 --kv-cache-memory 128Mi
 
-Leaves the cluster running (`python -m e2e.cluster down` stops it) and deletes its namespace.
+Leaves the cluster running (`python -m e2e.localcluster down` stops it) and deletes its namespace.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from e2e import cluster as cluster_mod, svcproxy  # noqa: E402  (benchmark infrastructure, not product)
-from e2e.config import ClusterConfig  # noqa: E402
+from e2e.localcluster import cluster as cluster_mod, svcproxy  # noqa: E402  (benchmark infrastructure, not product)
+from e2e.localcluster.config import ClusterConfig  # noqa: E402
 from e2e.demo import build_binaries, bring_up_cluster, install_chart, service_state  # noqa: E402
 from e2e.helpers import Cluster, pod_ready, wait_for  # noqa: E402
 

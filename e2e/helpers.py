@@ -11,8 +11,8 @@ from typing import TypeVar
 
 from kubernetes import client
 
-from e2e.binaries import binary
-from e2e.config import ClusterConfig
+from e2e.localcluster.binaries import binary
+from e2e.localcluster.config import ClusterConfig
 
 T = TypeVar("T")
 CHART = Path(__file__).resolve().parents[1] / "helm" / "kubeinfer"

@@ -8,7 +8,7 @@
   RevisionNotFoundError. A repository can require a token (HF_TOKEN).
 - `S3Server`: moto's S3 (Apache-2.0) as a standalone server. moto needs botocore, whose
   python-dateutil<3 pin the project's kubernetes client cannot share, so it runs from its own
-  venv that e2e/binaries.py builds (`ensure("moto")`); clients use the `minio` SDK.
+  venv that e2e/localcluster/binaries.py builds (`ensure("moto")`); clients use the `minio` SDK.
 
 Both count requests per file (`counts()`), so a test can assert each file was downloaded
 once, and can be told to cut or stall a file mid-transfer (`fault()`).
@@ -464,7 +464,7 @@ class S3Server(_ServerProcess):
     ACCESS_KEY, SECRET_KEY, REGION = "testing", "testing", "us-east-1"
 
     def python(self) -> str:
-        from e2e import binaries
+        from e2e.localcluster import binaries
 
         return str(binaries.ensure("moto") / "venv" / "bin" / "python")
 

@@ -35,7 +35,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from e2e import binaries
+from e2e.localcluster import binaries
 from e2e.gateway import envoy_config, free_port, start_envoy, start_gie_epp
 from e2e.helpers import Cluster, pod_ready, wait_for
 from e2e.test_routing import system_prompt

@@ -3,7 +3,7 @@ S3-compatible store, each file fetched once per node into the node's model cache
 
 The stores are real server processes on loopback (e2e/model_stores.py) holding a tiny random
 Llama; the chart's operator resolves the hub revision, the engine pods' fetch-model init
-containers (`kubeinfer fetch`) fill the node's hostPath cache (e2e/podvolumes.py maps it to
+containers (`kubeinfer fetch`) fill the node's hostPath cache (e2e/localcluster/podvolumes.py maps it to
 ``<state>/nodes/<node>/...``) and the engines serve from it. Every pod is pinned to one node,
 so a second download would be a second GET at the store.
 """
@@ -21,7 +21,7 @@ import pytest
 
 from e2e.helpers import Cluster, wait_for
 from e2e.model_stores import HubServer, S3Server
-from e2e.nodes import node_name
+from e2e.localcluster.nodes import node_name
 
 pytestmark = pytest.mark.e2e
 NAME = "cached"

@@ -1,5 +1,5 @@
 """Issue #40 on the local cluster: an InferenceService whose replicas span 2 pods, run by the real
-LeaderWorkerSet controller (e2e/lws.py, started only for this module).
+LeaderWorkerSet controller (e2e/localcluster/lws.py, started only for this module).
 
 Each group is a leader pod (`kubeinfer serve`, pipeline stage 0, the API) and a worker pod
 (`--headless`, stage 1) of the embedded SmolLM2, joined through LWS's environment. The group is
@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e import lws as lws_mod
+from e2e.localcluster import lws as lws_mod
 from e2e.helpers import SYSTEM_NS, Cluster, pod_ready, wait_for
 from e2e.test_autoscaler import scale_events, served_requests
 from e2e.test_routing import gauges, router_sample

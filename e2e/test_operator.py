@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.config import ClusterConfig
+from e2e.localcluster.config import ClusterConfig
 from e2e.helpers import SYSTEM_NS, Cluster, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.config import ClusterConfig
+from e2e.localcluster.config import ClusterConfig
 from e2e.helpers import SYSTEM_NS, Cluster, wait_for
 
 pytestmark = pytest.mark.e2e

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.binaries import CACHE
+from e2e.localcluster.binaries import CACHE
 
 pytestmark = pytest.mark.release
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import yaml
 from isvc_builders import CONFIG, body, make_isvc
 from test_reconcile import MemoryKube
 
-from e2e.binaries import binary, ensure
+from e2e.localcluster.binaries import binary, ensure
 from kubeinfer.operator.children import desired_children, stale_children
 from kubeinfer.server.kube.client import COLLECTIONS
 from kubeinfer.operator.reconcile import Reconciler

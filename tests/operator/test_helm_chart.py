@@ -1,6 +1,6 @@
 """`helm lint` and `helm template` of helm/kubeinfer, with the helm the local cluster builds.
 
-The binary comes from e2e.binaries (pinned, cached under ~/.cache/kubeinfer/bin), so unit
+The binary comes from e2e.localcluster.binaries (pinned, cached under ~/.cache/kubeinfer/bin), so unit
 tests and e2e use one helm; the first run builds it from the Go module proxy.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.binaries import binary, ensure
+from e2e.localcluster.binaries import binary, ensure
 from kubeinfer.operator import api
 from kubeinfer.operator.inference_pool import POOL_CRD
 

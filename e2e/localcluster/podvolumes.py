@@ -1,0 +1,141 @@
+"""A runner pod's volumes as host directories, and its containers' mount paths mapped onto them.
+
+Pods here are host processes without mount namespaces, so a volume cannot appear at its
+``mountPath``. Instead each volume gets a host directory, and every occurrence of a container's
+mount path in its command line and environment (after ``$(VAR)`` expansion) is rewritten to that
+directory: ``--model /models/x`` becomes ``--model <pod dir>/volumes/model/x``. Each pod also gets
+``<pod dir>/root``, a tree of symlinks from each mount path to its directory, for a look at
+what the pod would see. Paths a process learns at run time (a file it reads, an API call) are
+not rewritten; read-only mounts are not enforced.
+
+Where the directories are, as on a real node:
+- ``emptyDir``: ``<pod dir>/volumes/<volume>``, gone with the pod;
+- ``hostPath``: ``<nodes dir>/<node>/<path>``: one tree per node, shared by that node's pods;
+- ``configMap`` / ``secret``: ``<pod dir>/volumes/<volume>``, holding one file per key (or ``items``);
+- ``persistentVolumeClaim``: the bound PersistentVolume's ``hostPath``/``local`` path, taken
+  as a host path (the local provisioner, e2e/localcluster/provisioner.py, puts them under the cluster's
+  state dir, reachable from every node like network storage). An unbound claim keeps the pod
+  in ContainerCreating, as a kubelet would.
+Other volume types get a directory of their own, empty, so the pod still starts.
+"""
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+from pathlib import Path
+
+from kubernetes import client
+
+from .podenv import ConfigError
+
+
+class VolumeNotReady(RuntimeError):
+    """A volume cannot be set up yet (an unbound claim); the runner retries."""
+
+
+def _key_files(directory: Path, data: dict[str, bytes], items: list[dict] | None, mode: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    wanted = [(i["key"], i["path"], i.get("mode", mode)) for i in items] if items else \
+        [(key, key, mode) for key in data]
+    for key, rel, file_mode in wanted:
+        if key not in data:
+            raise ConfigError(f"key {key!r} not found")
+        path = directory / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data[key])
+        path.chmod(file_mode)
+
+
+def _claim_path(core: client.CoreV1Api, namespace: str, claim: str) -> Path:
+    try:
+        pvc = core.read_namespaced_persistent_volume_claim(claim, namespace)
+    except client.ApiException as err:
+        if err.status == 404:
+            raise VolumeNotReady(f'persistentvolumeclaim "{claim}" not found') from None
+        raise
+    if pvc.status.phase != "Bound" or not pvc.spec.volume_name:
+        raise VolumeNotReady(f'persistentvolumeclaim "{claim}" is not bound')
+    pv = core.read_persistent_volume(pvc.spec.volume_name)
+    source = pv.spec.host_path or pv.spec.local
+    if source is None:
+        raise ConfigError(f"persistentvolume {pv.metadata.name}: only hostPath and local volumes mount here")
+    return Path(source.path)
+
+
+def volume_dirs(core: client.CoreV1Api, pod: dict, pod_dir: Path, nodes_dir: Path) -> dict[str, Path]:
+    """Create (or find) each volume's host directory; volume name -> directory."""
+    namespace, node = pod["metadata"]["namespace"], pod["spec"].get("nodeName", "")
+    dirs: dict[str, Path] = {}
+    for volume in pod["spec"].get("volumes") or []:
+        name, own = volume["name"], pod_dir / "volumes" / volume["name"]
+        if "hostPath" in volume:
+            path = nodes_dir / node / volume["hostPath"]["path"].lstrip("/")
+            if volume["hostPath"].get("type", "") in ("", "DirectoryOrCreate", "Directory"):
+                path.mkdir(parents=True, exist_ok=True)
+            dirs[name] = path
+        elif "persistentVolumeClaim" in volume:
+            dirs[name] = _claim_path(core, namespace, volume["persistentVolumeClaim"]["claimName"])
+        elif "configMap" in volume or "secret" in volume:
+            kind = "configMap" if "configMap" in volume else "secret"
+            source = volume[kind]
+            ref = source.get("name") or source.get("secretName")
+            try:
+                if kind == "secret":
+                    data = {k: base64.b64decode(v) for k, v in
+                            (core.read_namespaced_secret(ref, namespace).data or {}).items()}
+                else:
+                    cm = core.read_namespaced_config_map(ref, namespace)
+                    data = {k: v.encode() for k, v in (cm.data or {}).items()}
+                    data.update({k: base64.b64decode(v) for k, v in (cm.binary_data or {}).items()})
+            except client.ApiException as err:
+                if err.status != 404 or not source.get("optional"):
+                    raise VolumeNotReady(f'{kind} "{ref}" not found') from None
+                data = {}
+            shutil.rmtree(own, ignore_errors=True)
+            try:
+                _key_files(own, data, source.get("items"), source.get("defaultMode", 0o644))
+            except ConfigError as err:
+                raise ConfigError(f"volume {name}: {kind} {ref}: {err}") from None
+            dirs[name] = own
+        else:  # emptyDir and anything else: a directory of the pod's own
+            own.mkdir(parents=True, exist_ok=True)
+            dirs[name] = own
+    return dirs
+
+
+def container_mounts(container: dict, dirs: dict[str, Path]) -> dict[str, Path]:
+    """mountPath -> host directory for one container (subPath included)."""
+    mounts = {}
+    for mount in container.get("volumeMounts") or []:
+        if mount["name"] not in dirs:
+            raise ConfigError(f"volumeMount {mount['mountPath']}: no volume named {mount['name']!r}")
+        host = dirs[mount["name"]] / mount.get("subPath", "")
+        if mount.get("subPath"):
+            host.mkdir(parents=True, exist_ok=True)
+        mounts[mount["mountPath"].rstrip("/") or "/"] = host
+    return mounts
+
+
+def link_root(root: Path, mounts: dict[str, Path]) -> None:
+    """``root/<mountPath>`` -> host directory, for each mount."""
+    for mount_path, host in mounts.items():
+        link = root / mount_path.lstrip("/")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(host, target_is_directory=True)
+
+
+def path_rewriter(mounts: dict[str, Path]):
+    """A function that maps the container's view of paths in a string to the host's.
+
+    A mount path matches only as a whole path: at the start of the string or after a space,
+    quote, ``=``, ``:`` or ``,``, and followed by ``/``, the end or such a separator; the
+    longest mount path wins (``/models/cache`` before ``/models``)."""
+    if not mounts:
+        return lambda text: text
+    paths = sorted(mounts, key=len, reverse=True)
+    pattern = re.compile(r"(?:^|(?<=[\s'\"=:,]))(" + "|".join(re.escape(p) for p in paths) +
+                         r")(?=$|[/\s'\";:,])")
+    return lambda text: pattern.sub(lambda m: str(mounts[m.group(1)]), text)
