@@ -25,12 +25,18 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def threads_and_rounds(description: str) -> argparse.Namespace:
+    """`--threads` (set for torch at once) and `--rounds`, the flags of this folder's int8 timers."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = threads_and_rounds(__doc__.splitlines()[0])
     print(f"threads {args.threads}; per shape: median of {args.rounds} alternated rounds")
     print(f"{'M':>5} {'K':>5} {'N':>5}  {'int8 GOPS':>10} {'bf16 GFLOPS':>12} {'int8/bf16':>9}")
     for m, k, n in SHAPES:

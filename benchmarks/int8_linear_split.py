@@ -9,22 +9,17 @@ float32 matrix of combined scales. Shapes: SmolLM2-135M's MLP up-projection at d
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-from int8_gemm import timed  # this folder: a script's own folder is on its path
+from int8_gemm import threads_and_rounds, timed  # this folder: a script's own folder is on its path
 from kubeinfer.server.model.quantization.weights import Int8Weight, quantize_int8_per_token, quantize_per_channel
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = threads_and_rounds(__doc__.splitlines()[0])
     print(f"threads {args.threads}; microseconds per call, median of {args.rounds} alternated rounds")
     for m, k, n in [(32, 576, 1536), (512, 576, 1536)]:
         weight = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
