@@ -5,12 +5,9 @@ scheduler's seam for priorities and tenants (`Scheduler(..., policy=...)`).
 (lower first), then arrival. It costs the step nothing beyond that order.
 
 `FairPolicy` keeps priority first and, among requests of one priority, shares computed tokens
-(prompt and generated, as the step computes them) fairly among tenants: virtual-time fair
-queuing where a tenant's virtual time is the tokens it was given so far, and the tenant
-furthest behind is admitted next. A tenant that becomes active starts at the least active
-tenant's virtual time, so being idle banks no credit and a newcomer waits for at most one
-admission of each busier tenant. Within a tenant, arrival order stays. One tenant alone is
-therefore exactly `PriorityPolicy`'s order.
+(prompt and generated, as the step computes them) fairly among tenants: the virtual-time fair
+queuing of `server/fair_share.py`, which the router's queue shares. One tenant alone is
+exactly `PriorityPolicy`'s order.
 
 When every slot (`max_num_seqs`) is taken, `FairPolicy` also lets a waiting request of a tenant
 running at least two fewer sequences than another take the place of that tenant's newest
@@ -29,11 +26,8 @@ import time
 from collections import Counter, deque
 from typing import Iterable, Protocol
 
+from ..fair_share import Entry, FairShare
 from .sequence import Request, Sequence
-
-# Idle tenants whose virtual time is kept (their debt from a recent burst); past this many,
-# idle tenants are forgotten, so a gateway naming ever new tenants cannot grow the table.
-MAX_IDLE_TENANTS = 1024
 
 
 class SchedulingPolicy(Protocol):
@@ -85,36 +79,16 @@ class FairPolicy:
 
     def __init__(self, aging_seconds: float | None = None) -> None:
         self.aging_seconds = aging_seconds
-        self.virtual_time: dict[str, float] = {}  # tokens computed per tenant, lifted on arrival
-        self.active: dict[str, int] = {}  # unfinished requests per tenant
-        self.clock = 0.0  # never decreases: the least active virtual time seen
-
-    def _floor(self) -> float:
-        if self.active:
-            self.clock = max(self.clock, min(self.virtual_time[t] for t in self.active))
-        return self.clock
+        self.share = FairShare()
 
     def arrived(self, request: Request) -> None:
-        tenant = request.tenant
-        if tenant not in self.active:
-            self.virtual_time[tenant] = max(self.virtual_time.get(tenant, 0.0), self._floor())
-        self.active[tenant] = self.active.get(tenant, 0) + 1
+        self.share.arrived(request.tenant)
 
     def departed(self, request: Request) -> None:
-        tenant = request.tenant
-        count = self.active.get(tenant, 0) - 1
-        if count > 0:
-            self.active[tenant] = count
-            return
-        self.active.pop(tenant, None)
-        if self.virtual_time.get(tenant, 0.0) <= self._floor():
-            self.virtual_time.pop(tenant, None)   # it would be lifted to the floor anyway
-        if len(self.virtual_time) - len(self.active) > MAX_IDLE_TENANTS:
-            self.virtual_time = {t: v for t, v in self.virtual_time.items() if t in self.active}
+        self.share.departed(request.tenant)
 
     def charge(self, seq: Sequence, num_tokens: int) -> None:
-        tenant = seq.request.tenant
-        self.virtual_time[tenant] = self.virtual_time.get(tenant, self.clock) + num_tokens
+        self.share.charge(seq.request.tenant, num_tokens)
 
     def _rank(self, seq: Sequence, now: float) -> int:
         priority = seq.request.params.priority
@@ -122,40 +96,28 @@ class FairPolicy:
             priority -= int((now - seq.request.metrics.arrival_time) / self.aging_seconds)
         return priority
 
-    def _queues(self, waiting: list[Sequence]) -> dict[str, deque[tuple[int, Sequence]]]:
+    def _queues(self, waiting: list[Sequence]) -> dict[str, deque[Entry[Sequence]]]:
         """Each tenant's waiting sequences with their ranks, in the order it admits them."""
         now = time.monotonic()
         queues: dict[str, list[Sequence]] = {}
         for seq in waiting:
             queues.setdefault(seq.request.tenant, []).append(seq)
-        heads: dict[str, deque[tuple[int, Sequence]]] = {}
+        heads: dict[str, deque[Entry[Sequence]]] = {}
         for tenant, seqs in queues.items():
-            ranked = [(self._rank(seq, now), seq) for seq in seqs]
+            ranked = [(self._rank(seq, now), seq.sort_key[1:], seq) for seq in seqs]
             if self.aging_seconds:   # aging can reorder a tenant's own queue
-                ranked.sort(key=lambda item: (item[0], item[1].sort_key[1:]))
+                ranked.sort(key=lambda entry: entry[:2])
             heads[tenant] = deque(ranked)
         return heads
 
-    def _turn(self, heads: dict[str, deque[tuple[int, Sequence]]]) -> str:
-        """The tenant whose head goes next: best rank, then least virtual time, then arrival."""
-        return min(heads, key=lambda t: (heads[t][0][0], self.virtual_time.get(t, self.clock),
-                                         heads[t][0][1].sort_key[1:]))
-
     def admission_order(self, waiting: list[Sequence]) -> Iterable[Sequence]:
-        heads = self._queues(waiting)
-        while heads:
-            # NOTE: virtual times are read at each pick: the scheduler charges what it admits.
-            tenant = self._turn(heads)
-            queue = heads[tenant]
-            _, seq = queue.popleft()
-            if not queue:
-                del heads[tenant]
-            yield seq
+        # NOTE: standings are read at each pick: the scheduler charges what it admits.
+        return self.share.order(self._queues(waiting))
 
     def preemption_order(self, running: list[Sequence]) -> Iterable[Sequence]:
         """Worst priority first, then the tenant furthest ahead, then the newest."""
         return sorted(running, reverse=True, key=lambda seq: (
-            seq.request.params.priority, self.virtual_time.get(seq.request.tenant, self.clock),
+            seq.request.params.priority, self.share.standing(seq.request.tenant),
             seq.sort_key[1:]))
 
 
@@ -167,8 +129,8 @@ class FairPolicy:
         most = max(running_per_tenant.values(), default=0)
         heads = self._queues(waiting)
         while heads:
-            tenant = self._turn(heads)
-            _, candidate = heads.pop(tenant)[0]
+            tenant = self.share.turn(heads)
+            _, _, candidate = heads.pop(tenant)[0]
             enough = running_per_tenant[tenant] + 2
             if enough > most:
                 continue

@@ -16,7 +16,8 @@ from test_scheduler import FakeModel, drive
 from kubeinfer.server.engine.kv_cache_manager import KVCacheManager
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.scheduler import Scheduler
-from kubeinfer.server.engine.scheduling_policy import MAX_IDLE_TENANTS, FairPolicy, PriorityPolicy
+from kubeinfer.server.engine.scheduling_policy import FairPolicy, PriorityPolicy
+from kubeinfer.server.fair_share import MAX_IDLE_TENANTS
 from kubeinfer.server.engine.sequence import Request, SequenceStatus
 
 pytestmark = pytest.mark.unit
@@ -88,7 +89,7 @@ def test_fair_policy_never_leaks_loses_or_starves_a_request(ops, num_blocks, bud
         if not req.aborted:
             assert all(seq.num_tokens == req.max_total_tokens for seq in req.seqs)
     assert kv.pool.num_free == num_blocks - kv.cache.num_cached_blocks
-    assert policy.active == {}   # every arrival departed once
+    assert policy.share.active == {}   # every arrival departed once
 
 
 @settings(max_examples=100, deadline=None)
@@ -251,5 +252,5 @@ def test_idle_tenants_are_forgotten_past_the_bound():
         req = request(f"t{i}", f"tenant-{i}", max_tokens=1)
         sched.add_request(req)
         admitted_order(sched, [req])
-        assert len(policy.virtual_time) <= MAX_IDLE_TENANTS + 1
-    assert policy.active == {}
+        assert len(policy.share.virtual_time) <= MAX_IDLE_TENANTS + 1
+    assert policy.share.active == {}
