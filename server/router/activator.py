@@ -1,9 +1,11 @@
 """Pick an engine pod for a request, holding the request while the service wakes from zero.
 
 Which Ready pod is the `Picker`'s choice (`pickers.py`: prefix-aware, least-load, round-robin),
-given the request's routing key. Held requests are what makes scale-to-zero safe: nothing is dropped at zero replicas, the
-first arrival triggers 0 -> 1, and the wait is bounded so clients get a 503 they can retry
-instead of hanging. The held count is exported for the autoscaler, which counts it as load.
+given the request's routing key. Held requests are what makes scale-to-zero safe: nothing is
+dropped at zero replicas, the first arrival triggers 0 -> 1, and the wait is bounded so clients
+get a 503 they can retry instead of hanging. They wait in the router's queue (`queue.py`),
+released by priority and a fair share of tokens across tenants, as they do when every replica
+is at its in-flight limit. The held count is exported for the autoscaler, which counts it as load.
 """
 
 from __future__ import annotations
@@ -19,14 +21,20 @@ from typing import AsyncIterator, Collection, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .backends import Backends
+from ..fair_share import FairShare
 from .pickers import LeastLoad, Picker
+from .queue import RequestQueue, Ticket
 from .routing_key import RoutingKey
 
 log = logging.getLogger(__name__)
 
 
 class NoReadyPod(Exception):
-    """No engine pod became Ready within the activation timeout."""
+    """No engine pod took the request within the activation timeout."""
+
+
+class QueueFull(NoReadyPod):
+    """The queue holds `--max-queued-requests` already: refused at once."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,14 @@ class ActivatorConfig:
     activation_timeout: float = 120.0  # spec.autoscaling.activationTimeoutSeconds
     poll_interval: float = 0.5  # how often a held request looks for a Ready pod
     wake_interval: float = 5.0  # at most one 0 -> 1 attempt per this many seconds
+    max_in_flight_per_replica: int = 0  # queue beyond this many requests per replica (0: never)
+    max_queued_requests: int = 4096  # past this, refuse at once
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight_per_replica < 0:
+            raise ValueError(f"--max-in-flight-per-replica must be >= 0, got {self.max_in_flight_per_replica}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
 
 
 @dataclass
@@ -88,27 +104,40 @@ class GatewayMetrics:
 
 
 class Activator:
-    """The picker's choice among Ready pods (least-loaded by default); holds when there is none."""
+    """The picker's choice among Ready pods (least-loaded by default); when there is none, or
+    every one is at `max_in_flight_per_replica`, the request waits in the queue (`queue.py`)."""
 
     def __init__(self, backends: Backends, config: ActivatorConfig,
                  metrics: GatewayMetrics, picker: Picker | None = None) -> None:
         self.backends, self.config, self.metrics = backends, config, metrics
         self.picker: Picker = picker or LeastLoad()
         self.in_flight: Tally[str] = Tally()
+        self.share = FairShare()
+        self.queue = RequestQueue(config.max_queued_requests)
         self._last_wake = float("-inf")
+        self._changed = asyncio.Event()   # a replica's slot freed or a request queued
+        self._dispatcher: asyncio.Task | None = None
 
     @asynccontextmanager
     async def upstream(self, key: RoutingKey | None = None, exclude: Collection[str] = (),
-                       spent: float | None = None) -> AsyncIterator[str]:
+                       spent: float | None = None, ticket: Ticket = Ticket()) -> AsyncIterator[str]:
         """A pod's base URL for a request with routing `key` (avoiding `exclude`, pods that just
         failed it), counted as in flight until the caller has streamed the answer. `spent`: the
-        seconds the caller took to make the key, observed with the pick's own time."""
-        url = await self._acquire(key, exclude, spent)
-        self.hold(url)
+        seconds the caller took to make the key, observed with the pick's own time. `ticket`:
+        its tenant, priority and estimated tokens, for the queue's order."""
+        self.share.arrived(ticket.tenant)
         try:
-            yield url
+            url = await self._acquire(key, exclude, spent, ticket)
+            try:
+                yield url
+            finally:
+                self.unhold(url, key)
         finally:
-            self.unhold(url, key)
+            self.share.departed(ticket.tenant)
+
+    def settle(self, ticket: Ticket, tokens: int) -> None:
+        """The request's answer reported `tokens` (prompt and completion): correct its estimate."""
+        self.share.charge(ticket.tenant, tokens - ticket.cost)
 
     def hold(self, url: str) -> None:
         """Count a request sent to `url` as in flight (until `unhold`)."""
@@ -119,28 +148,78 @@ class Activator:
         self.in_flight[url] -= 1
         self.metrics.in_flight.labels(url).set(self.in_flight[url])
         self.picker.release(url, key)
+        if len(self.queue):
+            self._changed.set()
 
-    async def _acquire(self, key: RoutingKey | None, exclude: Collection[str], spent: float | None) -> str:
-        urls = [url for url in await self._ready() if url not in exclude]
-        if urls:
-            return self.pick(urls, key, spent)
+    def _open(self, urls: Sequence[str], exclude: Collection[str] = ()) -> list[str]:
+        """`urls` not excluded and below the per-replica limit."""
+        limit = self.config.max_in_flight_per_replica
+        return [url for url in urls if url not in exclude and not (limit and self.in_flight[url] >= limit)]
+
+    def _take(self, urls: Sequence[str], key: RoutingKey | None, ticket: Ticket, spent: float | None) -> str:
+        url = self.pick(urls, key, spent)
+        self.hold(url)
+        self.share.charge(ticket.tenant, ticket.cost)
+        return url
+
+    async def _acquire(self, key: RoutingKey | None, exclude: Collection[str], spent: float | None,
+                       ticket: Ticket) -> str:
+        """A picked pod, already counted in flight."""
+        if not len(self.queue):   # else wait behind the queue: it is released in its order
+            urls = self._open(await self._ready(), exclude)
+            if urls:
+                return self._take(urls, key, ticket, spent)
+        if self.queue.full:
+            raise QueueFull(f"its router's queue is full ({self.config.max_queued_requests} requests waiting)")
         started = time.monotonic()
-        deadline = started + self.config.activation_timeout
+        waiter = self.queue.add(ticket, key, exclude)
         self.metrics.held.inc()
+        self._changed.set()
+        if self._dispatcher is None or self._dispatcher.done():
+            self._dispatcher = asyncio.create_task(self._dispatch())
+        released = False
         try:
-            while True:
-                await self._wake()
-                urls = [url for url in await self._ready() if url not in exclude]
-                if urls:
-                    return self.pick(urls, key)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise NoReadyPod(f"no Ready engine pod within "
-                                     f"{self.config.activation_timeout:g}s")
-                await asyncio.sleep(min(self.config.poll_interval, remaining))
+            await asyncio.wait({waiter.future}, timeout=self.config.activation_timeout)
+            released = waiter.future.done()
         finally:
+            self.queue.discard(waiter)
             self.metrics.held.dec()
             self.metrics.hold_seconds.observe(time.monotonic() - started)
+            if not released and waiter.future.done():   # released as its client went away
+                self.unhold(waiter.future.result(), key)
+            waiter.future.cancel()
+        if not released:
+            busy = " (every Ready one is at --max-in-flight-per-replica)" if await self._ready() else ""
+            raise NoReadyPod(f"no engine pod took the request within {self.config.activation_timeout:g}s{busy}")
+        return waiter.future.result()
+
+    async def _dispatch(self) -> None:
+        """Release queued requests in the queue's order while replicas have room; wake the
+        service while none is Ready. Runs while anything waits."""
+        while len(self.queue):
+            self._changed.clear()
+            urls = await self._ready()
+            if not urls:
+                await self._wake()
+            try:
+                self._release(urls)
+            except Exception:   # noqa: BLE001 - a picker's fault must not strand the queue
+                log.exception("could not release queued requests")
+            if not len(self.queue):
+                return
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.config.poll_interval)
+            except asyncio.TimeoutError:
+                pass
+
+    def _release(self, ready: Sequence[str]) -> None:
+        for waiter in self.queue.order(self.share):
+            if not self._open(ready):
+                return
+            urls = self._open(ready, waiter.exclude)
+            if urls and not waiter.future.done():
+                waiter.future.set_result(self._take(urls, waiter.key, waiter.ticket, None))
+                self.queue.discard(waiter)
 
     async def _wake(self) -> None:
         if time.monotonic() - self._last_wake < self.config.wake_interval:

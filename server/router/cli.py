@@ -129,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
         scale = KubeScaleApi()
         backends = KubeBackends(scale, args.namespace, args.inferenceservice, scale.kube.api_client)
         name = args.inferenceservice
-    activator = Activator(backends, ActivatorConfig(activation_timeout=args.activation_timeout), metrics, picker)
+    activator = Activator(backends, ActivatorConfig(
+        activation_timeout=args.activation_timeout, max_in_flight_per_replica=args.max_in_flight_per_replica,
+        max_queued_requests=args.max_queued_requests), metrics, picker)
     routing.views.in_flight = activator.in_flight
     routing.views.api_key = next(iter(api_keys), None)   # to read the engines' adapters
     tracing = None

@@ -77,6 +77,12 @@ PROCESS_FLAGS: tuple[Flag, ...] = (
          "Seconds a request waits for a Ready backend before 503 + Retry-After; default: 30 standalone, "
          "120 in-cluster (the operator passes spec.autoscaling.activationTimeoutSeconds)."),
     Flag("retry-after", int, 10, "Retry-After seconds sent with that 503."),
+    Flag("max-in-flight-per-replica", int, 0,
+         "Requests this router sends one engine replica at most; more wait in its queue, released by "
+         "priority, then a fair share of tokens across tenants (0: no limit)."),
+    Flag("max-queued-requests", int, 4096,
+         "Requests the router's queue holds at most (waiting for a Ready replica or a free slot); "
+         "past it, 503 with Retry-After at once."),
     Flag("log-level", str, "info", "Log level.", ("debug", "info", "warning", "error")),
     # the engine's own flags, so the operator gives both processes the same env: the API keys,
     # the body limit, the secret of the block hashes

@@ -30,6 +30,7 @@ from ..api.error_body import OpenAIError, error_body, error_response
 from ..api.middleware import BodyLimit, BodyTooLarge
 from ..flags import LONG_CONTEXT_TOKENS, default_max_body_bytes
 from .activator import Activator, NoReadyPod
+from .queue import Ticket
 from .routing import Routing
 from .tenancy import RouterTenancy
 from .tracing import RouterTracing
@@ -174,6 +175,7 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             spent = time.perf_counter() - started
         else:
             body = await request_body(request)
+        ticket = tenancy.ticket(identity, path, body) if tenancy is not None and identity is not None else Ticket()
         refused: list[str] = []
         failure = None   # why the pod tried last did not answer: this attempt is a retry
         for attempt in range(2):  # a second pod if the first refused the connection or did not answer
@@ -182,7 +184,7 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             stack = AsyncExitStack()
             try:
                 with tracing.pick(span, attempt) if tracing is not None and span is not None else nullcontext():
-                    base = await stack.enter_async_context(activator.upstream(key, refused, spent))
+                    base = await stack.enter_async_context(activator.upstream(key, refused, spent, ticket))
                 spent = None
                 upstream = await client.send(client.build_request(
                     request.method, f"{base}/{path}", params=request.query_params,
@@ -190,8 +192,7 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             except NoReadyPod as error:
                 await stack.aclose()
                 counts.labels("503").inc()
-                return JSONResponse(error_body(503, f"InferenceService {name} is scaled to "
-                                                    f"zero and {error}; retry later",
+                return JSONResponse(error_body(503, f"InferenceService {name}: {error}; retry later",
                                                code="no_ready_replica"),
                                     status_code=503, headers={"Retry-After": str(retry_after)})
             except CONNECT_FAILURES as error:
@@ -218,7 +219,7 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             observe = activator.metrics.actual_cached.observe if key is not None else None
             usage = None
             if tenancy is not None and identity is not None:
-                usage = lambda tail, who=identity: tenancy.charge(who, tail)  # noqa: E731
+                usage = _charger(tenancy, identity, activator, ticket)
             if span is not None:
                 stack.callback(span.end)
             return StreamingResponse(_relay(upstream, stack, observe, usage), status_code=upstream.status_code,
@@ -227,6 +228,16 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
         return JSONResponse(error_body(502, "no engine pod could be reached"), status_code=502)
 
     return app
+
+
+def _charger(tenancy: RouterTenancy, identity: Identity, activator: Activator,
+             ticket: Ticket) -> Callable[[bytes], None]:
+    """Charges an answer's usage to its tenant's quota and corrects its fair-share estimate."""
+    def charge(tail: bytes) -> None:
+        tokens = tenancy.charge(identity, tail)
+        if tokens is not None:
+            activator.settle(ticket, tokens)
+    return charge
 
 
 async def _relay(upstream: httpx.Response, stack: AsyncExitStack,

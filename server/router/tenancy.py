@@ -15,6 +15,7 @@ against the requests-per-minute quota only; the engine's own limit (same table) 
 
 from __future__ import annotations
 
+import json
 import re
 
 from fastapi import Request
@@ -22,9 +23,12 @@ from fastapi import Request
 from ..api.auth import ApiKeyCheck
 from ..api.error_body import OpenAIError
 from ..tenancy import Identity, RateLimiter, TenantError, TenantResolver, TenantTable
+from .queue import Ticket
 
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+REPLAY_ESTIMATE = 16384   # tokens estimated for a body too large to hold (over 64 KiB)
+MAX_ESTIMATE = 1 << 20    # a request's generated tokens estimated at most (a wild max_tokens)
 
 
 class RouterTenancy:
@@ -49,8 +53,36 @@ class RouterTenancy:
                               error_type="tokens" if refusal.limit == "tokens_per_minute" else "requests")
         return identity
 
-    def charge(self, identity: Identity, tail: bytes) -> None:
-        """Charge the tokens of the answer's usage (its last object, in `tail`)."""
+    def ticket(self, identity: Identity, path: str, body: bytes | object) -> Ticket:
+        """The request's place in the router's queue: its tenant, its priority (the engine's
+        rules: a trusted gateway's objective, else the body's `priority`, else the tenant's;
+        400 when out of range) and its estimated tokens (prompt bytes / 4 plus `n` times the
+        most it may generate). A body the router streams (`body` not bytes) or cannot read
+        keeps the tenant's priority; the engine answers a malformed one."""
+        fields: dict = {}
+        if isinstance(body, bytes) and path.strip("/") in ("v1/completions", "v1/chat/completions"):
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None
+            fields = parsed if isinstance(parsed, dict) else {}
+        requested = fields.get("priority")
+        try:
+            priority = self.resolver.priority(identity, requested if isinstance(requested, int) else None)
+        except TenantError as error:
+            raise OpenAIError(400, str(error), param=error.param, code="invalid_priority") from None
+        most, count = fields.get("max_completion_tokens", fields.get("max_tokens")), fields.get("n")
+        generated = ((most if isinstance(most, int) and most > 0 else 0)
+                     * (count if isinstance(count, int) and count > 0 else 1))
+        prompt = len(body) // 4 if isinstance(body, bytes) else REPLAY_ESTIMATE
+        return Ticket(identity.name, priority, prompt + min(generated, MAX_ESTIMATE))
+
+    def charge(self, identity: Identity, tail: bytes) -> int | None:
+        """Charge the tokens of the answer's usage (its last object, in `tail`); those tokens,
+        or None when the answer carries no usage."""
         prompt, completion = PROMPT_TOKENS.findall(tail), COMPLETION_TOKENS.findall(tail)
-        if prompt and completion:
-            self.limiter.reserve(identity.name, int(prompt[-1]) + int(completion[-1]))
+        if not (prompt and completion):
+            return None
+        tokens = int(prompt[-1]) + int(completion[-1])
+        self.limiter.reserve(identity.name, tokens)
+        return tokens

@@ -94,6 +94,27 @@ def test_fairness_headers_count_only_from_a_trusted_gateway() -> None:
             assert named.status_code == 200 and named.json()["tenant_header"] == "team-z"   # forwarded as sent
 
 
+def test_the_queue_orders_by_the_requests_priority_and_charges_its_usage() -> None:
+    """The router's queue ranks a request as the engine would (priority within the tenant's
+    bounds, else 400 before it waits) and its fair share counts the tokens the answer used."""
+    table = TenantTable.model_validate({"priority_range": [0, 10], "tenants": [
+        {"name": "batch", "keys": ["sk-batch"], "priority": 4}]})
+    with serving(engine()) as upstream:
+        activator = Activator(FakeBackends([f"http://127.0.0.1:{upstream}"]),
+                              ActivatorConfig(activation_timeout=1, wake_interval=60), GatewayMetrics())
+        app = build_app(activator, "llm", tenancy=RouterTenancy(table, False, 1, []))
+        with serving(app) as port:
+            headers = {"Authorization": "Bearer sk-batch"}
+            bad = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**CHAT, "priority": 1},
+                             headers=headers, timeout=10)
+            ok = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                            json={**CHAT, "priority": 6, "max_tokens": 500}, headers=headers, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_priority"
+    assert "allowed 4 to 10" in bad.json()["error"]["message"]
+    assert ok.status_code == 200
+    assert activator.share.standing("batch") == 30   # the estimate (over 500) corrected to the usage
+
+
 @pytest.mark.parametrize("argv, enabled", [([], False), (["--trust-tenant-header"], True)])
 def test_route_takes_the_engines_tenant_flags(argv: list[str], enabled: bool) -> None:
     parser = argparse.ArgumentParser()
