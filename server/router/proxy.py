@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from ..tenancy import Identity
+    from .routing_key import RoutingKey
 
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -175,7 +176,24 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             spent = time.perf_counter() - started
         else:
             body = await request_body(request)
-        ticket = tenancy.ticket(identity, path, body) if tenancy is not None and identity is not None else Ticket()
+        ticket, settle = Ticket(), None
+        if tenancy is not None and identity is not None:
+            ticket = tenancy.ticket(identity, path, body)
+            settle = _settler(tenancy, identity, activator, ticket)   # its estimate is reserved now
+        try:
+            response = await _send(path, request, headers, body, key, spent, ticket, span, settle)
+        except BaseException:
+            if settle is not None:
+                settle(None)
+            raise
+        if settle is not None and not isinstance(response, StreamingResponse):
+            settle(None)   # no engine answered it
+        return response
+
+    async def _send(path: str, request: Request, headers: list[tuple[str, str]], body: bytes | StreamedBody,
+                    key: RoutingKey | None, spent: float | None, ticket: Ticket, span: Span | None,
+                    settle: Callable[[bytes | None], None] | None) -> Response:
+        """Forward to a picked pod; a second one if the first refused the connection or did not answer."""
         refused: list[str] = []
         failure = None   # why the pod tried last did not answer: this attempt is a retry
         for attempt in range(2):  # a second pod if the first refused the connection or did not answer
@@ -217,12 +235,9 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
             stack.push_async_callback(upstream.aclose)
             reply = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
             observe = activator.metrics.actual_cached.observe if key is not None else None
-            usage = None
-            if tenancy is not None and identity is not None:
-                usage = _charger(tenancy, identity, activator, ticket)
             if span is not None:
                 stack.callback(span.end)
-            return StreamingResponse(_relay(upstream, stack, observe, usage), status_code=upstream.status_code,
+            return StreamingResponse(_relay(upstream, stack, observe, settle), status_code=upstream.status_code,
                                      headers=dict(reply))
         counts.labels("502").inc()
         return JSONResponse(error_body(502, "no engine pod could be reached"), status_code=502)
@@ -230,23 +245,33 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
     return app
 
 
-def _charger(tenancy: RouterTenancy, identity: Identity, activator: Activator,
-             ticket: Ticket) -> Callable[[bytes], None]:
-    """Charges an answer's usage to its tenant's quota and corrects its fair-share estimate."""
-    def charge(tail: bytes) -> None:
-        tokens = tenancy.charge(identity, tail)
-        if tokens is not None:
-            activator.settle(ticket, tokens)
-    return charge
+def _settler(tenancy: RouterTenancy, identity: Identity, activator: Activator,
+             ticket: Ticket) -> Callable[[bytes | None], None]:
+    """Reserves the request's estimated tokens of its tenant's quota now; the function returned,
+    called once with the answer's tail (None: no answer, or one without usage), puts the usage in
+    place of the estimate in the quota and in the tenant's fair share."""
+    tenancy.reserve(identity, ticket)
+    settled = False
+
+    def settle(tail: bytes | None) -> None:
+        nonlocal settled
+        if not settled:
+            settled = True
+            tokens = tenancy.settle(identity, ticket, tail)
+            if tokens is not None:
+                activator.settle(ticket, tokens)
+    return settle
 
 
 async def _relay(upstream: httpx.Response, stack: AsyncExitStack,
                  observe_cached: Callable[[float], None] | None = None,
-                 on_usage: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+                 on_usage: Callable[[bytes | None], None] | None = None) -> AsyncIterator[bytes]:
     """Pass the body through as it arrives; the pod stays counted in flight until the end.
     With `observe_cached`, the `cached_tokens` of the answer's usage (its last object) is
-    reported once the whole body went through; `on_usage` gets that last part of the body."""
+    reported once the whole body went through; `on_usage` gets that last part of the body, or
+    None when the answer failed, was cut or was no 200 (called once, also when the client left)."""
     tail = b""
+    complete = False
     keep_tail = observe_cached is not None or on_usage is not None
     try:
         try:
@@ -265,7 +290,8 @@ async def _relay(upstream: httpx.Response, stack: AsyncExitStack,
         found = CACHED_TOKENS.findall(tail) if plain and upstream.status_code == 200 else []
         if observe_cached is not None and found:
             observe_cached(int(found[-1]))
-        if on_usage is not None and plain and upstream.status_code == 200:
-            on_usage(tail)
+        complete = plain and upstream.status_code == 200
     finally:
+        if on_usage is not None:
+            on_usage(tail if complete else None)
         await stack.aclose()

@@ -7,10 +7,13 @@ Replicas agree by division, not by talking: with `--quota-replicas N` each enfor
 within one second's worth of it plus one request per replica; a replica that receives more than
 its share of a tenant's traffic refuses early (the error is bounded by the imbalance).
 
-Tokens: a request is admitted while its tenant's token bucket is above zero, and the tokens
-its answer's `usage` reports (always in a plain answer; in a stream with
-`stream_options.include_usage`) are charged when it ends. A stream without usage is counted
-against the requests-per-minute quota only; the engine's own limit (same table) counts it.
+Tokens: a request is admitted while its tenant's token bucket is above zero; it reserves an
+estimate as it is admitted (its body's bytes / 4 for the prompt, plus `n * max_tokens`), so the
+requests in flight count before their answers end, and when it ends the tokens its answer's
+`usage` reports (always in a plain answer; in a stream with `stream_options.include_usage`)
+take the estimate's place. Without usage (an error, a stream without it, a client gone) the
+estimate is given back: such a request counts against the requests-per-minute quota only, and
+the engine's own limit (same table) counts its tokens.
 """
 
 from __future__ import annotations
@@ -77,12 +80,23 @@ class RouterTenancy:
         prompt = len(body) // 4 if isinstance(body, bytes) else REPLAY_ESTIMATE
         return Ticket(identity.name, priority, prompt + min(generated, MAX_ESTIMATE))
 
-    def charge(self, identity: Identity, tail: bytes) -> int | None:
-        """Charge the tokens of the answer's usage (its last object, in `tail`); those tokens,
-        or None when the answer carries no usage."""
-        prompt, completion = PROMPT_TOKENS.findall(tail), COMPLETION_TOKENS.findall(tail)
+    def reserve(self, identity: Identity, ticket: Ticket) -> None:
+        """Take the request's estimated tokens from its tenant's bucket as it is admitted, so
+        requests in flight count before their answers end."""
+        self.limiter.reserve(identity.name, ticket.cost)
+
+    def settle(self, identity: Identity, ticket: Ticket, tail: bytes | None) -> int | None:
+        """Put the tokens of the answer's usage (its last object, in `tail`) in place of the
+        reserved estimate and return them; None (the estimate given back) when there is no
+        usage: no answer, an error, a stream without `include_usage`."""
+        prompt = PROMPT_TOKENS.findall(tail) if tail else []
+        completion = COMPLETION_TOKENS.findall(tail) if tail else []
         if not (prompt and completion):
+            self.limiter.refund(identity.name, ticket.cost)
             return None
         tokens = int(prompt[-1]) + int(completion[-1])
-        self.limiter.reserve(identity.name, tokens)
+        if tokens >= ticket.cost:
+            self.limiter.reserve(identity.name, tokens - ticket.cost)
+        else:
+            self.limiter.refund(identity.name, ticket.cost - tokens)
         return tokens

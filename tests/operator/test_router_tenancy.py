@@ -5,6 +5,10 @@ tokens are charged from the answer's usage, and a fairness header counts only wh
 from __future__ import annotations
 
 import argparse
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -77,6 +81,34 @@ def test_tokens_are_charged_from_the_answers_usage() -> None:
             assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"
             assert refused.headers["x-kubeinfer-rate-limit"] == "tokens_per_minute"
             assert 2 <= int(refused.headers["retry-after"]) <= 3
+
+
+def test_tokens_in_flight_count_before_their_answers_end() -> None:
+    """The estimate (prompt bytes / 4 + max_tokens) is reserved as a request is admitted, so a
+    tenant's concurrent requests cannot all pass while the first answers are still running."""
+    release = threading.Event()
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> JSONResponse:
+        await asyncio.to_thread(release.wait, 10)
+        return JSONResponse({"usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30}})
+
+    with serving(app) as upstream:
+        activator = Activator(FakeBackends([f"http://127.0.0.1:{upstream}"]),
+                              ActivatorConfig(activation_timeout=1, wake_interval=60), GatewayMetrics())
+        router_app = build_app(activator, "llm", tenancy=RouterTenancy(TABLE, False, 1, []))
+        with serving(router_app) as port, ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/chat/completions",
+                                json={**CHAT, "max_tokens": 40}, headers={"Authorization": "Bearer sk-batch"},
+                                timeout=10)
+            deadline = time.monotonic() + 10
+            while sum(activator.in_flight.values()) == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            second = post(port, "sk-batch")   # 10 tokens a second: the first's 57 are a debt already
+            release.set()
+            assert first.result().status_code == 200
+    assert second.status_code == 429 and second.headers["x-kubeinfer-rate-limit"] == "tokens_per_minute"
 
 
 def test_fairness_headers_count_only_from_a_trusted_gateway() -> None:
