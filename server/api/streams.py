@@ -15,6 +15,7 @@ from ..engine.sampling_params import InvalidRequestError, SamplingParams
 from ..engine.sequence import Request as EngineRequest
 from .metrics import ServerMetrics
 from .state import ServerState
+from .structured import GRAMMAR_COMPILED
 
 
 Indexed = tuple[int, RequestOutput]  # (prompt index, output) from a multi-prompt request
@@ -184,7 +185,7 @@ async def submit(state: ServerState, request: Request, request_id: str, prompts:
             for index, engine_request in enumerate(requests):
                 finished[index].append(functools.partial(state.tracing.finished, trace_context, started,
                                                          model=state.model_name, params=engine_request.params,
-                                                         tenant=tenant))
+                                                         tenant=tenant, grammar=GRAMMAR_COMPILED.get()))
         streams = [measured(engine.generate(r.request_id, r), state.metrics, params.n, done)
                    for r, done in zip(requests, finished)]
         outputs = merged(request, streams, release)

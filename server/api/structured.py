@@ -10,6 +10,8 @@ so the engine step never waits for a compile and a bad schema is the client's 40
 from __future__ import annotations
 
 import asyncio
+import time
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from ..engine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from ..engine.async_engine import AsyncEngine
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# (start, end) of this request's grammar compile, in time.monotonic(): each request is its own task
+GRAMMAR_COMPILED: ContextVar[tuple[float, float] | None] = ContextVar("grammar_compiled", default=None)
 _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 
@@ -76,11 +80,14 @@ def _params(given: dict[str, Any], field: str) -> StructuredOutputsParams:
 
 async def compile_ahead(engine: "AsyncEngine", spec: StructuredOutputsParams, field: str) -> None:
     """Compile (and cache) the grammar on a worker thread, so that making the engine request
-    finds it compiled; a schema, regex or grammar xgrammar refuses is a 400 naming `field`."""
+    finds it compiled; a schema, regex or grammar xgrammar refuses is a 400 naming `field`.
+    When it took (for the request's `grammar_compile` span) is left in `GRAMMAR_COMPILED`."""
+    started = time.monotonic()
     try:
         await asyncio.to_thread(engine.compile_grammar, spec)
     except InvalidRequestError as error:
         raise OpenAIError(400, str(error), param=field) from error
+    GRAMMAR_COMPILED.set((started, time.monotonic()))
 
 
 async def constrain(engine: "AsyncEngine", request: SamplingRequest, params: SamplingParams) -> None:

@@ -2,8 +2,11 @@
 
 One `llm_request` span per engine request (vLLM's name and `gen_ai.*` attributes), a child of
 the client's W3C `traceparent` when it sends one, with children for where the time went:
-`admission` (reading, validating and tokenizing the request), `queue` (waiting to be scheduled), `prefill` (to the
-first token) and `decode` (to the last). Their durations add up to the parent's.
+`admission` (reading, validating and tokenizing the request; a `grammar_compile` child when a
+structured output's grammar compiled), `queue` (waiting to be scheduled), `prefill` (to the
+first token; a `prefill_chunk` child per chunk when chunked prefill split the prompt) and
+`decode` (to the last; with speculative decoding, its draft and accepted token counts). Their
+durations add up to the parent's.
 
 The spans are built from the request's own timestamps when it finishes, on the HTTP side:
 the engine's step creates no span object and does no tracing work at all, traced or not.
@@ -38,8 +41,10 @@ class Tracing:
             raise OpenAIError(400, str(error), param="traceparent", code="invalid_traceparent") from None
 
     def finished(self, context: "Context", started: float, output: RequestOutput, *, model: str,
-                 params: SamplingParams, tenant: str | None) -> None:
-        """Emit the request's spans; `started` is when the request reached the app (time.monotonic())."""
+                 params: SamplingParams, tenant: str | None,
+                 grammar: tuple[float, float] | None = None) -> None:
+        """Emit the request's spans; `started` is when the request reached the app (time.monotonic());
+        `grammar`: when its structured output's grammar compiled (during admission)."""
         from opentelemetry.trace import SpanKind
 
         m = output.metrics
@@ -66,13 +71,38 @@ class Tracing:
         }
         if tenant:
             attributes["kubeinfer.tenant"] = tenant
+        decode_attributes: dict[str, Any] = {}
+        if m.draft_tokens:
+            decode_attributes = {"kubeinfer.speculative.draft_tokens": m.draft_tokens,
+                                 "kubeinfer.speculative.accepted_tokens": m.accepted_draft_tokens}
+        spec = params.structured_outputs
+        if spec is not None:   # which constraint, never its text (a schema may name private fields)
+            attributes["kubeinfer.structured_output"] = next(
+                (name for name in ("json", "regex", "choice", "grammar") if getattr(spec, name) is not None),
+                "json_object")
         span = self.tracer.start_span("llm_request", context, SpanKind.SERVER, attributes, start_time=ns(started))
         from opentelemetry import trace
 
         inner = trace.set_span_in_context(span)
+        parts = {}
         for name, begin, finish in (("admission", started, arrival), ("queue", arrival, scheduled),
                                     ("prefill", scheduled, first_token), ("decode", first_token, end)):
-            self.tracer.start_span(name, inner, start_time=ns(begin)).end(end_time=ns(max(begin, finish)))
+            parts[name] = self.tracer.start_span(name, inner, start_time=ns(begin),
+                                                 attributes=decode_attributes if name == "decode" else None)
+            parts[name].end(end_time=ns(max(begin, finish)))
+        if grammar is not None:
+            begin, finish = grammar
+            self.tracer.start_span("grammar_compile", trace.set_span_in_context(parts["admission"]),
+                                   start_time=ns(begin)).end(end_time=ns(max(begin, finish)))
+        chunks = m.prefill_chunks
+        if len(chunks) > 1:   # one chunk is the prefill span itself
+            within = trace.set_span_in_context(parts["prefill"])
+            for index, (begin, tokens) in enumerate(chunks):
+                begin = scheduled if index == 0 else begin   # the first starts the prefill span
+                finish = chunks[index + 1][0] if index + 1 < len(chunks) else first_token
+                self.tracer.start_span("prefill_chunk", within, start_time=ns(begin), attributes={
+                    "kubeinfer.prefill.chunk": index, "kubeinfer.prefill.tokens": tokens,
+                }).end(end_time=ns(max(begin, finish)))
         span.end(end_time=ns(end))
 
     def shutdown(self) -> None:

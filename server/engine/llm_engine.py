@@ -406,6 +406,8 @@ class LLMEngine:
             assert self.speculator is not None
             self.speculator.verified(seq, len(tokens) - 1, accepted)
             request = seq.request
+            request.metrics.draft_tokens += len(tokens) - 1
+            request.metrics.accepted_draft_tokens += accepted
             touched[request.request_id] = request
             if request.error is None:
                 error = next((sampled.errors[row] for row in range(start, end) if row in sampled.errors), None)

@@ -37,6 +37,11 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # for the tracing spans (server/api/tracing.py): when each prefill chunk before the first
+    # token was scheduled and its prompt tokens; the speculative tokens verified and accepted
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass

@@ -135,6 +135,9 @@ class Scheduler:
 
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, num_drafts: int = 0) -> None:
         samples = seq.num_computed_tokens + num_new - num_drafts == seq.num_tokens
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None and seq.index == 0:   # a prefill chunk, for tracing
+            metrics.prefill_chunks.append((time.monotonic(), num_new))
         out.scheduled.append(ScheduledSeq(seq, num_new, samples, num_drafts))
         out.num_tokens += num_new
         out.num_drafts += num_drafts

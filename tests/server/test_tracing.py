@@ -21,14 +21,14 @@ PROMPT = "a very particular prompt text"
 
 
 @contextlib.contextmanager
-def traced_server(model: str, live_server, endpoint: str):
+def traced_server(model: str, live_server, endpoint: str, **config):
     from kubeinfer.server.api.app import build_app
     from kubeinfer.server.api.state import ServerState
     from kubeinfer.server.api.tracing import Tracing
     from kubeinfer.server.engine.async_engine import AsyncEngine
     from kubeinfer.server.engine.config import EngineConfig
 
-    engine = AsyncEngine.from_config(EngineConfig(model=model, dtype="float32", device="cpu"))
+    engine = AsyncEngine.from_config(EngineConfig(model=model, dtype="float32", device="cpu", **config))
     tracing = Tracing(endpoint, 1.0)
     try:
         state = ServerState.create(engine, model, 1024)
@@ -85,6 +85,48 @@ def test_one_trace_per_request_under_the_clients_traceparent(tiny_model_path, li
         # model's short requests, on the client's own overhead: benchmarks/tracing_cost.py measures
         # it (BENCHMARKS.md), this test does not assert it.
         assert 0 < total / 1e9 <= client_seconds, (total / 1e9, client_seconds)
+
+
+def test_prefill_chunks_grammar_and_speculative_work_have_their_spans(tiny_model_path, live_server) -> None:
+    """A prompt split into prefill chunks gets a `prefill_chunk` per chunk, tiling `prefill`;
+    a structured output's grammar compile is a `grammar_compile` inside `admission`; the
+    speculative tokens verified and accepted are counted on `decode`."""
+    receiver = OtlpReceiver()
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    with traced_server(tiny_model_path, live_server, receiver.url, block_size=4, max_num_batched_tokens=8,
+                       speculative_config=spec) as (url, tracing):
+        for trace, body in ((1, {"prompt": prompt, "max_tokens": 16, "ignore_eos": True}),
+                            (2, {"prompt": "Pick one", "max_tokens": 4,
+                                 "structured_outputs": {"choice": ["yes", "no"]}})):
+            reply = httpx.post(f"{url}/v1/completions", timeout=120, json=body,
+                               headers={"traceparent": f"00-{trace:032x}-{trace:016x}-01"})
+            assert reply.status_code == 200, reply.text
+        assert tracing.provider.force_flush(30_000)
+    by_trace: dict[int, list] = {}
+    for span in receiver.spans:
+        by_trace.setdefault(int(span.trace_id.hex(), 16), []).append(span)
+    chunked = {span.name: span for span in by_trace[1] if span.name != "prefill_chunk"}
+    chunks = sorted((span for span in by_trace[1] if span.name == "prefill_chunk"),
+                    key=lambda span: span.start_time_unix_nano)
+    prefill = chunked["prefill"]
+    root_attributes = {a.key: a.value for a in chunked["llm_request"].attributes}
+    computed = root_attributes["gen_ai.usage.prompt_tokens"].int_value - root_attributes["gen_ai.usage.cached_tokens"].int_value
+    assert len(chunks) >= 5 and all(chunk.parent_span_id == prefill.span_id for chunk in chunks)
+    assert sum({a.key: a.value for a in chunk.attributes}["kubeinfer.prefill.tokens"].int_value
+               for chunk in chunks) == computed
+    assert chunks[0].start_time_unix_nano == prefill.start_time_unix_nano
+    assert chunks[-1].end_time_unix_nano == prefill.end_time_unix_nano
+    assert all(a.end_time_unix_nano == b.start_time_unix_nano for a, b in zip(chunks, chunks[1:]))
+    decode = {a.key: a.value for a in chunked["decode"].attributes}
+    drafted = decode["kubeinfer.speculative.draft_tokens"].int_value
+    assert drafted > 0 and 0 <= decode["kubeinfer.speculative.accepted_tokens"].int_value <= drafted
+    structured = {span.name: span for span in by_trace[2]}
+    assert structured["grammar_compile"].parent_span_id == structured["admission"].span_id
+    assert structured["admission"].start_time_unix_nano <= structured["grammar_compile"].start_time_unix_nano
+    assert structured["grammar_compile"].end_time_unix_nano <= structured["admission"].end_time_unix_nano
+    root = {a.key: a.value for a in structured["llm_request"].attributes}
+    assert root["kubeinfer.structured_output"].string_value == "choice"
 
 
 def test_router_and_engine_spans_share_the_clients_trace(tiny_model_path, live_server) -> None:
