@@ -5,10 +5,10 @@ a replay socket; the engine never waits on the publisher."""
 from __future__ import annotations
 
 import argparse
-import socket
 
 import msgpack
 import pytest
+from helpers.serve_process import free_port
 import zmq
 
 from kubeinfer.server.engine.block_pool import BlockPool
@@ -24,11 +24,6 @@ pytestmark = pytest.mark.unit
 BS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _signed(values: list[int]) -> list[int]:
     return [v - (1 << 64) if v >= 1 << 63 else v for v in values]
@@ -37,7 +32,7 @@ def _signed(values: list[int]) -> list[int]:
 @pytest.fixture
 def wired(tmp_path):
     """A radix cache whose log publishes on an ipc PUB socket, a subscriber, and the replay port."""
-    replay_port = _free_port()
+    replay_port = free_port()
     config = parse_kv_events_config({"enable_kv_cache_events": True, "publisher": "zmq",
                                      "endpoint": f"ipc://{tmp_path}/kv.sock",
                                      "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",

@@ -49,3 +49,13 @@ def crashing_pod() -> dict[str, Any]:
 def ready_pod(name: str = "chat-gateway-abc") -> dict[str, Any]:
     return {"metadata": {"name": name}, "status": {"phase": "Running", "conditions": [
         {"type": "Ready", "status": "True"}]}}
+
+
+def by_key(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Rendered children by (kind, name)."""
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    """Whether a label selector's equality terms select these labels."""
+    return selector.items() <= labels.items()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -10,6 +9,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+from helpers.serve_process import free_port
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
@@ -62,11 +62,6 @@ def pod(name: str, port: int | None, ready: bool = True, deleting: bool = False)
             "status": {"podIP": "127.0.0.1",
                        "conditions": [{"type": "Ready", "status": str(ready)}]}}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_parse_sums_label_sets_and_defaults_missing_gauges_to_zero() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from isvc_builders import CONFIG, body, make_isvc
+from isvc_builders import CONFIG, body, by_key, make_isvc, matches
 from test_reconcile import MemoryKube
 
 from e2e.localcluster.binaries import binary, ensure
@@ -27,14 +27,6 @@ TO_ZERO = {"replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 0, "ma
 TO_ONE = {"replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3},
           "routing": {"strategy": "none"}}   # without the router, only scale-to-zero needs a gateway
 GATEWAY_KINDS = {"ServiceAccount", "Role", "RoleBinding", "Deployment", "PodDisruptionBudget"}
-
-
-def by_key(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(c["kind"], c["metadata"]["name"]): c for c in children}
-
-
-def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return selector.items() <= labels.items()
 
 
 def test_scale_to_zero_adds_the_gateway_and_points_the_service_at_it() -> None:

@@ -4,10 +4,8 @@ InferencePool CRD the rest is applied and a condition says what to install."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from isvc_builders import CONFIG, body, make_isvc
+from isvc_builders import CONFIG, body, by_key, make_isvc, matches
 from test_reconcile import MemoryKube, conditions
 
 from kubeinfer.operator import api
@@ -20,27 +18,19 @@ pytestmark = pytest.mark.unit
 POOL = {"replicas": 3, "inferencePool": {"enabled": True, "failureMode": "FailOpen", "fallbackEndpoints": 1}}
 
 
-def _by_key(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(c["kind"], c["metadata"]["name"]): c for c in children}
-
-
-def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return selector.items() <= labels.items()
-
-
 def test_the_pool_selects_the_engines_and_names_the_picker() -> None:
-    children = _by_key(desired_children(make_isvc(POOL), CONFIG))
+    children = by_key(desired_children(make_isvc(POOL), CONFIG))
     pool = children[("InferencePool", "chat")]
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     engines = children[("Deployment", "chat")]["spec"]["template"]["metadata"]["labels"]
     picker_pod = children[("Deployment", "chat-epp")]["spec"]["template"]["metadata"]["labels"]
-    assert _matches(pool["spec"]["selector"]["matchLabels"], engines)
-    assert not _matches(pool["spec"]["selector"]["matchLabels"], picker_pod)   # the picker is no endpoint
+    assert matches(pool["spec"]["selector"]["matchLabels"], engines)
+    assert not matches(pool["spec"]["selector"]["matchLabels"], picker_pod)   # the picker is no endpoint
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
     assert pool["spec"]["endpointPickerRef"] == {"name": "chat-epp", "kind": "Service", "port": {"number": 9002},
                                                  "failureMode": "FailOpen"}
     service = children[("Service", "chat-epp")]["spec"]
-    assert _matches(service["selector"], picker_pod) and service["ports"][0]["port"] == 9002
+    assert matches(service["selector"], picker_pod) and service["ports"][0]["port"] == 9002
     assert service["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
     assert ("Deployment", "chat-gateway") in children   # the router stays beside the pool
     assert children[("Service", "chat")]["spec"]["selector"] != service["selector"]
@@ -49,7 +39,7 @@ def test_the_pool_selects_the_engines_and_names_the_picker() -> None:
 
 
 def test_the_picker_runs_kubeinfer_route_as_an_ext_proc_server_with_least_privilege() -> None:
-    children = _by_key(desired_children(make_isvc({**POOL, "routing": {"strategy": "least-load"}}), CONFIG))
+    children = by_key(desired_children(make_isvc({**POOL, "routing": {"strategy": "least-load"}}), CONFIG))
     container = children[("Deployment", "chat-epp")]["spec"]["template"]["spec"]["containers"][0]
     args = container["args"]
     assert args[:6] == ["route", "--inferenceservice", "chat", "--no-http", "--ext-proc-port", "9002"]
@@ -67,15 +57,15 @@ def test_the_picker_runs_kubeinfer_route_as_an_ext_proc_server_with_least_privil
 
 def test_multi_pod_replicas_put_only_leaders_in_the_pool() -> None:
     isvc = make_isvc({**POOL, "engine": {"tensorParallelSize": 2, "podsPerReplica": 2}})
-    children = _by_key(desired_children(isvc, CONFIG, lws_installed=True))
+    children = by_key(desired_children(isvc, CONFIG, lws_installed=True))
     selector = children[("InferencePool", "chat")]["spec"]["selector"]["matchLabels"]
     template = children[("LeaderWorkerSet", "chat")]["spec"]["leaderWorkerTemplate"]
-    assert _matches(selector, template["leaderTemplate"]["metadata"]["labels"])
-    assert not _matches(selector, template["workerTemplate"]["metadata"]["labels"])
+    assert matches(selector, template["leaderTemplate"]["metadata"]["labels"])
+    assert not matches(selector, template["workerTemplate"]["metadata"]["labels"])
 
 
 def test_off_by_default_and_removed_when_turned_off() -> None:
-    children = _by_key(desired_children(make_isvc({"replicas": 2}), CONFIG))
+    children = by_key(desired_children(make_isvc({"replicas": 2}), CONFIG))
     assert not any(kind == "InferencePool" or name == "chat-epp" for kind, name in children)
     stale = stale_children(make_isvc({"replicas": 2}))
     assert ("InferencePool", "chat") in stale and ("Deployment", "chat-epp") in stale

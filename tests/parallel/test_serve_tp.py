@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,13 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
-from helpers.serve_process import wait_until_ready
+from helpers.serve_process import free_port, wait_until_ready
 
 pytestmark = pytest.mark.integration
 
 SERVE = [sys.executable, "-m", "kubeinfer.server.cli", "serve", "--model", "embedded", "--dtype", "float32",
          "--device", "cpu", "--kv-cache-memory", "16Mi", "--max-model-len", "256", "--log-level", "info"]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _workers(pid: int) -> list[int]:
@@ -39,7 +33,7 @@ def _workers(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tp3_server() -> Iterator[tuple[subprocess.Popen, str]]:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([*SERVE, "--tensor-parallel-size", "3", "--port", str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -81,7 +75,7 @@ def test_killing_a_worker_fails_health_and_exits_non_zero(tp3_server):
 
 
 def test_tp2_on_nine_heads_fails_at_start_naming_the_head_counts():
-    result = subprocess.run([*SERVE, "--tensor-parallel-size", "2", "--port", str(_free_port())],
+    result = subprocess.run([*SERVE, "--tensor-parallel-size", "2", "--port", str(free_port())],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "tensor_parallel_size 2 does not divide the model's 9 attention heads" in result.stderr + result.stdout

@@ -4,7 +4,6 @@ is unusable or keys are required but absent, and never echoed in output or logs.
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from helpers.serve_process import wait_until_ready
+from helpers.serve_process import free_port, wait_until_ready
 
 from kubeinfer.server.api.auth import OPEN_PATHS, api_keys_from_args
 from kubeinfer.server.flags import SERVER_FLAGS, add_flags, parse_api_keys
@@ -22,11 +21,6 @@ pytestmark = pytest.mark.integration
 ADMIN_PATHS = ("/kv/blocks", "/tokenizer_info")   # served on --admin-port when it is set
 KEY_FILE = "# team A, rotated 2026-11\nsk-alpha-0001\n\n  sk-beta-0002  \n# sk-revoked-9999\n"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def args_for(*argv: str, environ: dict[str, str] | None = None) -> argparse.Namespace:

@@ -5,7 +5,6 @@ restart it. The loop is killed with a fault no request can be blamed for: a fail
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers.serve_process import wait_until_ready
+from helpers.serve_process import free_port, wait_until_ready
 
 pytestmark = pytest.mark.integration
 
@@ -89,14 +88,9 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_serve_exits_non_zero_when_the_loop_dies(tiny_model_path: str, tmp_path: Path) -> None:
-    port, kill_file = _free_port(), tmp_path / "kill"
+    port, kill_file = free_port(), tmp_path / "kill"
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [sys.executable, "-c", _SERVE_WITH_KILL_SWITCH, str(kill_file), "serve", "--model", tiny_model_path,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,17 +13,12 @@ import time
 import httpx
 import pytest
 
-from helpers.serve_process import wait_until_ready
+from helpers.serve_process import free_port, wait_until_ready
 
 pytestmark = pytest.mark.integration
 
 TOKENS = 150
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _stream(url: str, first_token: threading.Event, results: list) -> None:
@@ -40,7 +34,7 @@ def _stream(url: str, first_token: threading.Event, results: list) -> None:
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_zero(tiny_model_path: str) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [sys.executable, "-m", "kubeinfer.server.cli", "serve", "--model", tiny_model_path, "--port", str(port),
@@ -86,7 +80,7 @@ def _num_waiting(url: str) -> float:
 def test_when_the_drain_timeout_expires_open_requests_are_told(tiny_model_path: str) -> None:
     """Streams still open get an error event and [DONE], waiting requests a 503 with Retry-After:
     no client mistakes the cut for a finished answer."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [sys.executable, "-m", "kubeinfer.server.cli", "serve", "--model", tiny_model_path, "--port", str(port),
