@@ -41,9 +41,9 @@ from helpers.tiny_models import make_tiny_llama  # noqa: E402
 
 # name -> (key, tokens per minute, requests per minute, clients)
 TENANTS = {
-    "team-a": ("sk-team-a", 12000, None, 6),
-    "team-b": ("sk-team-b", 4800, None, 4),
-    "team-c": ("sk-team-c", None, 120, 4),
+    "team-a": ("sk-team-a", 12000, None, 12),
+    "team-b": ("sk-team-b", 4800, None, 8),
+    "team-c": ("sk-team-c", None, 120, 6),
 }
 PROMPT = "Summarise the quarterly report for the team."   # about a dozen tokens
 MAX_TOKENS = 24
