@@ -60,7 +60,7 @@ def main() -> None:
     for name in names[:4]:
         start = time.perf_counter()
         module = LoRAModuleSpec(name, str(root / name))
-        engine.adapters.register(module, engine.adapters.read(module))
+        engine.adapters.register(module, engine.adapters.read(module), engine.scheduler)
         timings.append(time.perf_counter() - start)
     rng = random.Random(0)
     special = set(engine.tokenizer.all_special_ids)
@@ -89,7 +89,7 @@ def main() -> None:
     start = time.perf_counter()
     weights = engine.adapters.read(module)
     read = time.perf_counter() - start
-    engine.adapters.register(module, weights)
+    engine.adapters.register(module, weights, engine.scheduler)
     start = time.perf_counter()
     engine.adapters.manager.activate(names[4], (), set())   # evicts the LRU slot and fills it
     fill = time.perf_counter() - start

@@ -15,6 +15,7 @@ import time
 from kubeinfer.server.engine.llm import LLM
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Sequence
+from kubeinfer.server.engine.spec_decode.speculator import Speculator
 from kubeinfer.server.model.loader import load_model
 
 BATCHES = (1, 4, 8, 16, 32)
@@ -31,9 +32,8 @@ class FixedDrafts:
 
 
 def median_step(loaded, batch: int, k: int) -> float:
-    llm = LLM(loaded_model=loaded, kv_cache_memory=512 << 20, max_num_seqs=64)
-    if k:
-        llm.engine.proposer = FixedDrafts(k)
+    llm = LLM(loaded_model=loaded, kv_cache_memory=512 << 20, max_num_seqs=64,
+              speculator=Speculator(FixedDrafts(k)) if k else None)
     for i in range(batch):   # 128-token prompts, then 12 decode steps
         llm.engine.add_request(str(i), list(range(1000 + i, 1128 + i)),
                                SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -8,8 +8,7 @@ Imports inside functions count: a cycle closed by a lazy import is still a cycle
 a class of the module that builds or holds it:
   sequence -> pooler, detokenizer (Sequence.pooling_task, .detokenizer);
   model/registry -> config (ModelConfig in the builders' signature);
-  model/layers/linear -> model/adapters/lora_layers (Linear.lora, set by LoRA's wrapping);
-  spec_decode/speculator, draft_model -> llm_engine (the engine they are handed).
+  model/layers/linear -> model/adapters/lora_layers (Linear.lora, set by LoRA's wrapping).
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def lora_routes(state: ServerState) -> APIRouter:
         except Exception as error:  # noqa: BLE001 - OSError, a torn safetensors or pickle file: all unreadable
             raise unreadable(body.lora_name, error) from None
         try:
-            await state.engine.run_in_engine(lambda engine: engine.adapters.register(module, weights))
+            await state.engine.run_in_engine(
+                lambda engine: engine.adapters.register(module, weights, engine.scheduler))
         except ValueError as error:   # LoRAError is a ValueError
             raise OpenAIError(400, str(error), param="lora_path") from error
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -99,7 +100,8 @@ def lora_routes(state: ServerState) -> APIRouter:
         if not registry.known(body.lora_name):
             raise missing
         try:
-            await state.engine.run_in_engine(lambda engine: engine.adapters.unregister(body.lora_name))
+            await state.engine.run_in_engine(
+                lambda engine: engine.adapters.unregister(body.lora_name, engine.scheduler))
         except KeyError:
             raise missing from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

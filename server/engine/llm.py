@@ -13,13 +13,15 @@ from .sequence import Request
 
 if TYPE_CHECKING:
     from ..model.loader import LoadedModel
+    from .spec_decode.speculator import Speculator
 
 
 class LLM:
     def __init__(self, model: str = "embedded", loaded_model: "LoadedModel | None" = None,
-                 **engine_kwargs: Any) -> None:
-        """`engine_kwargs` are EngineConfig fields; `loaded_model` reuses an already loaded model."""
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded_model)
+                 speculator: "Speculator | None" = None, **engine_kwargs: Any) -> None:
+        """`engine_kwargs` are EngineConfig fields; `loaded_model` reuses an already loaded model;
+        `speculator` drafts with a proposer of the caller's (`LLMEngine`)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded_model, speculator)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -23,7 +23,7 @@ from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .scheduling_policy import build_policy
 from .sequence import DraftPosition, Request, SamplingRow, Sequence, SequenceStatus
-from .spec_decode.speculator import Speculator, build_speculator
+from .spec_decode.speculator import SpeculationTarget, Speculator, build_speculator
 from .stats import EngineStats
 from .structured_output import GrammarBackend, GrammarBackendHolder
 from .validation import check_fits, max_prompt_chars, prompt_token_ids
@@ -38,9 +38,10 @@ T = TypeVar("T")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: "LoadedModel | None" = None,
-                 proposer: Proposer | None = None) -> None:
-        """`proposer`: speculative decoding's draft tokens (`proposer.py`); None = the one
-        `config.speculative_config` names, if any, else one token a step."""
+                 speculator: Speculator | None = None) -> None:
+        """`speculator`: speculative decoding's drafts (`spec_decode/speculator.py` around a
+        proposer, `proposer.py`); None = the one `config.speculative_config` names, if any,
+        else one token a step."""
         from .model_runner import ModelRunner
 
         self.task = resolve_task(config.task, config.model)
@@ -66,7 +67,8 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or self.loaded.name
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.model_config.eos_token_ids
         self.prompt_logprobs = PromptLogprobs()
-        self.runner = ModelRunner(self.loaded, config, prompt_logprobs=self.prompt_logprobs)
+        self.adapters = self._adapters(config) if config.enable_lora else None
+        self.runner = ModelRunner(self.loaded, config, prompt_logprobs=self.prompt_logprobs, adapters=self.adapters)
         # every layer windowed (Mistral, Phi-3): blocks that left the window go back while a sequence
         # runs; Gemma's interleaved global layers read the whole context, so theirs stay
         window = self.model_config.sliding_window if not self.model_config.layer_types else None
@@ -87,14 +89,13 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, prefix_caching, window, publisher,
                                  hash_key=config.kv_hash_key)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   build_policy(config.scheduling_policy, config.priority_aging_seconds))
-        self.adapters = self._adapters(config) if config.enable_lora else None
+                                   build_policy(config.scheduling_policy, config.priority_aging_seconds),
+                                   admit=self.adapters.admit if self.adapters is not None else None)
         self.sampler = Sampler(config.seed, self.loaded.device)
-        self.speculator: Speculator | None = None
-        if proposer is not None:
-            self.proposer = proposer
-        elif config.speculative_config is not None:
-            self.speculator = build_speculator(config.speculative_config, self)
+        if speculator is None and config.speculative_config is not None:
+            speculator = build_speculator(config.speculative_config, SpeculationTarget(
+                self.loaded, self.runner, self.sampler, config, self.max_model_len))
+        self.speculator = speculator
         self.requests: dict[str, Request] = {}
         self._grammars = GrammarBackendHolder(self.tokenizer, self.model_config.vocab_size,
                                               sorted(self.eos_token_ids))
@@ -103,14 +104,10 @@ class LLMEngine:
             self.runner.capture_decode_graphs(config, self.max_model_len)
 
     def _adapters(self, config: EngineConfig) -> "EngineAdapters":
-        """LoRA slots in the model, hooked into the scheduler (admission) and the runner (token slots)."""
+        """LoRA slots in the model, for the scheduler (admission) and the runner (token slots)."""
         from .lora import EngineAdapters
 
-        adapters = EngineAdapters(self.runner.model, config, self.loaded.dtype, self.loaded.device)
-        adapters.scheduler = self.scheduler
-        self.scheduler.admit = adapters.admit
-        self.runner.adapters = adapters
-        return adapters
+        return EngineAdapters(self.loaded.model, config, self.loaded.dtype, self.loaded.device)
 
     def _max_model_len(self, config: EngineConfig, num_blocks: int, window: int | None) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -381,11 +378,6 @@ class LLMEngine:
     def proposer(self) -> Proposer | None:
         return self.speculator.proposer if self.speculator is not None else None
 
-    @proposer.setter
-    def proposer(self, proposer: Proposer | None) -> None:
-        """A bare proposer drafts whenever it has tokens (no adaptive rules)."""
-        self.speculator = Speculator(proposer) if proposer is not None else None
-
     def _append_verified(self, rows: list[SamplingRow], sampled: SamplerOutput, touched: dict[str, Request]
                          ) -> None:
         """A speculative step's tokens: per sequence, the drafts up to the first one its sampled
@@ -471,7 +463,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         c, kv = self.counters, self.kv
         evictable = kv.num_evictable_blocks
-        running, waiting = self.adapters.running_and_waiting() if self.adapters is not None else ((), ())
+        running, waiting = self.adapters.running_and_waiting(self.scheduler) if self.adapters is not None else ((), ())
         return EngineStats(
             max_lora=self.adapters.max_loras if self.adapters is not None else 0,
             running_lora_adapters=tuple(running), waiting_lora_adapters=tuple(waiting),

@@ -3,9 +3,11 @@ requests whose adapter failed this step. Everything here runs on the engine thre
 `read` (file I/O, on the server's threads) and the registry queries.
 
 A request names its adapter (`Request.adapter`, also its prefix-cache namespace). The
-scheduler asks `admit` before starting a waiting sequence: the adapter gets a device slot
-(`LoRAManager.activate`) or the sequence waits while others are scheduled. The model runner
-asks `token_slots` for `ForwardBatch.adapter_indices` (None when no token uses an adapter).
+scheduler, built with `admit` as its admission check, asks it before starting a waiting
+sequence: the adapter gets a device slot (`LoRAManager.activate`) or the sequence waits while
+others are scheduled. The model runner, built with these adapters, asks `token_slots` for
+`ForwardBatch.adapter_indices` (None when no token uses an adapter). What depends on the
+queues (which adapters are in use) reads the scheduler it is given.
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ class EngineAdapters:
                                    config.max_cpu_loras or config.max_loras, config.max_lora_rank, dtype)
         self.max_loras = config.max_loras
         self.failures: list[tuple["Request", Exception]] = []   # found while scheduling; failed by the engine
-        self.scheduler: "Scheduler | None" = None
         for module in config.lora_modules or ():
             try:
                 weights = self.manager.read(module)
@@ -74,30 +75,29 @@ class EngineAdapters:
 
     # -- the engine thread ----------------------------------------------------------------------
 
-    def in_use(self) -> tuple[set[str], set[str]]:
+    @staticmethod
+    def in_use(scheduler: "Scheduler") -> tuple[set[str], set[str]]:
         """Adapters of running sequences, and of running or waiting ones."""
-        assert self.scheduler is not None
-        running = {s.request.adapter for s in self.scheduler.running if s.request.adapter is not None}
-        waiting = {s.request.adapter for s in self.scheduler.waiting if s.request.adapter is not None}
+        running = {s.request.adapter for s in scheduler.running if s.request.adapter is not None}
+        waiting = {s.request.adapter for s in scheduler.waiting if s.request.adapter is not None}
         return running, running | waiting
 
-    def register(self, module: LoRAModuleSpec, weights: LoRAWeights) -> None:
+    def register(self, module: LoRAModuleSpec, weights: LoRAWeights, scheduler: "Scheduler") -> None:
         """Load `module`; the prefix cache forgets what an earlier adapter of the same name left
         (none of its requests remain: `LoRAManager.register` refuses while any does)."""
-        self.manager.register(module, weights, self.in_use()[1])
-        assert self.scheduler is not None
-        if self.scheduler.kv.cache is not None:
-            self.scheduler.kv.cache.drop_adapter(module.name)
+        self.manager.register(module, weights, self.in_use(scheduler)[1])
+        if scheduler.kv.cache is not None:
+            scheduler.kv.cache.drop_adapter(module.name)
 
-    def unregister(self, name: str) -> None:
-        self.manager.unregister(name, self.in_use()[1])
+    def unregister(self, name: str, scheduler: "Scheduler") -> None:
+        self.manager.unregister(name, self.in_use(scheduler)[1])
 
-    def admit(self, seq: "Sequence") -> bool:
+    def admit(self, seq: "Sequence", scheduler: "Scheduler") -> bool:
         """Whether `seq` may start now: its adapter (if any) has, or just got, a device slot."""
         name = seq.request.adapter
         if name is None or self.manager.touch(name):
             return True
-        running, in_use = self.in_use()
+        running, in_use = self.in_use(scheduler)
         self.manager.release_unused(in_use)
         try:
             return self.manager.activate(name, running, in_use)
@@ -124,9 +124,9 @@ class EngineAdapters:
         return [(item.seq.request, names[item.seq.request.adapter]) for item in items
                 if item.seq.request.adapter in names]
 
-    def running_and_waiting(self) -> tuple[list[str], list[str]]:
+    @staticmethod
+    def running_and_waiting(scheduler: "Scheduler") -> tuple[list[str], list[str]]:
         """For vllm:lora_requests_info: adapters with running requests, and with waiting ones."""
-        assert self.scheduler is not None
-        running = sorted({s.request.adapter for s in self.scheduler.running if s.request.adapter is not None})
-        waiting = sorted({s.request.adapter for s in self.scheduler.waiting if s.request.adapter is not None})
+        running = sorted({s.request.adapter for s in scheduler.running if s.request.adapter is not None})
+        waiting = sorted({s.request.adapter for s in scheduler.waiting if s.request.adapter is not None})
         return running, waiting

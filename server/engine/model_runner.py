@@ -10,14 +10,14 @@ import numpy as np
 import torch
 
 from ..model.forward_batch import ForwardBatch
-from ..model.layers.kv_cache_quant import LayerKVCache, kv_cache_torch_dtype, layer_kv_scales
+from ..model.layers.kv_cache_quant import kv_cache_torch_dtype
 from ..parallel.plan import kv_heads_per_rank
 from .config import EngineConfig
-from .cpu_cache_memory import lazy_zeros, map_in_background
 from .cpu_graphs import CpuDecodeGraphs
 from .cpu_graphs import why_not_graphed as why_not_cpu_graphed
 from .cpu_threads import limit_torch_threads
 from .cuda_graphs import DecodeGraphs, why_not_graphed
+from .kv_cache_layout import KVCacheLayout
 from .prompt_logprobs import PromptLogprobPlan, PromptLogprobs
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .sequence import DraftPosition, SamplingRow
@@ -33,12 +33,13 @@ CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 class ModelRunner:
     def __init__(self, loaded: "LoadedModel", config: EngineConfig,
-                 prompt_logprobs: PromptLogprobs | None = None) -> None:
+                 prompt_logprobs: PromptLogprobs | None = None, adapters: "EngineAdapters | None" = None) -> None:
         """`prompt_logprobs`: scores the prompt positions of requests that ask (the target
-        model's runner; a draft model's has none)."""
+        model's runner; a draft model's has none). `adapters`: the LoRA slot of each token
+        (--enable-lora)."""
         self.model = loaded.model
         self.prompt_logprobs = prompt_logprobs
-        self.adapters: "EngineAdapters | None" = None   # set by the engine with --enable-lora
+        self.adapters = adapters
         self.graphs: DecodeGraphs | None = None   # set by `capture_decode_graphs`
         self.device = loaded.device
         if self.device.type == "cpu":
@@ -48,25 +49,16 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self._kv_cache_dtype_name, self._calculate_kv_scales = config.kv_cache_dtype, config.calculate_kv_scales
         self._check_kv_cache_dtype(config.kv_cache_dtype)
-        mc = loaded.config
-        shape = (config.block_size, kv_heads_per_rank(mc, config.tensor_parallel_size), mc.head_dim)
-        layers = loaded.kv_cache_layers or mc.num_hidden_layers
-        bytes_per_block = 2 * layers * int(np.prod(shape)) * self.kv_cache_dtype.itemsize
+        layout = kv_cache_layout(loaded, config)
         budget = self._kv_cache_budget(config)
-        self.num_blocks = budget // bytes_per_block
+        self.num_blocks = budget // layout.bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(f"KV-cache budget of {budget} bytes holds no block of "
-                             f"{bytes_per_block} bytes; raise --kv-cache-memory")
-        zeros = lazy_zeros if self.device.type == "cpu" else self._device_zeros
-        dtype = self.kv_cache_dtype
-        scales = layer_kv_scales(layers, dtype, loaded.kv_scales, config.calculate_kv_scales)
-        self.kv_caches = [LayerKVCache(zeros((self.num_blocks, *shape), dtype), zeros((self.num_blocks, *shape), dtype),
-                                       layer_scales) for layer_scales in scales]
-        if self.device.type == "cpu":
-            map_in_background([cache for layer in self.kv_caches for cache in (layer.k, layer.v)])
+                             f"{layout.bytes_per_block} bytes; raise --kv-cache-memory")
+        self.kv_caches = layout.allocate(self.num_blocks, self.device, loaded.kv_scales, config.calculate_kv_scales)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB of %s, %d tokens)", self.num_blocks,
-                 config.block_size, self.num_blocks * bytes_per_block / 2**30, str(dtype).removeprefix("torch."),
-                 self.num_blocks * config.block_size)
+                 config.block_size, self.num_blocks * layout.bytes_per_block / 2**30,
+                 str(layout.dtype).removeprefix("torch."), self.num_blocks * config.block_size)
 
     def cache_config(self) -> dict[str, str]:
         """vLLM's `vllm:cache_config_info` labels (the ones this engine has)."""
@@ -78,9 +70,6 @@ class ModelRunner:
                 and torch.cuda.get_device_capability(self.device) < (8, 9)):
             raise ValueError(f"--kv-cache-dtype {name} (fp8 e4m3) needs a GPU of compute capability 8.9 or "
                              "newer (Triton has no e4m3 before Ada/Hopper); use --kv-cache-dtype fp8_e5m2")
-
-    def _device_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _kv_cache_budget(self, config: EngineConfig) -> int:
         if config.kv_cache_memory is not None:
@@ -247,6 +236,14 @@ class ModelRunner:
         if plan is not None:
             self.prompt_logprobs.accept(logits[num_sampling:], plan)
         return self._sampling_logits(logits[:num_sampling], host.seqs, host.rows)
+
+
+def kv_cache_layout(loaded: "LoadedModel", config: EngineConfig) -> KVCacheLayout:
+    """Rank 0's cache (or the one device's): its share of the KV heads of its stage's layers."""
+    mc = loaded.config
+    return KVCacheLayout(loaded.kv_cache_layers or mc.num_hidden_layers, config.block_size,
+                         kv_heads_per_rank(mc, config.tensor_parallel_size), mc.head_dim,
+                         kv_cache_torch_dtype(config.kv_cache_dtype, loaded.dtype))
 
 
 @dataclass

@@ -51,11 +51,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+Admission = Callable[[Sequence, "Scheduler"], bool]
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: SchedulingPolicy | None = None) -> None:
+                 policy: SchedulingPolicy | None = None, admit: "Admission | None" = None) -> None:
         """`policy` orders admission and preemption (`scheduling_policy.py`; default: priority,
-        then arrival)."""
+        then arrival). `admit`: whether a waiting sequence may start now (LoRA: its adapter got a
+        device slot, `lora.py`); one that may not is skipped this step and the sequences behind it
+        are considered."""
         self.kv = kv
         self.policy = policy or PriorityPolicy()
         self.max_num_seqs = max_num_seqs
@@ -63,9 +68,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self.num_preemptions = 0
-        # whether a waiting sequence may start now (LoRA: its adapter got a device slot); one
-        # that may not is skipped this step and the sequences behind it are considered
-        self.admit: Callable[[Sequence], bool] | None = None
+        self.admit = admit
 
     @property
     def num_unfinished_seqs(self) -> int:
@@ -114,7 +117,7 @@ class Scheduler:
             if (budget == 0 or len(self.running) >= self.max_num_seqs
                     or len(out.scheduled) >= self.max_num_seqs):
                 break
-            if self.admit is not None and not self.admit(seq):
+            if self.admit is not None and not self.admit(seq, self):
                 continue
             cached = self.kv.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)

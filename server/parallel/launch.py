@@ -155,9 +155,8 @@ def _worker_processes(config: EngineConfig, topology: Topology, ranks: range) ->
     family = model_family(architecture)
     context = torch.multiprocessing.get_context("spawn")
     return [context.Process(target=run_worker, name=f"rank{rank}", daemon=True, args=(WorkerSpec(
-        str(source), architecture, family, resolve_dtype(config.dtype, device), device.type, rank, topology,
-        config.block_size, logging.getLogger().level, config.max_loras if config.enable_lora else 0,
-        config.max_lora_rank, config.kv_cache_dtype, config.calculate_kv_scales, config.quantization),))
+        config, str(source), architecture, family, resolve_dtype(config.dtype, device), device.type, rank, topology,
+        logging.getLogger().level),))
         for rank in ranks]
 
 

@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..engine.config import EngineConfig
+from ..engine.kv_cache_layout import KVCacheLayout
 from ..model.adapters.lora import read_peft_adapter
 from ..model.adapters.lora_layers import LoRAModel
 from ..model.forward_batch import ForwardBatch
-from ..model.layers.kv_cache_quant import LayerKVCache, kv_cache_torch_dtype, layer_kv_scales
+from ..model.layers.kv_cache_quant import kv_cache_torch_dtype
 from ..model.loader import read_checkpoint
 from ..model.quantization import resolve_for_checkpoint
 from ..model.registry import ModelFamily, register_model
@@ -30,22 +32,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a spawned worker needs (pickled once, at spawn)."""
+    """Everything a spawned worker needs (pickled once, at spawn): the engine's flags (the ones
+    that decide what a rank loads and how it lays out its KV cache: block size, KV-cache dtype and
+    scales, quantization, LoRA slots; `launch.SHARED_FLAGS`) and what its node resolved of them."""
 
-    source: str
+    config: EngineConfig
+    source: str               # the checkpoint's path (`config.model` resolved)
     architecture: str
     family: ModelFamily   # rank 0's registry entry: a family registered at run time reaches the workers
-    dtype: torch.dtype
+    dtype: torch.dtype        # `config.dtype` and `config.device` resolved on this node
     device: str
     rank: int                 # in the whole group
     topology: Topology
-    block_size: int
     log_level: int
-    max_loras: int = 0        # LoRA device slots (--enable-lora); 0 = none
-    max_lora_rank: int = 0
-    kv_cache_dtype: str = "auto"   # rank 0's --kv-cache-dtype and --calculate-kv-scales
-    calculate_kv_scales: bool = False
-    quantization: str = "auto"     # rank 0's --quantization
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -63,7 +62,7 @@ def run_worker(spec: WorkerSpec) -> None:
     plan = ShardPlan(checkpoint.config, spec.rank % tensor, tensor, spec.rank // tensor, spec.topology.pipeline)
     try:
         model = load_shard(Path(spec.source), spec.family, plan, spec.dtype, device,
-                           resolve_for_checkpoint(checkpoint, spec.quantization))
+                           resolve_for_checkpoint(checkpoint, spec.config.quantization))
         error = None
     except ValueError as failure:   # a checkpoint this rank cannot hold: rank 0 reports it and stops us
         error = failure
@@ -75,7 +74,7 @@ def run_worker(spec: WorkerSpec) -> None:
     log.info("rank %d/%d: shard of %d heads, %d KV heads, layers %d-%d loaded in %.2fs", spec.rank,
              spec.topology.world, plan.num_heads, plan.num_kv_heads, plan.layers.start, plan.layers.stop - 1,
              time.perf_counter() - start)
-    lora = _lora_slots(model, plan, spec, device) if spec.max_loras else None
+    lora = _lora_slots(model, plan, spec, device) if spec.config.enable_lora else None
     with torch.inference_mode():
         serve_steps(model, spec, device, lora)
     dist.destroy_process_group()
@@ -83,7 +82,7 @@ def run_worker(spec: WorkerSpec) -> None:
 
 def _lora_slots(model: TensorParallelModel, plan: ShardPlan, spec: WorkerSpec, device: torch.device) -> LoRAModel:
     """This rank's LoRA slots, its A/B slices following its weights'."""
-    return LoRAModel(model.shard, spec.max_loras, spec.max_lora_rank, spec.dtype, device,
+    return LoRAModel(model.shard, spec.config.max_loras, spec.config.max_lora_rank, spec.dtype, device,
                      slices=weight_slices(model.shard, plan))
 
 
@@ -96,8 +95,8 @@ def serve_steps(model: TensorParallelModel, spec: WorkerSpec, device: torch.devi
         if not isinstance(step[0], ForwardBatch):
             slot, path = step
             assert lora is not None and isinstance(slot, int)
-            lora.write(slot, None if path is None else read_peft_adapter(f"slot {slot}", path, spec.max_lora_rank,
-                                                                         spec.dtype))
+            lora.write(slot, None if path is None else read_peft_adapter(f"slot {slot}", path,
+                                                                         spec.config.max_lora_rank, spec.dtype))
             continue
         batch, num_blocks = step
         if kv_caches is None:
@@ -109,12 +108,10 @@ def _allocate_kv_caches(model: TensorParallelModel, num_blocks: int, spec: Worke
                         device: torch.device) -> KVCaches:
     """This rank's share of the heads of its stage's layers, in rank 0's cache dtype (an fp8 cache with its own scales:
     the checkpoint's, or calculated from this rank's heads)."""
-    config = model.plan.config
-    shape = (num_blocks, spec.block_size, model.plan.num_kv_heads, config.head_dim)
-    dtype = kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
-    scales = layer_kv_scales(len(model.plan.layers), dtype, model.kv_scales, spec.calculate_kv_scales)
-    return [LayerKVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                         layer_scales) for layer_scales in scales]
+    plan, config = model.plan, spec.config
+    layout = KVCacheLayout(len(plan.layers), config.block_size, plan.num_kv_heads, plan.config.head_dim,
+                           kv_cache_torch_dtype(config.kv_cache_dtype, spec.dtype))
+    return layout.allocate(num_blocks, device, model.kv_scales, config.calculate_kv_scales)
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -87,18 +87,18 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(lora_setup):
 
     def unload_after_first_step(engine):
         if not unloaded:
-            engine.adapters.unregister("x")
+            engine.adapters.unregister("x", engine.scheduler)
             unloaded.append(True)
             with pytest.raises(InvalidRequestError) as refused:
                 engine.make_request("late", PROMPT, PARAMS, adapter="x")
             assert refused.value.code == "model_not_found"
             with pytest.raises(LoRAError, match="still serves requests"):
-                engine.adapters.register(lora_setup[1][0], engine.adapters.read(lora_setup[1][0]))
+                engine.adapters.register(lora_setup[1][0], engine.adapters.read(lora_setup[1][0]), engine.scheduler)
 
     tokens = _run(llm, [("running", "x"), ("waiting", "x"), ("other", "y")], unload_after_first_step)
     assert tokens["running"] == tokens["waiting"] == expected
     # once they are done the name is free again, and the slot is reused
-    engine.adapters.register(lora_setup[1][0], engine.adapters.read(lora_setup[1][0]))
+    engine.adapters.register(lora_setup[1][0], engine.adapters.read(lora_setup[1][0]), engine.scheduler)
     assert llm.generate([PROMPT], PARAMS, adapter="x")[0].outputs[0].token_ids == expected
 
 

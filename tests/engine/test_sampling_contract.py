@@ -15,6 +15,7 @@ from helpers.engine_runs import run_requests
 from kubeinfer.server.engine.logits_processor import LogitsProcessor
 from kubeinfer.server.engine.sampling_params import SamplingParams
 from kubeinfer.server.engine.sequence import Sequence
+from kubeinfer.server.engine.spec_decode.speculator import Speculator
 
 pytestmark = pytest.mark.unit
 
@@ -60,8 +61,8 @@ def test_known_token_proposer_gives_greedy_output_in_fewer_steps(make_llm, rando
     reference = reference_llm.generate(prompts, SamplingParams(**GREEDY, logprobs=1))
     plain_steps = reference_llm.engine.counters.num_steps
     continuations = {str(i): o.outputs[0].token_ids for i, o in enumerate(reference)}
-    llm = make_llm(block_size=4)
-    llm.engine.proposer = proposer = KnownTokens(continuations)
+    proposer = KnownTokens(continuations)
+    llm = make_llm(block_size=4, speculator=Speculator(proposer))
     outputs = llm.generate(prompts, SamplingParams(**GREEDY, logprobs=1))
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
     for ours, theirs in zip(outputs, reference):
@@ -87,8 +88,8 @@ def test_a_ban_token_processor_next_to_a_drafted_sequence(make_llm, random_promp
 
     reference_llm = make_llm()
     reference = run_requests(reference_llm.engine, requests(reference_llm))
-    llm = make_llm()
-    llm.engine.proposer = proposer = KnownTokens({str(i): o.outputs[0].token_ids for i, o in enumerate(plain)})
+    proposer = KnownTokens({str(i): o.outputs[0].token_ids for i, o in enumerate(plain)})
+    llm = make_llm(speculator=Speculator(proposer))
     done = run_requests(llm.engine, requests(llm))
     assert banned not in done["0"].outputs[0].token_ids
     assert done["0"].outputs[0].token_ids == reference["0"].outputs[0].token_ids
@@ -103,8 +104,8 @@ def test_a_stop_token_among_accepted_drafts_ends_the_sequence_there(make_llm, ra
     stop = plain[0].outputs[0].token_ids[6]
     params = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop])
     reference = make_llm().generate(prompts, params)
-    llm = make_llm()
-    llm.engine.proposer = KnownTokens({str(i): o.outputs[0].token_ids for i, o in enumerate(plain)}, wrong_every=5)
+    llm = make_llm(speculator=Speculator(KnownTokens({str(i): o.outputs[0].token_ids for i, o in enumerate(plain)},
+                                                     wrong_every=5)))
     outputs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
     assert outputs[0].outputs[0].finish_reason == "stop" and outputs[0].outputs[0].token_ids[-1] == stop

@@ -228,10 +228,11 @@ def test_spec_decode_counters_add_up(make_llm, random_prompts):
 
 
 class Recording:
-    """Proposes `wrong` tokens (never accepted) or nothing; records each call's batch size."""
+    """Proposes `wrong` tokens (never accepted) or nothing; records each call's step and batch
+    size (of `engine`, set once the engine it drafts for is built)."""
 
-    def __init__(self, engine, wrong: bool = True) -> None:
-        self.engine, self.wrong, self.calls = engine, wrong, []
+    def __init__(self, wrong: bool = True) -> None:
+        self.engine, self.wrong, self.calls = None, wrong, []
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         self.calls.append((self.engine.counters.num_steps, len(self.engine.scheduler.running)))
@@ -243,9 +244,9 @@ def test_no_drafts_in_a_step_with_more_running_sequences_than_disable_by_batch_s
 
     prompts = random_prompts(6, 4, 12, seed=4)
     params = [SamplingParams(**GREEDY, max_tokens=4 + 6 * i) for i in range(6)]   # the batch shrinks
-    llm = make_llm()
-    proposer = Recording(llm.engine)
-    llm.engine.speculator = Speculator(proposer, 2, disable_by_batch_size=3)
+    proposer = Recording()
+    llm = make_llm(speculator=Speculator(proposer, 2, disable_by_batch_size=3))
+    proposer.engine = llm.engine
     outputs = llm.generate(prompts, params)
     assert _token_ids(outputs) == _token_ids(make_llm().generate(prompts, params))
     assert proposer.calls and all(running <= 3 for _, running in proposer.calls)
@@ -257,9 +258,9 @@ def test_a_sequence_whose_drafts_are_rejected_pauses_drafting_and_retries(make_l
 
     prompt = random_prompts(1, 6, 6, seed=4)[0]
     params = SamplingParams(**GREEDY, max_tokens=200)
-    llm = make_llm()
-    proposer = Recording(llm.engine)
-    llm.engine.speculator = Speculator(proposer, 2, min_acceptance_rate=0.3, acceptance_retry_steps=4)
+    proposer = Recording()
+    llm = make_llm(speculator=Speculator(proposer, 2, min_acceptance_rate=0.3, acceptance_retry_steps=4))
+    proposer.engine = llm.engine
     [output] = llm.generate([prompt], params)
     assert output.outputs[0].token_ids == make_llm().generate([prompt], params)[0].outputs[0].token_ids
     steps = [step for step, _ in proposer.calls]

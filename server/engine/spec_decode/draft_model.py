@@ -1,7 +1,8 @@
 """Draft-model proposer: a smaller model with the same tokenizer guesses k tokens per step.
 
 It runs on the engine's own parts: a second `ModelRunner` (the draft's weights and its own
-paged KV cache, on the target's device and dtype) and a `KVCacheManager` without prefix cache.
+paged KV cache, on the target's device and dtype), a `KVCacheManager` without prefix cache and
+the target's `Sampler` for the draft's distribution q.
 Each target sequence has a shadow `Sequence` on the draft side holding the tokens whose K/V the
 draft cache has. Per step, for all drafted sequences at once: the shadow drops what the target
 rejected (it fed drafts the target may not have kept), catches up on the target's new tokens
@@ -13,20 +14,20 @@ top-k/p, penalties), with q kept in `Sequence.draft_probs` for the sampler's rej
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import EngineConfig
 from ..kv_cache_manager import KVCacheManager
-from ..sampler import Sampler
 from ..scheduler import ScheduledSeq, SchedulerOutput
 from ..sequence import Request, Sequence
 
 if TYPE_CHECKING:
     from ...model.loader import LoadedModel
-    from ..llm_engine import LLMEngine
     from .config import SpeculativeConfig
+    from .speculator import SpeculationTarget
 
 log = logging.getLogger(__name__)
 
@@ -47,31 +48,31 @@ def check_same_vocabulary(target: "LoadedModel", draft: "LoadedModel") -> None:
 
 
 class DraftModelProposer:
-    def __init__(self, config: "SpeculativeConfig", engine: "LLMEngine",
+    def __init__(self, config: "SpeculativeConfig", target: "SpeculationTarget",
                  draft: "LoadedModel | None" = None) -> None:
         """`draft`: an already loaded draft model (tests); else `config.model` is loaded on the
         target's device in the target's dtype."""
-        from ..model_runner import ModelRunner
+        from ..model_runner import ModelRunner, kv_cache_layout
 
         if draft is None:
             from ...model.loader import load_model
 
             assert config.model is not None
-            draft = load_model(config.model, str(engine.loaded.dtype).removeprefix("torch."),
-                               str(engine.loaded.device.type), engine.config.quantization)
-        check_same_vocabulary(engine.loaded, draft)
-        mc, block_size = draft.config, engine.config.block_size
-        # room for as many tokens as the target's cache holds, so every running sequence fits
-        bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * draft.dtype.itemsize
-        tokens = engine.runner.num_blocks * block_size
-        self.runner = ModelRunner(draft, EngineConfig(
-            model=config.model or draft.name, block_size=block_size, kv_cache_memory=bytes_per_token * tokens,
-            enable_prefix_caching=False, max_num_batched_tokens=max(block_size, engine.config.max_num_batched_tokens)))
+            draft = load_model(config.model, str(target.loaded.dtype).removeprefix("torch."),
+                               str(target.loaded.device.type), target.config.quantization)
+        check_same_vocabulary(target.loaded, draft)
+        mc, block_size = draft.config, target.config.block_size
+        draft_config = EngineConfig(model=config.model or draft.name, block_size=block_size,
+                                    enable_prefix_caching=False,
+                                    max_num_batched_tokens=max(block_size, target.config.max_num_batched_tokens))
+        # room for as many blocks as the target's cache holds, so every running sequence fits
+        memory = kv_cache_layout(draft, draft_config).bytes_per_block * target.runner.num_blocks
+        self.runner = ModelRunner(draft, replace(draft_config, kv_cache_memory=memory))
         self.kv = KVCacheManager(self.runner.num_blocks, block_size, enable_prefix_caching=False)
-        self.sampler = Sampler(engine.config.seed, draft.device)
-        self.generator = torch.Generator(device=draft.device).manual_seed(engine.config.seed + 1)
+        self.sampler = target.sampler   # `distribution` only: stateless, on the same device
+        self.generator = torch.Generator(device=draft.device).manual_seed(target.config.seed + 1)
         self.k = config.num_speculative_tokens
-        self.max_model_len = engine.max_model_len
+        self.max_model_len = target.max_model_len
         # id(target seq) -> (its draft-side sequence, how many leading tokens are the target's)
         self._shadows: dict[int, tuple[Sequence, int]] = {}
         self._seeded: dict[int, torch.Generator] = {}   # id(shadow) -> a seeded request's generator

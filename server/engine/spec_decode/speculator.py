@@ -22,7 +22,10 @@ from ..sequence import Sequence
 from ..stats import SpecDecodeStats
 
 if TYPE_CHECKING:
-    from ..llm_engine import LLMEngine
+    from ...model.loader import LoadedModel
+    from ..config import EngineConfig
+    from ..model_runner import ModelRunner
+    from ..sampler import Sampler
     from .config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
@@ -132,7 +135,20 @@ def _allowed(seq: Sequence, tokens: list[int]) -> list[int]:
     return tokens
 
 
-def build_speculator(config: "SpeculativeConfig", engine: "LLMEngine") -> Speculator:
+@dataclass(frozen=True)
+class SpeculationTarget:
+    """What of the target model a proposer may need: a draft model checks the target's vocabulary,
+    loads on its device in its dtype, sizes its cache to the target's (`runner.num_blocks`) and
+    samples drafts from the distribution the target's `sampler` would."""
+
+    loaded: "LoadedModel"
+    runner: "ModelRunner"
+    sampler: "Sampler"
+    config: "EngineConfig"
+    max_model_len: int
+
+
+def build_speculator(config: "SpeculativeConfig", target: SpeculationTarget) -> Speculator:
     """The proposer `config.method` names, wrapped in the adaptive policy."""
     proposer: Proposer
     if config.method == "ngram":
@@ -148,6 +164,6 @@ def build_speculator(config: "SpeculativeConfig", engine: "LLMEngine") -> Specul
     else:
         from .draft_model import DraftModelProposer
 
-        proposer = DraftModelProposer(config, engine)
+        proposer = DraftModelProposer(config, target)
     return Speculator(proposer, config.num_speculative_tokens, config.disable_by_batch_size,
                       config.min_acceptance_rate, config.acceptance_retry_steps)
