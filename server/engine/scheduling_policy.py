@@ -120,7 +120,6 @@ class FairPolicy:
             seq.request.params.priority, self.share.standing(seq.request.tenant),
             seq.sort_key[1:]))
 
-
     def displacement(self, waiting: list[Sequence], running: list[Sequence]) -> tuple[Sequence, Sequence] | None:
         """Tenants' next waiting sequences in admission order: the first that finds a running one,
         in preemption order, of no better priority whose tenant runs at least two more sequences
