@@ -10,6 +10,11 @@
 #   bash benchmarks/gpu_check.sh /tmp/gpu-results
 #   5. (graphs) engine throughput with decode CUDA graphs and with --enforce-eager, alternated.
 #   STEPS="tests tune" TESTS_MATCHING="fp8 or engine" bash benchmarks/gpu_check.sh /tmp/gpu-results
+# DRY_RUN=1 runs the same steps on the CPU, so a machine without a GPU checks the script itself
+# (make test does, tests/test_gpu_check.py): a 2-layer random Llama in float32, 8 requests of 16
+# tokens a run, tests/gpu collected rather than run, the CUDA-only steps (bench-kernels, tune)
+# named as skipped.
+#   DRY_RUN=1 STEPS="tests kernels throughput graphs" bash benchmarks/gpu_check.sh /tmp/dry
 set -uo pipefail
 out="${1:-${OUT:?give a results folder}}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -21,45 +26,58 @@ export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_C
 cd "$repo"
 say() { echo "== $(date -u +%T) $*" | tee -a "$out/summary.log"; }
 
+dry="${DRY_RUN:-}"
+device=$([[ -n $dry ]] && echo cpu || echo cuda)
+dtype=$([[ -n $dry ]] && echo float32 || echo bfloat16)
+skipped() { say "$1: skipped in a dry run (needs CUDA)"; }
+
 say "machine"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+{ if [[ -n $dry ]]; then echo "dry run on the CPU: no GPU"
+  else nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader; fi
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
-"transformers", transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
+"transformers", transformers.__version__, *((torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+                                           if torch.cuda.is_available() else ()))'
   nproc; } 2>&1 | tee -a "$out/summary.log"
 
 steps="${STEPS:-tests kernels throughput}"
 model="$(mktemp -d)/llama-1b-random"
-[[ " $steps " =~ " "(throughput|tune|graphs)" " ]] && python3 benchmarks/random_llama.py "$model"
+[[ " $steps " =~ " "(throughput|tune|graphs)" " ]] && python3 benchmarks/random_llama.py "$model" ${dry:+--tiny}
 
 if [[ " $steps " == *" tests "* ]]; then
   say "tests/gpu"
   # shellcheck disable=SC2086
-  timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -rfE tests/gpu \
+  # shellcheck disable=SC2046
+  timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu \
+    $([[ -n $dry ]] && echo --collect-only || echo -n "${WORKERS:-8}") \
     ${TESTS_MATCHING:+-k "$TESTS_MATCHING"} > "$out/tests.log" 2>&1
   echo "rc=$?" >> "$out/tests.log"
   tail -n 40 "$out/tests.log" | tee -a "$out/summary.log"
 fi
 
-if [[ " $steps " == *" kernels "* ]]; then
+if [[ " $steps " == *" kernels "* && -n $dry ]]; then
+  skipped "bench-kernels"
+elif [[ " $steps " == *" kernels "* ]]; then
   say "bench-kernels"
   timeout "${KERNEL_SECONDS:-150}" python3 -m kubeinfer.server.cli bench-kernels 2>&1 | tee "$out/bench-kernels.txt"
 fi
 
-if [[ " $steps " == *" tune "* ]]; then
+if [[ " $steps " == *" tune "* && -n $dry ]]; then
+  skipped "tune"
+elif [[ " $steps " == *" tune "* ]]; then
   say "tune"
   timeout "${TUNE_SECONDS:-240}" python3 benchmarks/gpu_tune.py --profile "$model" 2>&1 | tee "$out/tune.log"
 fi
 
 bench() {   # name, then flags for `kubeinfer bench throughput`
   local name="$1"; shift
-  timeout 120 python3 -m kubeinfer.server.cli bench throughput --model "$model" --device cuda --dtype bfloat16 \
-    --json "$out/throughput-$name.json" "$@" > "$out/throughput-$name.txt" 2>&1
+  timeout 120 python3 -m kubeinfer.server.cli bench throughput --model "$model" --device "$device" --dtype "$dtype" \
+    --json "$out/throughput-$name.json" "$@" ${dry:+--num-prompts 8 --output-len 16} > "$out/throughput-$name.txt" 2>&1
   echo "$name rc=$?: $(grep -E 'output_tokens_per_second|total_tokens_per_second|wall_seconds' "$out/throughput-$name.txt" | tr -s ' ' | tr '\n' ' ')" \
     | tee -a "$out/summary.log"
 }
 
 if [[ " $steps " == *" graphs "* ]]; then
-  say "decode CUDA graphs against --enforce-eager"
+  say "decode graphs against --enforce-eager (on $device)"
   bench warmup --num-prompts 16 --input-len 256 --output-len 16 --max-num-seqs 256
   for round in $(seq "${ROUNDS:-2}"); do
     for eager in true false; do
