@@ -155,7 +155,7 @@ class Scheduler:
         """Every slot is taken: a waiting sequence the policy picks takes a running one's place
         in this step (fair shares among tenants), if it may start now."""
         choice = self.policy.displacement(self.waiting, self.running)
-        if choice is not None and (self.admit is None or self.admit(choice[0])):
+        if choice is not None and (self.admit is None or self.admit(choice[0], self)):
             self.preempt(choice[1])
 
     def _pick_victim(self, scheduled: set[int]) -> Sequence | None:

@@ -162,6 +162,29 @@ def test_a_tenant_holding_every_slot_gives_one_up_to_a_newcomer(policy):
     assert all(r.finished for r in held + [newcomer]) and sched.kv.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("may_start", [True, False])
+def test_a_newcomer_displaces_only_if_the_admission_check_lets_it_start(may_start):
+    """The scheduler's `admit` (LoRA: an adapter slot) is asked before anyone is preempted for a
+    newcomer; one that may not start yet leaves the running sequences alone."""
+    asked: list[str] = []
+
+    def admit(seq, sched: Scheduler) -> bool:
+        asked.append(seq.request.request_id)
+        return may_start or seq.request.tenant != "b"
+
+    sched = Scheduler(KVCacheManager(256, BS, False), 2, 64, FairPolicy(), admit=admit)
+    held = [request(f"a{i}", "a", max_tokens=16) for i in range(2)]
+    for req in held:
+        sched.add_request(req)
+    model = FakeModel(sched.kv)
+    step_once(sched, model)
+    sched.add_request(request("b0", "b", max_tokens=16))
+    scheduled = step_once(sched, model)
+    assert "b0" in asked
+    assert scheduled == (["a0", "b0"] if may_start else ["a0", "a1"])
+    assert sched.num_preemptions == (1 if may_start else 0)
+
+
 def test_tenants_do_not_trade_a_slot_back_and_forth():
     """Three slots, two backlogged tenants: 2 against 1 is as even as it gets, so nobody is
     preempted (a swap would only turn it into 1 against 2)."""
