@@ -273,7 +273,7 @@ class TokenizeRequest(RequestBody):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)   # as /v1/chat/completions
     # vLLM's defaults: true for a prompt; false for messages (the template writes any BOS)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True

@@ -168,6 +168,8 @@ def test_tokenize_and_detokenize_round_trip_as_the_tokenizer_does(server) -> Non
     assert _post(url, "/detokenize", {"tokens": chat["tokens"]}).json()["prompt"] == text
     bad = _post(url, "/detokenize", {"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    empty = _post(url, "/tokenize", {"messages": []})   # found by the schema fuzz as a 500
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
 
 
 FIELDS = st.fixed_dictionaries({}, optional={
