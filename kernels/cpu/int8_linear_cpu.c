@@ -215,6 +215,93 @@ DEFINE_INT8_LINEAR(int8_linear_bf16, uint16_t, quantize_rows_bf16, bf16x16_store
 DEFINE_INT8_LINEAR(int8_linear_f32, float, quantize_rows_f32, f32x16_store, f32x16_load)
 #undef ROUND16
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include "amx_tiles.h"
+_Static_assert(PANEL == 48, "the AMX path sums a panel in three tiles");
+
+int int8_amx_supported(void) { return 1; }
+
+/* AMX-INT8: the same panels as tiles (a weight tile is 16 k-quads of one panel's 16 columns: rows
+ * PANEL * 4 bytes apart), x quantized to int8 (signed x signed TDPBSSD: no 128 offset, no colsum
+ * correction), 16 rows of x a tile. Tiles 0-2 sum one panel's three 16-column groups, tile 3 holds
+ * x, tiles 4-6 the weights. The sums are the same int32 as the VNNI path's, so the outputs are too.
+ * Needs k % 64 == 0 (a tile row is 64 bytes of k) and the process's AMX permission (amx_request in
+ * quant_linear_cpu.c); otherwise UNSUPPORTED and the caller takes the VNNI path. */
+#define DEFINE_INT8_LINEAR_AMX(NAME, T, QUANTIZE_ROWS, STORE16, LOAD16)                            \
+int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w_scale,           \
+         const T *bias, T *out, const float *static_scale, int64_t m, int64_t k, int64_t n,      \
+         int64_t x_stride, int64_t out_stride) {                                                  \
+    (void)colsum;                                                                                \
+    if (k % 64) return UNSUPPORTED;                                                              \
+    const int64_t blocks = (m + 15) / 16, panels = (n + PANEL - 1) / PANEL;                      \
+    const int64_t chunks = (blocks * 16 + CHUNK_ROWS - 1) / CHUNK_ROWS;                          \
+    int8_t *xq = aligned_alloc(64, (size_t)(blocks * 16 * k));                                   \
+    float *xs = malloc((size_t)(blocks * 16) * sizeof(float));                                   \
+    if (!xq || !xs || QUANTIZE_ROWS(x, (uint8_t *)xq, xs, static_scale, m, k, k, x_stride, 0)) { \
+        free(xq); free(xs); return NO_MEMORY;                                                    \
+    }                                                                                            \
+    memset(xq + m * k, 0, (size_t)((blocks * 16 - m) * k));                                      \
+    _Pragma("omp parallel if(m * n >= 4096)")                                                   \
+    {                                                                                            \
+        int32_t sums[VECS][16 * 16] __attribute__((aligned(64)));                                \
+        _tile_loadconfig(&TILES_16x64);                                                          \
+        _Pragma("omp for schedule(static)")                                                     \
+        for (int64_t item = 0; item < chunks * panels; item++) {                                 \
+            const int64_t chunk = item / panels, p = item % panels;                              \
+            const int8_t *panel = packed + p * PANEL * k;                                        \
+            const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;                \
+            __mmask16 lanes[VECS];                                                               \
+            __m512 ws[VECS];                                                                     \
+            for (int v = 0; v < VECS; v++) {                                                     \
+                const int64_t left = cols - 16 * v;                                              \
+                lanes[v] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0; \
+                ws[v] = _mm512_maskz_loadu_ps(lanes[v], w_scale + c0 + 16 * v);                  \
+            }                                                                                    \
+            const int64_t first = chunk * CHUNK_ROWS / 16;                                       \
+            const int64_t last = first + CHUNK_ROWS / 16 < blocks ? first + CHUNK_ROWS / 16 : blocks; \
+            for (int64_t b = first; b < last; b++) {                                             \
+                const int8_t *a = xq + b * 16 * k;                                               \
+                _tile_zero(0); _tile_zero(1); _tile_zero(2);                                     \
+                for (int64_t kk = 0; kk < k; kk += 64) {                                         \
+                    _tile_loadd(3, a + kk, k);                                                   \
+                    _tile_loadd(4, panel + kk * PANEL, PANEL * 4);                               \
+                    _tile_loadd(5, panel + kk * PANEL + 64, PANEL * 4);                          \
+                    _tile_loadd(6, panel + kk * PANEL + 128, PANEL * 4);                         \
+                    _tile_dpbssd(0, 3, 4);                                                       \
+                    _tile_dpbssd(1, 3, 5);                                                       \
+                    _tile_dpbssd(2, 3, 6);                                                       \
+                }                                                                                \
+                _tile_stored(0, sums[0], 64);                                                    \
+                _tile_stored(1, sums[1], 64);                                                    \
+                _tile_stored(2, sums[2], 64);                                                    \
+                for (int64_t r = 0; r < 16 && b * 16 + r < m; r++) {                             \
+                    T *orow = out + (b * 16 + r) * out_stride + c0;                              \
+                    for (int v = 0; v < VECS; v++) {                                             \
+                        __m512 y = rescale(_mm512_load_si512(sums[v] + 16 * r), _mm512_setzero_si512(), \
+                                           xs[b * 16 + r], ws[v]);                               \
+                        if (bias) y = _mm512_add_ps(ROUND16(y), LOAD16(bias + c0 + 16 * v, lanes[v])); \
+                        STORE16(orow + 16 * v, lanes[v], y);                                     \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _tile_release();                                                                         \
+    }                                                                                            \
+    free(xq); free(xs);                                                                          \
+    return OK;                                                                                   \
+}
+#define ROUND16 bf16x16_round
+DEFINE_INT8_LINEAR_AMX(int8_linear_amx_bf16, uint16_t, quantize_rows_bf16, bf16x16_store, bf16x16_load)
+#undef ROUND16
+#define ROUND16(v) (v)
+DEFINE_INT8_LINEAR_AMX(int8_linear_amx_f32, float, quantize_rows_f32, f32x16_store, f32x16_load)
+#undef ROUND16
+#else
+int int8_amx_supported(void) { return 0; }
+int int8_linear_amx_bf16(void) { return UNSUPPORTED; }
+int int8_linear_amx_f32(void) { return UNSUPPORTED; }
+#endif
+
 /* The passes around torch._int_mm, where oneDNN's GEMM beats the panels above (mid-size M): x's
  * rows quantized as the torch form does (weights.py quantize_int8_per_token, or every row with
  * `static_scale`) into int8 q [m, k] and float32 scales [m], one pass instead of six. */
@@ -273,6 +360,9 @@ int int8_rescale_silu_bf16(const int32_t *acc, const float *x_scales, const floa
 }
 #else
 int int8_supported(void) { return 0; }
+int int8_amx_supported(void) { return 0; }
+int int8_linear_amx_bf16(void) { return UNSUPPORTED; }
+int int8_linear_amx_f32(void) { return UNSUPPORTED; }
 int int8_linear_bf16(void) { return UNSUPPORTED; }
 int int8_linear_f32(void) { return UNSUPPORTED; }
 int int8_quantize_bf16(void) { return UNSUPPORTED; }

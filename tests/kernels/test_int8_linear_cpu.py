@@ -65,12 +65,81 @@ def test_bad_inputs_are_refused():
         int8_linear_cpu.pack(torch.zeros(4, 8), torch.ones(4))
 
 
-def test_int8_weight_takes_the_kernel_where_it_is_faster(monkeypatch):
-    """Decode-sized inputs and large outputs go to the kernel, the rows between to torch's
-    GEMM between the kernel's quantize and rescale (BENCHMARKS.md, issue 23); all give the
-    torch form's numbers."""
+@pytest.mark.cpu_isas("native")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m, k, n", [(1, 64, 32), (16, 576, 960), (17, 128, 45), (70, 1536, 576), (300, 576, 100)])
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_amx_path_equals_the_torch_form_bit_for_bit(cpu_isa, m, k, n, dtype, activations):
+    """AMX-INT8 tiles over the same panels: row counts that are not whole tiles, panels cut short,
+    bias or none, a strided x: the numbers of the torch form (and so of the VNNI path)."""
+    if not int8_linear_cpu.amx_available():
+        pytest.skip("needs AMX-INT8 (and the OS's grant of the tile state)")
+    weight, scale, x, bias = _case(m, k, n, dtype, m * k + n, per_tensor=(m == 17))
+    input_scale = torch.tensor(0.02) if activations == "static" else None
+    layer = Int8Weight(weight, scale, activations, input_scale)
+    packed = int8_linear_cpu.pack(weight, scale)
+    for b in (None, bias):
+        got = int8_linear_cpu.linear(x, packed, b, input_scale, use_amx=True)
+        assert got.dtype == dtype and torch.equal(got, layer.forward_torch(x, b))
+    wide = torch.cat([x, x], dim=1)[:, :k]
+    assert torch.equal(int8_linear_cpu.linear(wide, packed, bias, input_scale, use_amx=True),
+                       layer.forward_torch(x, bias))
+
+
+def test_amx_path_is_refused_where_it_cannot_run():
+    """K not a multiple of 64 (a tile row), or no AMX here: an error, never a tile instruction."""
     if not int8_linear_cpu.available():
         pytest.skip("needs AVX512-VNNI and AVX512-BF16")
+    packed = int8_linear_cpu.pack(torch.ones(16, 96, dtype=torch.int8), torch.ones(16))
+    with pytest.raises(RuntimeError, match="no AMX path here for K=96"):
+        int8_linear_cpu.linear(torch.ones(4, 96), packed, use_amx=True)
+    assert not int8_linear_cpu.amx_takes(64, 96)
+
+
+def test_the_amx_row_threshold_is_measured_here():
+    """Where AMX runs, the threshold is one of the sampled row counts (or None when it never won);
+    without AMX there is none."""
+    threshold = int8_linear_cpu.amx_min_rows()
+    if int8_linear_cpu.amx_available():
+        assert threshold is None or threshold in int8_linear_cpu._PLAN_ROWS
+    else:
+        assert threshold is None and not int8_linear_cpu.amx_takes(4096, 576)
+
+
+def test_int8_weight_takes_amx_from_the_measured_row_count(monkeypatch):
+    """With a measured threshold of 8 rows, fewer rows take the VNNI kernel and more the AMX
+    path, never torch's GEMM; K not a multiple of 64 keeps the VNNI/torch split."""
+    if not int8_linear_cpu.available():
+        pytest.skip("needs AVX512-VNNI and AVX512-BF16")
+    monkeypatch.setattr(int8_linear_cpu, "amx_min_rows", lambda: 8)
+    calls, quantized = [], []
+    real, real_quantize = int8_linear_cpu.linear, int8_linear_cpu.quantize_rows
+
+    def linear(x, weight, bias=None, input_scale=None, use_amx=False):   # the VNNI numbers are the AMX ones
+        calls.append((x.shape[0], use_amx))
+        return real(x, weight, bias, input_scale)
+
+    monkeypatch.setattr(int8_linear_cpu, "linear", linear)
+    monkeypatch.setattr(int8_linear_cpu, "quantize_rows",
+                        lambda *args: quantized.append(args[0].shape[0]) or real_quantize(*args))
+    weight, scale, _, bias = _case(4, 64, 48, torch.bfloat16, 7)
+    layer = Int8Weight(weight, scale, "dynamic")
+    for rows in (4, 8, 200):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert torch.equal(layer.forward(x, bias), layer.forward_torch(x, bias))
+    assert calls == [(4, False), (8, True), (200, True)] and quantized == []
+    odd = Int8Weight(torch.ones(48, 96, dtype=torch.int8), torch.ones(48), "dynamic")
+    odd.forward(torch.ones(200, 96, dtype=torch.bfloat16), None)
+    assert quantized == [200]
+
+
+def test_int8_weight_takes_the_kernel_where_it_is_faster(monkeypatch):
+    """Without AMX: decode-sized inputs and large outputs go to the kernel, the rows between to
+    torch's GEMM between the kernel's quantize and rescale (BENCHMARKS.md, issue 23); all give
+    the torch form's numbers."""
+    if not int8_linear_cpu.available():
+        pytest.skip("needs AVX512-VNNI and AVX512-BF16")
+    monkeypatch.setattr(int8_linear_cpu, "amx_min_rows", lambda: None)
     weight, scale, x, bias = _case(4, 64, 48, torch.bfloat16, 7)
     layer = Int8Weight(weight, scale, "dynamic")
     calls, quantized = [], []
@@ -106,10 +175,12 @@ def test_rescale_silu_and_mul_equals_rescale_then_silu_and_mul(cpu_isa, m, k, in
 
 
 def test_gate_up_layer_fuses_silu_only_where_it_goes_through_int_mm(monkeypatch):
-    """A W8A8 gate|up layer at prefill sizes runs the one-pass rescale + SiLU, with the numbers of
-    its forward then SiLU-and-mul; at decode sizes (the fused GEMM kernel's) it runs those two steps."""
+    """Without AMX, a W8A8 gate|up layer at prefill sizes runs the one-pass rescale + SiLU, with the
+    numbers of its forward then SiLU-and-mul; at decode sizes (the fused GEMM kernel's) it runs those
+    two steps."""
     if not int8_linear_cpu.available():
         pytest.skip("needs AVX512-VNNI and AVX512-BF16")
+    monkeypatch.setattr(int8_linear_cpu, "amx_min_rows", lambda: None)
     from kubeinfer.server.model.layers.linear import MergedLinear
     weight, scale, _, _ = _case(1, 64, 96, torch.bfloat16, 11)
     layer = MergedLinear(64, [48, 48], bias=False)

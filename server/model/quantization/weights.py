@@ -135,7 +135,9 @@ class ScaledWeight:
         return None
 
 
-# Where the fused CPU kernel beats quantize + torch._int_mm + rescale (measured on an AMD EPYC
+# Without AMX-INT8 (or below the row count from which it measured faster, `amx_min_rows`; on AMX
+# it also beat torch._int_mm, which is oneDNN's VNNI GEMM there, at every size: BENCHMARKS.md, "AMX-INT8
+# for the W8A8 linears"): where the fused CPU kernel beats quantize + torch._int_mm + rescale (measured on an AMD EPYC
 # with AVX512-VNNI, BENCHMARKS.md issue 23): few rows (decode, where even one-pass quantize and
 # rescale cost more than they save: 1.2-1.7x at 32 rows) and outputs of 8M+ elements (the int32
 # [M, N] products then cost page faults). Between them oneDNN's GEMM is faster than the kernel's
@@ -150,8 +152,8 @@ def _int8_kernel_is_faster(rows: int, out_features: int) -> bool:
 @dataclass
 class Int8Weight(ScaledWeight):
     """int8 weights; dynamic or static activations run as an int8 x int8 matmul: on the CPU the
-    fused kernel of `kernels/cpu/int8_linear_cpu.c` (quantize, VNNI, rescale in one call) where it is
-    faster, else `torch._int_mm` between that file's one-pass quantize and rescale; elsewhere
+    fused kernel of `kernels/cpu/int8_linear_cpu.c` (quantize, AMX-INT8 tiles from the row count
+    measured on this machine, else VNNI, rescale in one call) where it is faster, else `torch._int_mm` between that file's one-pass quantize and rescale; elsewhere
     `torch._int_mm` between torch passes (`forward_torch`, the numbers all of them give)."""
 
     _packed: ops_cpu.PackedInt8 | None = field(default=None, init=False, repr=False, compare=False)
@@ -171,7 +173,9 @@ class Int8Weight(ScaledWeight):
         rows = x.reshape(-1, self.in_features)
         if self._cpu_kernels_take(rows):
             static = self._static_scale
-            if _int8_kernel_is_faster(rows.shape[0], self.out_features):
+            if ops_cpu.int8_amx_takes(rows.shape[0], self.in_features):
+                out = ops_cpu.int8_linear(rows, self.packed(), bias, static, use_amx=True)
+            elif _int8_kernel_is_faster(rows.shape[0], self.out_features):
                 out = ops_cpu.int8_linear(rows, self.packed(), bias, static)
             else:   # oneDNN's GEMM between the kernel's one-pass quantize and rescale
                 xq, x_scale = ops_cpu.int8_quantize_rows(rows, static)
@@ -186,6 +190,7 @@ class Int8Weight(ScaledWeight):
         CPU (prefill sizes, bf16 activations)."""
         rows = x.reshape(-1, self.in_features)
         if not (self._cpu_kernels_take(rows) and rows.dtype == torch.bfloat16
+                and not ops_cpu.int8_amx_takes(rows.shape[0], self.in_features)
                 and not _int8_kernel_is_faster(rows.shape[0], self.out_features)):
             return None
         xq, x_scale = ops_cpu.int8_quantize_rows(rows, self._static_scale)
