@@ -17,7 +17,8 @@ from .cpu.quant_linear_cpu import QuantizedWeight as GGUFTiles
 
 __all__ = ["GGUFTiles", "GGUF_BLOCK_BYTES", "LoRASlots", "PackedInt8", "any_kernel_building", "apply_token_bitmask",
            "attention_kernel", "gguf_can_pack", "gguf_dequantize", "gguf_kernel_available", "gguf_kernel_is_faster",
-           "gguf_linear", "gguf_pack", "int8_amx_takes", "int8_kernel_ready", "int8_linear", "int8_pack", "int8_quantize_rows",
+           "gguf_linear", "gguf_pack", "int8_amx_silu_takes", "int8_amx_takes", "int8_kernel_ready", "int8_linear",
+           "int8_linear_silu_and_mul", "int8_pack", "int8_quantize_rows",
            "int8_rescale", "int8_rescale_silu_and_mul", "lora_blocked_b_shape", "lora_compact_b", "lora_kernel_ready",
            "lora_token_order", "paged_decode", "paged_prefill", "recording_calls", "same_rows", "sample_rows",
            "sample_rows_available", "start_building", "store_kv", "store_kv_fp8", "token_bitmask_available"]
@@ -92,6 +93,17 @@ def int8_linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None =
     """x [M, K] @ the packed weight with int8 activations (per token, or the static `input_scale`),
     on AMX tiles with `use_amx` (where `int8_amx_takes`)."""
     return int8_linear_cpu.linear(x, weight, bias, input_scale, use_amx)
+
+
+def int8_amx_silu_takes(rows: int, weight: PackedInt8) -> bool:
+    """Whether a gate|up weight's rows run on AMX with the SiLU fused (`int8_linear_silu_and_mul`)."""
+    return int8_linear_cpu.amx_takes(rows, weight.in_features) and int8_linear_cpu.amx_silu_fits(weight)
+
+
+def int8_linear_silu_and_mul(x: torch.Tensor, weight: PackedInt8, input_scale: torch.Tensor | None = None
+                             ) -> torch.Tensor:
+    """silu_and_mul(x @ the packed gate|up weight) in bf16, on AMX tiles, in one call."""
+    return int8_linear_cpu.linear_silu_and_mul(x, weight, input_scale)
 
 
 def int8_quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -227,53 +227,75 @@ int int8_amx_supported(void) { return 1; }
  * x, tiles 4-6 the weights. The sums are the same int32 as the VNNI path's, so the outputs are too.
  * Needs k % 64 == 0 (a tile row is 64 bytes of k) and the process's AMX permission (amx_request in
  * quant_linear_cpu.c); otherwise UNSUPPORTED and the caller takes the VNNI path. */
-#define DEFINE_INT8_LINEAR_AMX(NAME, T, QUANTIZE_ROWS, STORE16, LOAD16)                            \
+
+/* sums[v] = the 16 rows of `a` (int8, row stride k) times the panel's columns 16 v .. 16 v + 15. */
+static inline void amx_panel_sums(const int8_t *a, const int8_t *panel, int64_t k, int32_t sums[VECS][16 * 16]) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2);
+    for (int64_t kk = 0; kk < k; kk += 64) {
+        _tile_loadd(3, a + kk, k);
+        _tile_loadd(4, panel + kk * PANEL, PANEL * 4);
+        _tile_loadd(5, panel + kk * PANEL + 64, PANEL * 4);
+        _tile_loadd(6, panel + kk * PANEL + 128, PANEL * 4);
+        _tile_dpbssd(0, 3, 4);
+        _tile_dpbssd(1, 3, 5);
+        _tile_dpbssd(2, 3, 6);
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(2, sums[2], 64);
+}
+
+/* x quantized to int8 in whole tiles: rows past m are zeros. NULL without memory. */
+#define DEFINE_QUANTIZE_TILES(NAME, T, QUANTIZE_ROWS)                                                \
+static int8_t *NAME(const T *x, float **scales, const float *static_scale, int64_t m, int64_t k,     \
+                    int64_t x_stride) {                                                            \
+    const int64_t rows = (m + 15) / 16 * 16;                                                       \
+    int8_t *xq = aligned_alloc(64, (size_t)(rows * k));                                            \
+    *scales = malloc((size_t)rows * sizeof(float));                                                \
+    if (!xq || !*scales || QUANTIZE_ROWS(x, (uint8_t *)xq, *scales, static_scale, m, k, k, x_stride, 0)) { \
+        free(xq); free(*scales); return 0;                                                         \
+    }                                                                                              \
+    memset(xq + m * k, 0, (size_t)((rows - m) * k));                                               \
+    return xq;                                                                                     \
+}
+DEFINE_QUANTIZE_TILES(quantize_tiles_bf16, uint16_t, quantize_rows_bf16)
+DEFINE_QUANTIZE_TILES(quantize_tiles_f32, float, quantize_rows_f32)
+
+/* Work items: (CHUNK_ROWS rows, panel) pairs, as the VNNI path splits them. */
+#define AMX_ITEMS(m, panels) (((m) + 15) / 16 * 16 + CHUNK_ROWS - 1) / CHUNK_ROWS * (panels)
+
+static inline void panel_lanes(int64_t cols, __mmask16 lanes[VECS]) {
+    for (int v = 0; v < VECS; v++) {
+        const int64_t left = cols - 16 * v;
+        lanes[v] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+    }
+}
+
+#define DEFINE_INT8_LINEAR_AMX(NAME, T, QUANTIZE_TILES, STORE16, LOAD16)                           \
 int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w_scale,           \
          const T *bias, T *out, const float *static_scale, int64_t m, int64_t k, int64_t n,      \
          int64_t x_stride, int64_t out_stride) {                                                  \
     (void)colsum;                                                                                \
     if (k % 64) return UNSUPPORTED;                                                              \
     const int64_t blocks = (m + 15) / 16, panels = (n + PANEL - 1) / PANEL;                      \
-    const int64_t chunks = (blocks * 16 + CHUNK_ROWS - 1) / CHUNK_ROWS;                          \
-    int8_t *xq = aligned_alloc(64, (size_t)(blocks * 16 * k));                                   \
-    float *xs = malloc((size_t)(blocks * 16) * sizeof(float));                                   \
-    if (!xq || !xs || QUANTIZE_ROWS(x, (uint8_t *)xq, xs, static_scale, m, k, k, x_stride, 0)) { \
-        free(xq); free(xs); return NO_MEMORY;                                                    \
-    }                                                                                            \
-    memset(xq + m * k, 0, (size_t)((blocks * 16 - m) * k));                                      \
+    float *xs;                                                                                   \
+    int8_t *xq = QUANTIZE_TILES(x, &xs, static_scale, m, k, x_stride);                           \
+    if (!xq) return NO_MEMORY;                                                                   \
     _Pragma("omp parallel if(m * n >= 4096)")                                                   \
     {                                                                                            \
         int32_t sums[VECS][16 * 16] __attribute__((aligned(64)));                                \
         _tile_loadconfig(&TILES_16x64);                                                          \
         _Pragma("omp for schedule(static)")                                                     \
-        for (int64_t item = 0; item < chunks * panels; item++) {                                 \
-            const int64_t chunk = item / panels, p = item % panels;                              \
-            const int8_t *panel = packed + p * PANEL * k;                                        \
-            const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;                \
+        for (int64_t item = 0; item < AMX_ITEMS(m, panels); item++) {                            \
+            const int64_t chunk = item / panels, p = item % panels, c0 = p * PANEL;              \
             __mmask16 lanes[VECS];                                                               \
             __m512 ws[VECS];                                                                     \
-            for (int v = 0; v < VECS; v++) {                                                     \
-                const int64_t left = cols - 16 * v;                                              \
-                lanes[v] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0; \
-                ws[v] = _mm512_maskz_loadu_ps(lanes[v], w_scale + c0 + 16 * v);                  \
-            }                                                                                    \
+            panel_lanes(n - c0 < PANEL ? n - c0 : PANEL, lanes);                                 \
+            for (int v = 0; v < VECS; v++) ws[v] = _mm512_maskz_loadu_ps(lanes[v], w_scale + c0 + 16 * v); \
             const int64_t first = chunk * CHUNK_ROWS / 16;                                       \
             const int64_t last = first + CHUNK_ROWS / 16 < blocks ? first + CHUNK_ROWS / 16 : blocks; \
             for (int64_t b = first; b < last; b++) {                                             \
-                const int8_t *a = xq + b * 16 * k;                                               \
-                _tile_zero(0); _tile_zero(1); _tile_zero(2);                                     \
-                for (int64_t kk = 0; kk < k; kk += 64) {                                         \
-                    _tile_loadd(3, a + kk, k);                                                   \
-                    _tile_loadd(4, panel + kk * PANEL, PANEL * 4);                               \
-                    _tile_loadd(5, panel + kk * PANEL + 64, PANEL * 4);                          \
-                    _tile_loadd(6, panel + kk * PANEL + 128, PANEL * 4);                         \
-                    _tile_dpbssd(0, 3, 4);                                                       \
-                    _tile_dpbssd(1, 3, 5);                                                       \
-                    _tile_dpbssd(2, 3, 6);                                                       \
-                }                                                                                \
-                _tile_stored(0, sums[0], 64);                                                    \
-                _tile_stored(1, sums[1], 64);                                                    \
-                _tile_stored(2, sums[2], 64);                                                    \
+                amx_panel_sums(xq + b * 16 * k, packed + p * PANEL * k, k, sums);                \
                 for (int64_t r = 0; r < 16 && b * 16 + r < m; r++) {                             \
                     T *orow = out + (b * 16 + r) * out_stride + c0;                              \
                     for (int v = 0; v < VECS; v++) {                                             \
@@ -291,15 +313,65 @@ int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w
     return OK;                                                                                   \
 }
 #define ROUND16 bf16x16_round
-DEFINE_INT8_LINEAR_AMX(int8_linear_amx_bf16, uint16_t, quantize_rows_bf16, bf16x16_store, bf16x16_load)
+DEFINE_INT8_LINEAR_AMX(int8_linear_amx_bf16, uint16_t, quantize_tiles_bf16, bf16x16_store, bf16x16_load)
 #undef ROUND16
 #define ROUND16(v) (v)
-DEFINE_INT8_LINEAR_AMX(int8_linear_amx_f32, float, quantize_rows_f32, f32x16_store, f32x16_load)
+DEFINE_INT8_LINEAR_AMX(int8_linear_amx_f32, float, quantize_tiles_f32, f32x16_store, f32x16_load)
 #undef ROUND16
+
+/* A gate|up layer on AMX with SiLU-and-mul in the epilogue: out [m, inter] bf16 =
+ * silu_and_mul(the bf16 [m, 2 inter] int8_linear_amx_bf16 gives), bit for bit, without writing or
+ * reading that [m, 2 inter]. The up columns of gate panel p are in panel p + inter / PANEL, so
+ * inter % PANEL == 0 (else UNSUPPORTED); no bias (gate|up layers have none). */
+int int8_linear_amx_silu_bf16(const uint16_t *x, const int8_t *packed, const float *w_scale, uint16_t *out,
+                              const float *static_scale, int64_t m, int64_t k, int64_t inter, int64_t x_stride,
+                              int64_t out_stride) {
+    if (k % 64 || inter % PANEL) return UNSUPPORTED;
+    const int64_t blocks = (m + 15) / 16, panels = inter / PANEL;
+    float *xs;
+    int8_t *xq = quantize_tiles_bf16(x, &xs, static_scale, m, k, x_stride);
+    if (!xq) return NO_MEMORY;
+    #pragma omp parallel if(m * inter >= 2048)
+    {
+        int32_t gate[VECS][16 * 16] __attribute__((aligned(64)));
+        int32_t up[VECS][16 * 16] __attribute__((aligned(64)));
+        _tile_loadconfig(&TILES_16x64);
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < AMX_ITEMS(m, panels); item++) {
+            const int64_t chunk = item / panels, p = item % panels, c0 = p * PANEL;
+            __m512 gs[VECS], us[VECS];
+            for (int v = 0; v < VECS; v++) {
+                gs[v] = _mm512_loadu_ps(w_scale + c0 + 16 * v);
+                us[v] = _mm512_loadu_ps(w_scale + inter + c0 + 16 * v);
+            }
+            const int64_t first = chunk * CHUNK_ROWS / 16;
+            const int64_t last = first + CHUNK_ROWS / 16 < blocks ? first + CHUNK_ROWS / 16 : blocks;
+            for (int64_t b = first; b < last; b++) {
+                amx_panel_sums(xq + b * 16 * k, packed + p * PANEL * k, k, gate);
+                amx_panel_sums(xq + b * 16 * k, packed + (p + panels) * PANEL * k, k, up);
+                for (int64_t r = 0; r < 16 && b * 16 + r < m; r++) {
+                    const __m512 xscale = _mm512_set1_ps(xs[b * 16 + r]);
+                    uint16_t *orow = out + (b * 16 + r) * out_stride + c0;
+                    for (int v = 0; v < VECS; v++) {
+                        const __m512 g = _mm512_cvtepi32_ps(_mm512_load_si512(gate[v] + 16 * r));
+                        const __m512 u = _mm512_cvtepi32_ps(_mm512_load_si512(up[v] + 16 * r));
+                        const __m512 y = silu_mul16(bf16x16_round(scaled(g, xscale, gs[v])),
+                                                    bf16x16_round(scaled(u, xscale, us[v])));
+                        bf16x16_store(orow + 16 * v, (__mmask16)0xFFFF, y);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xq); free(xs);
+    return OK;
+}
 #else
 int int8_amx_supported(void) { return 0; }
 int int8_linear_amx_bf16(void) { return UNSUPPORTED; }
 int int8_linear_amx_f32(void) { return UNSUPPORTED; }
+int int8_linear_amx_silu_bf16(void) { return UNSUPPORTED; }
 #endif
 
 /* The passes around torch._int_mm, where oneDNN's GEMM beats the panels above (mid-size M): x's
@@ -363,6 +435,7 @@ int int8_supported(void) { return 0; }
 int int8_amx_supported(void) { return 0; }
 int int8_linear_amx_bf16(void) { return UNSUPPORTED; }
 int int8_linear_amx_f32(void) { return UNSUPPORTED; }
+int int8_linear_amx_silu_bf16(void) { return UNSUPPORTED; }
 int int8_linear_bf16(void) { return UNSUPPORTED; }
 int int8_linear_f32(void) { return UNSUPPORTED; }
 int int8_quantize_bf16(void) { return UNSUPPORTED; }

@@ -45,6 +45,7 @@ def _functions() -> dict | None:
         for dtype, name in _FUNCTIONS.items():
             functions["amx", dtype] = cpu_build.bind(library, name.replace("int8_linear", "int8_linear_amx"),
                                                      pointers=7, ints=5)
+        functions["amx_silu"] = cpu_build.bind(library, "int8_linear_amx_silu_bf16", pointers=5, ints=5)
     functions["pack"] = cpu_build.bind(library, "int8_pack", pointers=3, ints=2)
     for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         functions["quantize", dtype] = cpu_build.bind(library, f"int8_quantize_{suffix}", pointers=4, ints=3)
@@ -109,6 +110,32 @@ def linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None = None
                                    out.data_ptr(), static.data_ptr() if static is not None else None,
                                    x.shape[0], weight.in_features, weight.out_features, x.stride(0), out.stride(0))
     if status:
+        raise MemoryError("int8_linear_cpu: no memory for the quantized activations")
+    return out
+
+
+def amx_silu_fits(weight: PackedInt8) -> bool:
+    """Whether `linear_silu_and_mul` takes this gate|up weight: K a multiple of 64, and each half a
+    whole number of panels (the up columns of a gate panel are then one panel further on)."""
+    return amx_fits(weight.in_features) and weight.out_features % (2 * _PANEL) == 0
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: PackedInt8, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul of `linear(x, weight, None, input_scale, use_amx=True)` for a gate|up weight
+    [2I, K], bf16 rows of x -> bf16 [M, I], bit for bit, with the SiLU in the AMX epilogue (the
+    [M, 2I] is never written). Needs `amx_available()` and `amx_silu_fits(weight)`."""
+    if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+            and x.shape[1] == weight.in_features):
+        raise ValueError(f"int8_linear_cpu.linear_silu_and_mul needs CPU bf16 rows [M, {weight.in_features}]")
+    if not (amx_available() and amx_silu_fits(weight)):
+        raise RuntimeError(f"int8_linear_cpu: no AMX gate|up path here for a [{weight.out_features}, "
+                           f"{weight.in_features}] weight")
+    inter = weight.out_features // 2
+    out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
+    static = input_scale.float().reshape(1).contiguous() if input_scale is not None else None
+    if _functions()["amx_silu"](x.data_ptr(), weight.panels.data_ptr(), weight.scale.data_ptr(), out.data_ptr(),
+                                static.data_ptr() if static is not None else None,
+                                x.shape[0], weight.in_features, inter, x.stride(0), out.stride(0)):
         raise MemoryError("int8_linear_cpu: no memory for the quantized activations")
     return out
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -138,6 +139,9 @@ async def _serve(args: argparse.Namespace) -> int:
                                 timeout_graceful_shutdown=1, timeout_keep_alive=5)
         server = DrainingServer(config, state.admission, args.shutdown_timeout, engine.abort_all)
         engine.on_dead = server.engine_died
+        # What startup built (the model's modules, tokenizer, app) is kept for the process's life:
+        # frozen, the collector's passes while serving no longer walk it (vLLM's engine does the same).
+        gc.freeze()
         await server.serve(sockets)
     finally:
         await engine.shutdown()

@@ -86,6 +86,27 @@ def test_amx_path_equals_the_torch_form_bit_for_bit(cpu_isa, m, k, n, dtype, act
                        layer.forward_torch(x, bias))
 
 
+@pytest.mark.cpu_isas("native")
+@pytest.mark.parametrize("m, k, inter", [(1, 64, 48), (17, 576, 1536), (300, 128, 96)])
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_amx_gate_up_with_silu_equals_linear_then_silu_and_mul(cpu_isa, m, k, inter, activations, per_tensor):
+    """SiLU-and-mul in the AMX epilogue: bit for bit the AMX linear's bf16 [M, 2I] put through
+    fused_cpu.silu_and_mul, per-channel and per-tensor scales, rows that are not whole tiles."""
+    if not int8_linear_cpu.amx_available():
+        pytest.skip("needs AMX-INT8 (and the OS's grant of the tile state)")
+    weight, scale, x, _ = _case(m, k, 2 * inter, torch.bfloat16, m + k + inter, per_tensor=per_tensor)
+    input_scale = torch.tensor(0.02) if activations == "static" else None
+    packed = int8_linear_cpu.pack(weight, scale)
+    assert int8_linear_cpu.amx_silu_fits(packed)
+    expected = fused_cpu.silu_and_mul(int8_linear_cpu.linear(x, packed, None, input_scale, use_amx=True))
+    got = int8_linear_cpu.linear_silu_and_mul(x, packed, input_scale)
+    assert got.shape == (m, inter) and torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="no AMX gate\\|up path"):
+        int8_linear_cpu.linear_silu_and_mul(x, int8_linear_cpu.pack(weight[:-2], scale[:-2] if not per_tensor
+                                                                    else scale), input_scale)
+
+
 def test_amx_path_is_refused_where_it_cannot_run():
     """K not a multiple of 64 (a tile row), or no AMX here: an error, never a tile instruction."""
     if not int8_linear_cpu.available():
@@ -131,6 +152,18 @@ def test_int8_weight_takes_amx_from_the_measured_row_count(monkeypatch):
     odd = Int8Weight(torch.ones(48, 96, dtype=torch.int8), torch.ones(48), "dynamic")
     odd.forward(torch.ones(200, 96, dtype=torch.bfloat16), None)
     assert quantized == [200]
+    fused = []
+    monkeypatch.setattr(int8_linear_cpu, "linear_silu_and_mul",
+                        lambda x, weight, input_scale=None: fused.append(x.shape[0]) or fused_cpu.silu_and_mul(
+                            real(x, weight, None, input_scale)))
+    gate_up = Int8Weight(*_case(1, 64, 96, torch.bfloat16, 3)[:2], "dynamic")
+    for rows in (4, 8, 200):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        got = gate_up.forward_silu_and_mul(x)
+        assert (got is None) == (rows < 8)
+        if got is not None:
+            assert torch.equal(got, fused_cpu.silu_and_mul(gate_up.forward_torch(x, None)))
+    assert fused == [8, 200]
 
 
 def test_int8_weight_takes_the_kernel_where_it_is_faster(monkeypatch):

@@ -186,12 +186,17 @@ class Int8Weight(ScaledWeight):
         return self.forward_torch(x, bias)
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The rescale and SiLU in one pass where the forward goes through `torch._int_mm` on the
-        CPU (prefill sizes, bf16 activations)."""
+        """The rescale and SiLU in one pass on the CPU where the forward goes through AMX tiles (in
+        the GEMM's epilogue) or `torch._int_mm` (prefill sizes), bf16 activations."""
         rows = x.reshape(-1, self.in_features)
-        if not (self._cpu_kernels_take(rows) and rows.dtype == torch.bfloat16
-                and not ops_cpu.int8_amx_takes(rows.shape[0], self.in_features)
-                and not _int8_kernel_is_faster(rows.shape[0], self.out_features)):
+        if not (self._cpu_kernels_take(rows) and rows.dtype == torch.bfloat16):
+            return None
+        if ops_cpu.int8_amx_takes(rows.shape[0], self.in_features):
+            if not ops_cpu.int8_amx_silu_takes(rows.shape[0], self.packed()):
+                return None
+            out = ops_cpu.int8_linear_silu_and_mul(rows, self.packed(), self._static_scale)
+            return out.view(*x.shape[:-1], self.out_features // 2)
+        if _int8_kernel_is_faster(rows.shape[0], self.out_features):
             return None
         xq, x_scale = ops_cpu.int8_quantize_rows(rows, self._static_scale)
         out = ops_cpu.int8_rescale_silu_and_mul(_int_mm(xq, self.weight.t()), x_scale, self.scale)
