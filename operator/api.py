@@ -49,5 +49,7 @@ MODEL_LABEL_PREFIX = "models.kubeinfer.io"  # node labels: which models a node's
 MODEL_CACHE_KEY_ANNOTATION = "kubeinfer.io/model-cache-key"  # on warm-ahead Jobs: the node label they earn
 MODEL_CACHE_NODE_ANNOTATION = "kubeinfer.io/model-cache-node"
 ADAPTER_MOUNT = "/adapters"
+# On engine and router pod templates: spec.tenancy's inline table (no keys), read through the downward API.
+TENANTS_ANNOTATION = "kubeinfer.io/tenants"
 # Pod readiness gate of LoRA-enabled engines: True once the operator has loaded the adapters.
 ADAPTERS_GATE = "kubeinfer.io/adapters-loaded"

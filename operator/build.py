@@ -7,6 +7,7 @@ drift (an edited arg, a deleted Deployment) is undone by applying it again.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kubeinfer.server.engine.spec_decode.config import SpeculativeConfig
@@ -102,25 +103,79 @@ def auth_env(isvc: InferenceService) -> list[tuple[str, dict[str, Any]]]:
 
 
 TENANTS_DIR = "/etc/kubeinfer/tenants"
+TENANTS_TABLE = "tenants.json"   # the inline table, without keys, in TENANTS_DIR
+TENANT_KEYS_DIR = "keys"         # each tenant's keys Secret, at keys/<secret>/<key> in TENANTS_DIR
+
+
+def tenants_file(isvc: InferenceService) -> str | None:
+    """The pods' --tenants-file: the Secret's file, or the inline table; None without either."""
+    tenancy = isvc.spec.tenancy
+    if tenancy.tenants_secret_ref is not None:
+        return f"{TENANTS_DIR}/{tenancy.tenants_secret_ref.key}"
+    return f"{TENANTS_DIR}/{TENANTS_TABLE}" if tenancy.inline else None
+
+
+def tenant_table(isvc: InferenceService) -> dict[str, Any]:
+    """`spec.tenancy`'s inline table as a tenant file (server/tenancy.py) with no key in it: each
+    tenant's `keys_file` is its Secret's key as mounted beside the file (a relative path, read
+    from the file's directory)."""
+    tenancy = isvc.spec.tenancy
+    tenants = []
+    for tenant in tenancy.tenants:
+        entry: dict[str, Any] = {"name": tenant.name, "priority": tenant.priority}
+        quotas = {"tokens_per_minute": tenant.quotas.tokens_per_minute,
+                  "requests_per_minute": tenant.quotas.requests_per_minute}
+        if any(quotas.values()):
+            entry["quotas"] = {name: value for name, value in quotas.items() if value}
+        ref = tenant.api_keys_secret_ref
+        if ref is not None:
+            entry["keys_file"] = f"{TENANT_KEYS_DIR}/{ref.name}/{ref.key}"
+        tenants.append(entry)
+    return {"priority_range": list(tenancy.bounds), "objectives": dict(sorted(tenancy.objectives.items())),
+            "tenants": tenants}
+
+
+def tenancy_annotations(isvc: InferenceService) -> dict[str, str]:
+    """The inline table on the pod template, which the pods read through the downward API: the
+    operator needs no ConfigMap (nor RBAC for one), and editing the table rolls the pods, which
+    read it when they start."""
+    if not isvc.spec.tenancy.inline:
+        return {}
+    return {api.TENANTS_ANNOTATION: json.dumps(tenant_table(isvc), separators=(",", ":"))}
 
 
 def tenancy_env(isvc: InferenceService) -> list[tuple[str, dict[str, Any]]]:
-    """`spec.tenancy` for engines and routers: the tenant file's path in the mounted Secret."""
-    tenancy, env = isvc.spec.tenancy, []
-    if tenancy.tenants_secret_ref is not None:
-        env.append((flag("tenants_file").env, {"value": f"{TENANTS_DIR}/{tenancy.tenants_secret_ref.key}"}))
-    if tenancy.trust_tenant_header:
+    """`spec.tenancy` for engines and routers: the tenant file's path in the mounted volume."""
+    path, env = tenants_file(isvc), []
+    if path is not None:
+        env.append((flag("tenants_file").env, {"value": path}))
+    if isvc.spec.tenancy.trust_tenant_header:
         env.append((flag("trust_tenant_header").env, {"value": "true"}))
     return env
 
 
 def tenancy_volumes(isvc: InferenceService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts) of the tenant file's Secret, read-only; none without one."""
-    ref = isvc.spec.tenancy.tenants_secret_ref
-    if ref is None:
+    """(volumes, mounts) of the tenant file, read-only: the Secret holding it, or one projected
+    volume with the inline table (from the pod's annotation) and the tenants' key Secrets under
+    keys/<secret>/<key>; none without tenancy. The kubelet reads the Secrets, not the operator."""
+    tenancy = isvc.spec.tenancy
+    mounts = [{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}]
+    ref = tenancy.tenants_secret_ref
+    if ref is not None:
+        return [{"name": "tenants", "secret": {"secretName": ref.name,
+                                               "items": [{"key": ref.key, "path": ref.key}]}}], mounts
+    if not tenancy.inline:
         return [], []
-    volume = {"name": "tenants", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}}
-    return [volume], [{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}]
+    table = {"fieldRef": {"fieldPath": f"metadata.annotations['{api.TENANTS_ANNOTATION}']"}, "path": TENANTS_TABLE}
+    keys: dict[str, list[str]] = {}   # secret -> its keys, in the table's order
+    for ref in (t.api_keys_secret_ref for t in tenancy.tenants if t.api_keys_secret_ref is not None):
+        if ref.key not in keys.setdefault(ref.name, []):
+            keys[ref.name].append(ref.key)
+    sources = [{"downwardAPI": {"items": [table]}},
+               *({"secret": {"name": secret, "items": [{"key": key, "path": f"{TENANT_KEYS_DIR}/{secret}/{key}"}
+                                                       for key in secret_keys]}}
+                 for secret, secret_keys in keys.items())]
+    return [{"name": "tenants", "projected": {"sources": sources}}], mounts
 
 
 def shared_env(isvc: InferenceService) -> list[tuple[str, dict[str, Any]]]:
@@ -272,9 +327,12 @@ def leader_worker_set(isvc: InferenceService, config: OperatorConfig) -> dict[st
                 "maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}},
             "leaderWorkerTemplate": {
                 "size": isvc.spec.engine.pods_per_replica, "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": {"metadata": {"labels": isvc.labels, "annotations": scrape_annotations()},
+                "leaderTemplate": {"metadata": {"labels": isvc.labels,
+                                                "annotations": {**scrape_annotations(), **tenancy_annotations(isvc)}},
                                    "spec": pod_spec(isvc, config, "leader")},
-                "workerTemplate": {"metadata": {"labels": isvc.worker_labels},
+                "workerTemplate": {"metadata": {"labels": isvc.worker_labels,
+                                                **({"annotations": tenancy_annotations(isvc)}
+                                                   if isvc.spec.tenancy.inline else {})},
                                    "spec": pod_spec(isvc, config, "worker")},
             },
         },
@@ -284,7 +342,7 @@ def leader_worker_set(isvc: InferenceService, config: OperatorConfig) -> dict[st
 def deployment(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
     """The engine Deployment; replicas come from spec.replicas (the scale subresource)."""
     rollout = isvc.spec.rollout
-    annotations = scrape_annotations()
+    annotations = {**scrape_annotations(), **tenancy_annotations(isvc)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": isvc.metadata(),
         "spec": {

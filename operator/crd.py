@@ -9,6 +9,7 @@ dropped and free-form objects marked `x-kubernetes-preserve-unknown-fields`.
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,8 @@ def structural(node: Any, defs: dict[str, Any]) -> Any:
         return node
     node = dict(node)
     if "$ref" in node:  # a field's own keys (description, default) override the model's
-        node = {**defs[node.pop("$ref").split("/")[-1]], **node}
+        # a copy: a model used twice must not share lists (YAML would write them as anchors)
+        node = {**copy.deepcopy(defs[node.pop("$ref").split("/")[-1]]), **node}
     branches = [b for b in node.get("anyOf", []) if b.get("type") != "null"]
     if "anyOf" in node and len(branches) == 1:  # `X | None`: absent means None
         del node["anyOf"]

@@ -17,7 +17,7 @@ from kubeinfer.server.flags import to_args
 from kubeinfer.server.kube.api import gateway_selector_labels
 from kubeinfer.server.router.flags import PROCESS_FLAGS, ROUTING_FLAGS
 from . import api
-from .build import shared_env, tenancy_env, tenancy_volumes
+from .build import shared_env, tenancy_annotations, tenancy_env, tenancy_volumes, tenants_file
 from .resource import InferenceService, OperatorConfig
 from .security import restricted_container, restricted_pod
 
@@ -99,19 +99,22 @@ def gateway_children(isvc: InferenceService, config: OperatorConfig) -> list[dic
 
 
 def routing_args(isvc: InferenceService) -> list[str]:
-    """`spec.routing` as the router's flags (those left at their default are omitted)."""
+    """`spec.routing` as the router's flags, its queue's included (those left at their default
+    are omitted)."""
     routing = isvc.spec.routing
     values = {"strategy": gateway_strategy(isvc), "load_penalty_tokens": routing.load_penalty_tokens,
               "balance_factor": routing.balance_factor, "balance_slack": routing.balance_slack,
               "kv_usage_limit": routing.kv_usage_limit, "prefix_key_tokens": routing.prefix_key_tokens,
               "warmup_prefixes": routing.warmup_prefixes, "warmup_tokens": routing.warmup_tokens,
               "warmup_hold_seconds": routing.warmup_hold_seconds}
-    return to_args(values, ROUTING_FLAGS)
+    queue = {"max_in_flight_per_replica": routing.max_in_flight_per_replica,
+             "max_queued_requests": routing.max_queued_requests}
+    return to_args(values, ROUTING_FLAGS) + to_args(queue, PROCESS_FLAGS)
 
 
 def router_quota_env(isvc: InferenceService) -> list[dict[str, Any]]:
-    """With a tenant file, each router replica enforces its share of the quotas."""
-    if isvc.spec.tenancy.tenants_secret_ref is None:
+    """With a tenant table (a Secret's or inline), each router replica enforces its share of the quotas."""
+    if tenants_file(isvc) is None:
         return []
     env = next(f.env for f in PROCESS_FLAGS if f.dest == "quota_replicas")
     return [{"name": env, "value": str(max(1, gateway_replicas(isvc)))}]
@@ -151,7 +154,7 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
             "replicas": gateway_replicas(isvc),
             "selector": {"matchLabels": gateway_selector_labels(isvc.name)},
             "template": {
-                "metadata": {"labels": meta["labels"], "annotations": annotations},
+                "metadata": {"labels": meta["labels"], "annotations": {**annotations, **tenancy_annotations(isvc)}},
                 "spec": {"serviceAccountName": meta["name"], "enableServiceLinks": False,
                          "securityContext": restricted_pod(), "containers": [container],
                          **({"volumes": tenant_volumes} if tenant_volumes else {}),

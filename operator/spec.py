@@ -15,6 +15,7 @@ from pydantic.alias_generators import to_camel
 
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, Flag
 from kubeinfer.server.router.flags import STRATEGIES, routing_flag
+from kubeinfer.server.tenancy import DEFAULT_PRIORITY_RANGE, TENANT_NAME_PATTERN
 
 MODEL_SOURCE_PATTERN = (r"^(embedded|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
                         r"|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+(@[-A-Za-z0-9_./]+)?"
@@ -369,18 +370,122 @@ class TenantsSecretRef(SecretKeyRef):
                                  "requests_per_minute}; optional priority_range and objectives.")
 
 
+MAX_TENANTS = 64
+PRIORITY_BOUND = 1_000_000   # any priority the spec may name lies within +/- this
+DEFAULT_LOW, DEFAULT_HIGH = DEFAULT_PRIORITY_RANGE
+# The range in force, in CEL: priorityRange when set, else the tenant file's default.
+_LOW = f"(has(self.priorityRange) ? self.priorityRange.min : {DEFAULT_LOW})"
+_HIGH = f"(has(self.priorityRange) ? self.priorityRange.max : {DEFAULT_HIGH})"
+
+
+class TenantQuotasSpec(Section):
+    """Per-minute limits of one tenant, enforced by every engine and (each its share) router replica."""
+
+    tokens_per_minute: int | None = Field(None, ge=1, le=1 << 40,
+                                          description="Prompt plus generated tokens per minute. Unset: no limit.")
+    requests_per_minute: int | None = Field(None, ge=1, le=1 << 40,
+                                            description="Requests per minute. Unset: no limit.")
+
+
+class TenantSpec(Section):
+    """One tenant: its name (the metrics' tenant label), its priority and quotas, and the Secret
+    holding its API keys (the keys never enter the InferenceService)."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=TENANT_NAME_PATTERN,
+                      description="The tenant's name: letters, digits, '-', '_' and '.', starting and "
+                                  "ending with a letter or digit; unique in the table. A trusted gateway "
+                                  "names the tenant with it (x-gateway-inference-fairness-id).")
+    priority: int = Field(0, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND,
+                          description="Its requests' default priority and the best (lowest) they may ask "
+                                      "for; lower is served first. Within priorityRange.")
+    quotas: TenantQuotasSpec = section(TenantQuotasSpec, TenantQuotasSpec.__doc__ or "")
+    api_keys_secret_ref: ApiKeySecretRef | None = Field(
+        None, description="Secret holding the tenant's API keys: mounted read-only into the engine and "
+                          "router pods (the operator never reads it). Unset: only a trusted gateway's "
+                          "header names this tenant.")
+
+
+class PriorityRangeSpec(Section):
+    """The bounds of any request's priority (lower is served first)."""
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("self.min <= self.max", "tenancy.priorityRange.min must not exceed tenancy.priorityRange.max")))
+    min: int = Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND, description="The best priority.")
+    max: int = Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND, description="The worst priority.")
+
+
+def _unique_tenants(tenants: list[TenantSpec]) -> list[TenantSpec]:
+    names = [t.name for t in tenants]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"tenancy.tenants[].name must be unique; repeated: {', '.join(duplicates)}")
+    return tenants
+
+
 class TenancySpec(Section):
     """Tenants sharing this service (docs/tenancy.md): API keys name tenants, which the engines
     schedule fairly by priority then tokens, and which engines and routers hold to their quotas
     and meter per tenant."""
 
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("!has(self.tenantsSecretRef) || ((!has(self.tenants) || size(self.tenants) == 0) && "
+         "!has(self.priorityRange) && (!has(self.objectives) || size(self.objectives) == 0))",
+         "tenancy.tenantsSecretRef and the inline table (tenancy.tenants, priorityRange, objectives) "
+         "are mutually exclusive: use one"),
+        (f"!has(self.tenants) || self.tenants.all(t, {_LOW} <= t.priority && t.priority <= {_HIGH})",
+         "tenancy.tenants[].priority must lie within tenancy.priorityRange (default -100 to 100)"),
+        (f"!has(self.objectives) || self.objectives.all(k, {_LOW} <= self.objectives[k] && "
+         f"self.objectives[k] <= {_HIGH})",
+         "tenancy.objectives must lie within tenancy.priorityRange (default -100 to 100)")))
     tenants_secret_ref: TenantsSecretRef | None = Field(
-        None, description="Secret holding the tenant table (it holds API keys, so it lives in a "
-                          "Secret): mounted read-only into the engine and router pods as their "
-                          "--tenants-file. Each router replica enforces its share of the quotas "
-                          "(quota / routing replicas). Pods read it when they start.")
+        None, description="Secret holding the whole tenant file (keys included), mounted read-only into "
+                          "the engine and router pods as their --tenants-file. Excludes the inline "
+                          "table (tenants, priorityRange, objectives). Pods read it when they start.")
+    tenants: Annotated[list[TenantSpec], AfterValidator(_unique_tenants)] = Field(
+        default_factory=list, max_length=MAX_TENANTS,
+        description="The tenant table, inline: names, priorities and quotas here, each tenant's API keys "
+                    "in a Secret. The engine and router pods get it without keys as their --tenants-file "
+                    "and mount the key Secrets read-only beside it; changing it rolls the pods. Each "
+                    "router replica enforces its share of the quotas (quota / routing replicas).",
+        json_schema_extra=rules(("self.all(a, self.exists_one(b, b.name == a.name))",
+                                 "tenancy.tenants[].name must be unique")))
+    priority_range: PriorityRangeSpec | None = Field(
+        None, description="Inline table: the bounds of any request's priority (lower is served first). "
+                          f"Default: {DEFAULT_LOW} to {DEFAULT_HIGH}.")
+    objectives: dict[str, int] = Field(
+        default_factory=dict, max_length=MAX_TENANTS,
+        description="Inline table: objective names a trusted gateway may send "
+                    "(x-gateway-inference-objective) for a priority, e.g. {interactive: 0, batch: 8}.")
     trust_tenant_header: bool = Field(bool(flag("trust_tenant_header").default),
                                       description=flag("trust_tenant_header").help)
+
+    @property
+    def inline(self) -> bool:
+        """Whether the spec carries a tenant table of its own (rendered for the pods)."""
+        return bool(self.tenants) or self.priority_range is not None or bool(self.objectives)
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        return (self.priority_range.min, self.priority_range.max) if self.priority_range else DEFAULT_PRIORITY_RANGE
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TenancySpec":
+        """The CEL rules above, for objects that did not pass an API server."""
+        if self.tenants_secret_ref is not None and self.inline:
+            raise ValueError("tenancy.tenantsSecretRef and the inline table (tenancy.tenants, priorityRange, "
+                             "objectives) are mutually exclusive: use one")
+        low, high = self.bounds
+        if low > high:
+            raise ValueError("tenancy.priorityRange.min must not exceed tenancy.priorityRange.max")
+        for tenant in self.tenants:
+            if not low <= tenant.priority <= high:
+                raise ValueError(f"tenancy.tenants[{tenant.name}].priority {tenant.priority} is outside "
+                                 f"tenancy.priorityRange [{low}, {high}]")
+        for name, priority in self.objectives.items():
+            if not low <= priority <= high:
+                raise ValueError(f"tenancy.objectives[{name}] {priority} is outside tenancy.priorityRange "
+                                 f"[{low}, {high}]")
+        return self
 
 
 class TracingSpec(Section):
@@ -425,6 +530,10 @@ class RoutingSpec(Section):
                                description=routing_flag("warmup_tokens").help)
     warmup_hold_seconds: float = Field(routing_flag("warmup_hold_seconds").default, ge=0, le=3600,
                                        description=routing_flag("warmup_hold_seconds").help)
+    max_in_flight_per_replica: int = Field(routing_flag("max_in_flight_per_replica").default, ge=0, le=1 << 20,
+                                           description=routing_flag("max_in_flight_per_replica").help)
+    max_queued_requests: int = Field(routing_flag("max_queued_requests").default, ge=1, le=1 << 20,
+                                     description=routing_flag("max_queued_requests").help)
 
 
 class InferencePoolSpec(Section):

@@ -1,15 +1,20 @@
 """Tenants: who a request belongs to, its priority, and the per-tenant quotas.
 
-A leaf module (pydantic and yaml only) shared by `kubeinfer serve` (server/api/tenancy.py)
-and the router, so both read one tenant file the same way:
+A leaf module (pydantic and yaml, and the flags' key parser) shared by `kubeinfer serve`
+(server/api/tenancy.py) and the router, so both read one tenant file the same way:
 
     priority_range: [0, 10]          # optional; the bounds of any request's priority
     objectives: {interactive: 0, batch: 8}   # optional; names a gateway may send for a priority
     tenants:
       - name: team-a
         keys: [sk-team-a-1]          # API keys (Bearer) that identify the tenant
+        keys_file: keys/team-a       # and/or a file of them (relative to this file's directory)
         priority: 2                  # its requests' default, and the best they may ask for
         quotas: {tokens_per_minute: 60000, requests_per_minute: 120}
+
+A keys file holds keys as `--api-keys-file` does (one per line or comma-separated, blank and
+'#' lines skipped), so the tenant table itself need not hold a key: the operator renders it
+without keys and mounts each tenant's Secret beside it.
 
 Lower priority values are served first (vLLM's convention). A request's tenant comes from its
 API key, or, with `trust_header`, from the GIE/llm-d fairness header a trusted gateway sets;
@@ -29,7 +34,10 @@ from pathlib import Path
 from typing import Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo,
+                      model_validator)
+
+from .flags import parse_api_keys
 
 FAIRNESS_HEADERS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
@@ -60,8 +68,25 @@ class TenantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=TENANT_NAME_PATTERN)
     keys: list[str] = Field(default_factory=list)
+    keys_file: str | None = Field(None, min_length=1)
     priority: int = 0
     quotas: Quotas = Field(default_factory=Quotas)
+
+    @model_validator(mode="after")
+    def _read_keys_file(self, info: ValidationInfo) -> "TenantSpec":
+        """Add the keys of `keys_file` (relative to the context's `base`, the tenant file's
+        directory); the table's checks then see them. Errors name the file, never a key."""
+        if self.keys_file is None:
+            return self
+        path = Path((info.context or {}).get("base", ".")) / self.keys_file
+        try:
+            file_keys = parse_api_keys(path.read_text())
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"keys_file {path}: cannot read it ({type(error).__name__})") from None
+        if not file_keys:
+            raise ValueError(f"keys_file {path} holds no API key")
+        self.keys = [*self.keys, *file_keys]
+        return self
 
 
 class TenantTable(BaseModel):
@@ -110,7 +135,8 @@ def load_tenants(path: str | Path) -> TenantTable:
     if isinstance(data, list):
         data = {"tenants": data}
     try:
-        return TenantTable.model_validate(data if data is not None else {})
+        return TenantTable.model_validate(data if data is not None else {},
+                                          context={"base": Path(path).parent})
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"] if part != "keys") or "file"

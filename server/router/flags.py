@@ -52,7 +52,7 @@ ROUTING_FLAGS: tuple[Flag, ...] = (
 
 def routing_flag(dest: str) -> Flag:
     """The router flag behind a `spec.routing` field or a `PrefixAwareConfig` default."""
-    return {f.dest: f for f in ROUTING_FLAGS}[dest]
+    return {f.dest: f for f in ROUTING_FLAGS + PROCESS_FLAGS}[dest]
 
 
 # Where the requests go: a static list (standalone), or an InferenceService's Ready engine pods
