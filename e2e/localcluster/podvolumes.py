@@ -12,6 +12,8 @@ Where the directories are, as on a real node:
 - ``emptyDir``: ``<pod dir>/volumes/<volume>``, gone with the pod;
 - ``hostPath``: ``<nodes dir>/<node>/<path>``: one tree per node, shared by that node's pods;
 - ``configMap`` / ``secret``: ``<pod dir>/volumes/<volume>``, holding one file per key (or ``items``);
+  ``downwardAPI`` likewise with one file per item (the pod's fields as ``env`` reads them), and
+  ``projected`` with the files of all its sources (configMap, secret, downwardAPI);
 - ``persistentVolumeClaim``: the bound PersistentVolume's ``hostPath``/``local`` path, taken
   as a host path (the local provisioner, e2e/localcluster/provisioner.py, puts them under the cluster's
   state dir, reachable from every node like network storage). An unbound claim keeps the pod
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from kubernetes import client
 
-from .podenv import ConfigError
+from .podenv import ConfigError, field_value
 
 
 class VolumeNotReady(RuntimeError):
@@ -63,6 +65,39 @@ def _claim_path(core: client.CoreV1Api, namespace: str, claim: str) -> Path:
     return Path(source.path)
 
 
+def _source_files(core: client.CoreV1Api, pod: dict, directory: Path, source: dict, mode: int,
+                  volume: str) -> None:
+    """One ``configMap``, ``secret`` or ``downwardAPI`` source (a volume of its own, or one of a
+    ``projected`` volume's sources) written as files into ``directory``."""
+    if "downwardAPI" in source:
+        for item in source["downwardAPI"].get("items") or []:
+            path = directory / item["path"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(field_value(pod, item["fieldRef"]["fieldPath"]))
+            path.chmod(item.get("mode", source["downwardAPI"].get("defaultMode", mode)))
+        return
+    kind = "configMap" if "configMap" in source else "secret"
+    ref_source = source[kind]
+    ref = ref_source.get("name") or ref_source.get("secretName")
+    namespace = pod["metadata"]["namespace"]
+    try:
+        if kind == "secret":
+            data = {k: base64.b64decode(v) for k, v in
+                    (core.read_namespaced_secret(ref, namespace).data or {}).items()}
+        else:
+            cm = core.read_namespaced_config_map(ref, namespace)
+            data = {k: v.encode() for k, v in (cm.data or {}).items()}
+            data.update({k: base64.b64decode(v) for k, v in (cm.binary_data or {}).items()})
+    except client.ApiException as err:
+        if err.status != 404 or not ref_source.get("optional"):
+            raise VolumeNotReady(f'{kind} "{ref}" not found') from None
+        data = {}
+    try:
+        _key_files(directory, data, ref_source.get("items"), ref_source.get("defaultMode", mode))
+    except ConfigError as err:
+        raise ConfigError(f"volume {volume}: {kind} {ref}: {err}") from None
+
+
 def volume_dirs(core: client.CoreV1Api, pod: dict, pod_dir: Path, nodes_dir: Path) -> dict[str, Path]:
     """Create (or find) each volume's host directory; volume name -> directory."""
     namespace, node = pod["metadata"]["namespace"], pod["spec"].get("nodeName", "")
@@ -76,27 +111,13 @@ def volume_dirs(core: client.CoreV1Api, pod: dict, pod_dir: Path, nodes_dir: Pat
             dirs[name] = path
         elif "persistentVolumeClaim" in volume:
             dirs[name] = _claim_path(core, namespace, volume["persistentVolumeClaim"]["claimName"])
-        elif "configMap" in volume or "secret" in volume:
-            kind = "configMap" if "configMap" in volume else "secret"
-            source = volume[kind]
-            ref = source.get("name") or source.get("secretName")
-            try:
-                if kind == "secret":
-                    data = {k: base64.b64decode(v) for k, v in
-                            (core.read_namespaced_secret(ref, namespace).data or {}).items()}
-                else:
-                    cm = core.read_namespaced_config_map(ref, namespace)
-                    data = {k: v.encode() for k, v in (cm.data or {}).items()}
-                    data.update({k: base64.b64decode(v) for k, v in (cm.binary_data or {}).items()})
-            except client.ApiException as err:
-                if err.status != 404 or not source.get("optional"):
-                    raise VolumeNotReady(f'{kind} "{ref}" not found') from None
-                data = {}
+        elif "configMap" in volume or "secret" in volume or "projected" in volume or "downwardAPI" in volume:
             shutil.rmtree(own, ignore_errors=True)
-            try:
-                _key_files(own, data, source.get("items"), source.get("defaultMode", 0o644))
-            except ConfigError as err:
-                raise ConfigError(f"volume {name}: {kind} {ref}: {err}") from None
+            projected = volume.get("projected") or {}
+            mode = projected.get("defaultMode", 0o644)
+            for source in projected.get("sources") or [volume]:
+                _source_files(core, pod, own, source, mode, name)
+            own.mkdir(parents=True, exist_ok=True)
             dirs[name] = own
         else:  # emptyDir and anything else: a directory of the pod's own
             own.mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,24 @@ def test_config_map_and_secret_become_files(tmp_path: Path) -> None:
         volume_dirs(reads, pod("q", [{"name": "c", "configMap": {"name": "other"}}], []), tmp_path / "q", tmp_path)
 
 
+def test_projected_volume_holds_its_secrets_and_the_pods_annotations(tmp_path: Path) -> None:
+    reads = Reads(secrets={"keys": {"team-a": "sk-1", "other": "x"}})
+    volumes = [{"name": "t", "projected": {"sources": [
+        {"downwardAPI": {"items": [{"path": "table.json", "fieldRef": {
+            "fieldPath": "metadata.annotations['example.io/table']"}}]}},
+        {"secret": {"name": "keys", "items": [{"key": "team-a", "path": "keys/keys/team-a"}]}}]}},
+        {"name": "d", "downwardAPI": {"items": [{"path": "name", "fieldRef": {"fieldPath": "metadata.name"}}]}}]
+    spec = pod("p", volumes, [])
+    spec["metadata"]["annotations"] = {"example.io/table": '{"tenants": []}'}
+    dirs = volume_dirs(reads, spec, tmp_path / "p", tmp_path / "nodes")
+    assert (dirs["t"] / "table.json").read_text() == '{"tenants": []}'
+    assert (dirs["t"] / "keys/keys/team-a").read_text() == "sk-1" and not (dirs["t"] / "keys/keys/other").exists()
+    assert (dirs["d"] / "name").read_text() == "p"
+    missing = [{"name": "t", "projected": {"sources": [{"secret": {"name": "gone"}}]}}]
+    with pytest.raises(VolumeNotReady, match='secret "gone" not found'):
+        volume_dirs(reads, pod("q", missing, []), tmp_path / "q", tmp_path)
+
+
 def test_claim_mounts_its_bound_volume_and_waits_while_unbound(tmp_path: Path) -> None:
     reads = Reads(claims={"weights": "pv-1", "later": ""}, volumes={"pv-1": str(tmp_path / "pv-1")})
     spec = [{"name": "w", "persistentVolumeClaim": {"claimName": "weights"}}]
