@@ -1,4 +1,5 @@
-"""API keys on an InferenceService (issue #28, item 8) on the local cluster, from the Helm chart.
+"""API keys on an InferenceService (issue #28, item 8; tenants' keys, issue #42) on the local
+cluster, from the Helm chart.
 
 A Secret holds the key; `spec.auth.apiKeySecretRef` points at it. With engines running, and at
 zero replicas through the gateway, requests without the key get OpenAI's 401 and requests with
@@ -171,3 +172,44 @@ def test_a_missing_or_keyless_secret_never_serves_open(
     assert keyless["reason"] == "CrashLoopBackOff"
     assert "no API key is configured" in keyless["message"]
     assert not any(pod_ready(p) for p in local_cluster.pods(namespace))
+
+
+def test_inline_tenant_table_names_tenants_by_keys_kept_in_a_secret(
+        local_cluster: Cluster, operator: str, namespace: str) -> None:
+    """spec.tenancy.tenants: the names, priorities and quotas in the spec, the keys in a Secret
+    the pods mount (the operator never reads it); the router and the engine both admit a
+    tenant's key, refuse a wrong one (401) and hold a request-per-minute quota (429). The API
+    server refuses a spec with both the inline table and tenantsSecretRef."""
+    both = {"apiVersion": "kubeinfer.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "both"},
+            "spec": {"tenancy": {"tenantsSecretRef": {"name": "teams"}, "tenants": [{"name": "team-a"}]}}}
+    refused = local_cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps(both), check=False)
+    assert refused.returncode != 0 and "mutually exclusive" in refused.stderr, refused.stderr
+    team_key = "sk-team-" + secrets.token_hex(8)
+    apply(local_cluster, namespace, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-keys"},
+                                     "stringData": {"team-a": f"{team_key}\n", "team-b": "sk-b\n"}})
+    apply(local_cluster, namespace, {
+        "apiVersion": "kubeinfer.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "tenants"},
+        "spec": {"model": {"source": "embedded", "servedName": "smollm2", "maxModelLen": 512},
+                 "engine": {"device": "cpu", "kvCacheMemory": "64Mi", "maxNumSeqs": 2, "maxNumBatchedTokens": 256},
+                 "resources": {"cpu": "1", "memory": "2Gi"}, "replicas": 1, "routing": {"replicas": 1},
+                 "tenancy": {"priorityRange": {"min": 0, "max": 10}, "tenants": [
+                     {"name": "team-a", "priority": 2, "quotas": {"requestsPerMinute": 2},
+                      "apiKeysSecretRef": {"name": "team-keys", "key": "team-a"}},
+                     {"name": "team-b", "apiKeysSecretRef": {"name": "team-keys", "key": "team-b"}}]}}})
+    engine = ready_pod_url(local_cluster, namespace, "app.kubernetes.io/component=engine", 8000)
+    router = ready_pod_url(local_cluster, namespace, "app.kubernetes.io/component=gateway", 8080)
+    assert_refused(chat(router, "sk-wrong"))
+    assert_refused(chat(engine, "sk-wrong"))
+    answer = chat(router, team_key)   # admitted by the router, then by the engine
+    assert answer.status_code == 200, answer.text
+    # 2 a minute, spread evenly: each of them now refuses team-a for ~30 s
+    for url in (engine, router):
+        limited = chat(url, team_key)
+        assert limited.status_code == 429 and limited.headers["x-kubeinfer-rate-limit"] == "requests_per_minute"
+        assert int(limited.headers["retry-after"]) >= 1
+    assert chat(engine, "sk-b").status_code == 200   # team-b has no quota
+    metrics = httpx.get(f"{engine}/metrics", timeout=10).text
+    assert 'tenant="team-a",outcome="rate_limited"} 1.0' in metrics
+    assert 'kubeinfer:tenant_requests_total{model_name="smollm2",tenant="team-b"' in metrics
+    pods = json.dumps(local_cluster.kubectl_json("get", "pods", "-n", namespace)["items"])
+    assert team_key not in pods and "team-a" in pods

@@ -13,7 +13,8 @@ Where the directories are, as on a real node:
 - ``hostPath``: ``<nodes dir>/<node>/<path>``: one tree per node, shared by that node's pods;
 - ``configMap`` / ``secret``: ``<pod dir>/volumes/<volume>``, holding one file per key (or ``items``);
   ``downwardAPI`` likewise with one file per item (the pod's fields as ``env`` reads them), and
-  ``projected`` with the files of all its sources (configMap, secret, downwardAPI);
+  ``projected`` with the files of all its sources (configMap, secret, downwardAPI; one with a
+  ``serviceAccountToken`` source is left empty);
 - ``persistentVolumeClaim``: the bound PersistentVolume's ``hostPath``/``local`` path, taken
   as a host path (the local provisioner, e2e/localcluster/provisioner.py, puts them under the cluster's
   state dir, reachable from every node like network storage). An unbound claim keeps the pod
@@ -65,6 +66,14 @@ def _claim_path(core: client.CoreV1Api, namespace: str, claim: str) -> Path:
     return Path(source.path)
 
 
+def _projected_files(volume: dict) -> bool:
+    """A projected volume of files; not the API-access volume the ServiceAccount admission adds
+    (a ``serviceAccountToken`` source): local processes get their credentials otherwise
+    (localpod.py), so that one stays an empty directory."""
+    sources = (volume.get("projected") or {}).get("sources")
+    return bool(sources) and all({"configMap", "secret", "downwardAPI"} & source.keys() for source in sources)
+
+
 def _source_files(core: client.CoreV1Api, pod: dict, directory: Path, source: dict, mode: int,
                   volume: str) -> None:
     """One ``configMap``, ``secret`` or ``downwardAPI`` source (a volume of its own, or one of a
@@ -111,7 +120,7 @@ def volume_dirs(core: client.CoreV1Api, pod: dict, pod_dir: Path, nodes_dir: Pat
             dirs[name] = path
         elif "persistentVolumeClaim" in volume:
             dirs[name] = _claim_path(core, namespace, volume["persistentVolumeClaim"]["claimName"])
-        elif "configMap" in volume or "secret" in volume or "projected" in volume or "downwardAPI" in volume:
+        elif "configMap" in volume or "secret" in volume or "downwardAPI" in volume or _projected_files(volume):
             shutil.rmtree(own, ignore_errors=True)
             projected = volume.get("projected") or {}
             mode = projected.get("defaultMode", 0o644)
