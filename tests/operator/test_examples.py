@@ -15,7 +15,8 @@ from kubeinfer.operator.resource import InferenceService
 pytestmark = pytest.mark.unit
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "crds" / "examples"
-OURS = ["embedded-model.yaml", "tp2-gpu-pvc.yaml", "autoscaled.yaml", "api-keys.yaml", "qwen3.yaml", "gemma.yaml", "fp8.yaml"]
+OURS = ["embedded-model.yaml", "tp2-gpu-pvc.yaml", "autoscaled.yaml", "api-keys.yaml", "tenants.yaml", "qwen3.yaml",
+        "gemma.yaml", "fp8.yaml"]
 
 
 @pytest.mark.parametrize("name", OURS)

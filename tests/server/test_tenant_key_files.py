@@ -39,7 +39,8 @@ tenants:
 
 
 @pytest.mark.parametrize("tenants, files, message", [
-    ("- {name: a, keys_file: keys/missing}", {}, r"tenants\.0: keys_file .*keys/missing: cannot read it \(FileNotFoundError\)"),
+    ("- {name: a, keys_file: keys/missing}", {},
+     r"tenants\.0: keys_file .*keys/missing: cannot read it \(FileNotFoundError\)"),
     ("- {name: a, keys_file: keys/a}", {"keys/a": "\n# nothing yet\n"}, r"keys_file .*keys/a holds no API key"),
     ("- {name: a, keys_file: keys/a}\n- {name: b, keys_file: keys/b}",
      {"keys/a": "sk-secret-1\nsk-secret-2", "keys/b": "sk-secret-2"}, "an API key belongs to two tenants"),

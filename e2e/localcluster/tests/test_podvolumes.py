@@ -109,7 +109,8 @@ def test_projected_volume_holds_its_secrets_and_the_pods_annotations(tmp_path: P
     assert (dirs["d"] / "name").read_text() == "p"
     api_access = [{"name": "kube-api-access", "projected": {"sources": [
         {"serviceAccountToken": {"path": "token"}}, {"configMap": {"name": "kube-root-ca.crt"}}]}}]
-    assert not any(volume_dirs(reads, pod("s", api_access, []), tmp_path / "s", tmp_path)["kube-api-access"].iterdir())
+    api_dirs = volume_dirs(reads, pod("s", api_access, []), tmp_path / "s", tmp_path)
+    assert not any(api_dirs["kube-api-access"].iterdir())
     missing = [{"name": "t", "projected": {"sources": [{"secret": {"name": "gone"}}]}}]
     with pytest.raises(VolumeNotReady, match='secret "gone" not found'):
         volume_dirs(reads, pod("q", missing, []), tmp_path / "q", tmp_path)
