@@ -49,6 +49,17 @@ def _match(pattern: str, what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+def unique_names(what: str) -> AfterValidator:
+    """A list whose items' `name`s must differ (the twin of a CEL `exists_one` rule), naming the repeats."""
+    def check(items: list[Any]) -> list[Any]:
+        names = [item.name for item in items]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"{what} must be unique; repeated: {', '.join(duplicates)}")
+        return items
+    return AfterValidator(check)
+
+
 # Quantities and rollout budgets accept `2` as well as `"500m"`, like core Kubernetes fields.
 IntOrString = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
 Quantity = Annotated[int | str, _match(QUANTITY_PATTERN, "a quantity such as 2, 500m or 8Gi"),
@@ -414,14 +425,6 @@ class PriorityRangeSpec(Section):
     max: int = Field(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND, description="The worst priority.")
 
 
-def _unique_tenants(tenants: list[TenantSpec]) -> list[TenantSpec]:
-    names = [t.name for t in tenants]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"tenancy.tenants[].name must be unique; repeated: {', '.join(duplicates)}")
-    return tenants
-
-
 class TenancySpec(Section):
     """Tenants sharing this service (docs/tenancy.md): API keys name tenants, which the engines
     schedule fairly by priority then tokens, and which engines and routers hold to their quotas
@@ -441,7 +444,7 @@ class TenancySpec(Section):
         None, description="Secret holding the whole tenant file (keys included), mounted read-only into "
                           "the engine and router pods as their --tenants-file. Excludes the inline "
                           "table (tenants, priorityRange, objectives). Pods read it when they start.")
-    tenants: Annotated[list[TenantSpec], AfterValidator(_unique_tenants)] = Field(
+    tenants: Annotated[list[TenantSpec], unique_names("tenancy.tenants[].name")] = Field(
         default_factory=list, max_length=MAX_TENANTS,
         description="The tenant table, inline: names, priorities and quotas here, each tenant's API keys "
                     "in a Secret. The engine and router pods get it without keys as their --tenants-file "
@@ -551,14 +554,6 @@ class InferencePoolSpec(Section):
     replicas: int = Field(1, ge=1, le=10, description="Endpoint-picker pods.")
 
 
-def _unique_names(adapters: list[AdapterSpec]) -> list[AdapterSpec]:
-    names = [a.name for a in adapters]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"adapter names must be unique; repeated: {', '.join(duplicates)}")
-    return adapters
-
-
 class InferenceServiceSpec(Section):
     """A model served by a set of identical kubeinfer engine pods behind one Service."""
 
@@ -577,7 +572,7 @@ class InferenceServiceSpec(Section):
          "(!has(self.adapters) || size(self.adapters) == 0))",
          "LoRA adapters with engine.pipelineParallelSize > 1 are not supported yet")))
     model: ModelSpec = section(ModelSpec, ModelSpec.__doc__ or "")
-    adapters: Annotated[list[AdapterSpec], AfterValidator(_unique_names)] = Field(
+    adapters: Annotated[list[AdapterSpec], unique_names("adapter names")] = Field(
         default_factory=list, max_length=MAX_ADAPTERS,
         description="LoRA adapters of the model, served next to it by every replica (a request "
                     "names one as its `model`). Adding or removing one loads or unloads it in "
