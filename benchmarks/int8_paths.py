@@ -29,7 +29,8 @@ def main() -> None:
     amx = int8_linear_cpu.amx_available()
     print(f"threads {args.threads}; AMX-INT8 {'available' if amx else 'not available'}; "
           f"amx_min_rows {int8_linear_cpu.amx_min_rows()}; us per call, median of {args.rounds} alternated rounds")
-    print(f"{'linear':>8} {'rows':>5} {'vnni':>9} {'amx':>9} {'_int_mm':>9} {'bf16':>9} {'vnni/amx':>8} {'int_mm/amx':>10}")
+    print(f"{'linear':>8} {'rows':>5} {'vnni':>9} {'amx':>9} {'_int_mm':>9} {'bf16':>9} {'vnni/amx':>8} "
+          f"{'int_mm/amx':>10}")
     for name, k, n in LINEARS:
         generator = torch.Generator().manual_seed(k * n)
         weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)

@@ -5,8 +5,8 @@ numbers of the torch form in `server/model/quantization/weights.py` (see the C f
 `pack` lays an int8 weight [N, K] out in the kernel's panels once (at the first forward);
 `linear` then takes bf16 or float32 rows of x. Without AVX512-VNNI, `available` is False. On a
 CPU with AMX-INT8 the same panels also feed tiles (`linear(..., use_amx=True)`, K a multiple of
-64): the same numbers, and which path is faster at which row count is measured per machine
-(`int8_plan.py`).
+64): the same numbers, and the row count from which it is faster is measured per machine
+(`amx_min_rows`).
 """
 
 from __future__ import annotations
@@ -105,10 +105,11 @@ def linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None = None
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     static = input_scale.float().reshape(1).contiguous() if input_scale is not None else None
-    status = _functions()[("amx", x.dtype) if use_amx else x.dtype](x.data_ptr(), weight.panels.data_ptr(), weight.colsum.data_ptr(),
-                                   weight.scale.data_ptr(), bias.data_ptr() if bias is not None else None,
-                                   out.data_ptr(), static.data_ptr() if static is not None else None,
-                                   x.shape[0], weight.in_features, weight.out_features, x.stride(0), out.stride(0))
+    function = _functions()[("amx", x.dtype) if use_amx else x.dtype]
+    status = function(x.data_ptr(), weight.panels.data_ptr(), weight.colsum.data_ptr(),
+                      weight.scale.data_ptr(), bias.data_ptr() if bias is not None else None,
+                      out.data_ptr(), static.data_ptr() if static is not None else None,
+                      x.shape[0], weight.in_features, weight.out_features, x.stride(0), out.stride(0))
     if status:
         raise MemoryError("int8_linear_cpu: no memory for the quantized activations")
     return out

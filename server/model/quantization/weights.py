@@ -135,13 +135,14 @@ class ScaledWeight:
         return None
 
 
-# Without AMX-INT8 (or below the row count from which it measured faster, `amx_min_rows`; on AMX
-# it also beat torch._int_mm, which is oneDNN's VNNI GEMM there, at every size: BENCHMARKS.md, "AMX-INT8
-# for the W8A8 linears"): where the fused CPU kernel beats quantize + torch._int_mm + rescale (measured on an AMD EPYC
-# with AVX512-VNNI, BENCHMARKS.md issue 23): few rows (decode, where even one-pass quantize and
-# rescale cost more than they save: 1.2-1.7x at 32 rows) and outputs of 8M+ elements (the int32
-# [M, N] products then cost page faults). Between them oneDNN's GEMM is faster than the kernel's
-# (BENCHMARKS.md, "W8A8 prefill without torch's passes"); at 4,096 tokens the two were level.
+# Without AMX-INT8, or below the row count from which it measured faster (`amx_min_rows`; on AMX it
+# also beat torch._int_mm, which runs oneDNN's VNNI GEMM there, at every size: BENCHMARKS.md,
+# "Intel AMX: AMX-INT8 for the W8A8 linears"). Where the fused CPU kernel beats quantize +
+# torch._int_mm + rescale (measured on an AMD EPYC with AVX512-VNNI, BENCHMARKS.md issue 23): few
+# rows (decode, where even one-pass quantize and rescale cost more than they save: 1.2-1.7x at 32
+# rows) and outputs of 8M+ elements (the int32 [M, N] products then cost page faults). Between
+# them oneDNN's GEMM is faster than the kernel's (BENCHMARKS.md, "W8A8 prefill without torch's
+# passes"); at 4,096 tokens the two were level.
 INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MIN_OUTPUTS = 64, 1 << 23
 
 
@@ -153,7 +154,8 @@ def _int8_kernel_is_faster(rows: int, out_features: int) -> bool:
 class Int8Weight(ScaledWeight):
     """int8 weights; dynamic or static activations run as an int8 x int8 matmul: on the CPU the
     fused kernel of `kernels/cpu/int8_linear_cpu.c` (quantize, AMX-INT8 tiles from the row count
-    measured on this machine, else VNNI, rescale in one call) where it is faster, else `torch._int_mm` between that file's one-pass quantize and rescale; elsewhere
+    measured on this machine, else VNNI, rescale in one call) where it is faster, else
+    `torch._int_mm` between that file's one-pass quantize and rescale; elsewhere
     `torch._int_mm` between torch passes (`forward_torch`, the numbers all of them give)."""
 
     _packed: ops_cpu.PackedInt8 | None = field(default=None, init=False, repr=False, compare=False)
