@@ -28,6 +28,10 @@
 #   KUBEINFER_ARMS="w8a8-fp8kv=--model $P/smollm2-w8a8 --kv-cache-dtype fp8" VLLM_MODEL=$P/smollm2-w8a8 \
 #     VLLM_ARGS="--kv-cache-dtype fp8" KV_CACHE_GIB=1 benchmarks/alternate.sh 4
 #
+# TTFT_LEVELS=1 makes each round measure TTFT instead (issue 43): at c = 1, 4, 16 and 32, random
+# 128-token and shared-prefix (512 + 32) prompts, 64 output tokens, as a burst (c requests sent at
+# once) and as a closed loop (4c requests, at least 8, c at a time); every run draws its own prompts.
+#
 # Before/after a change: KUBEINFER_BASELINE=<a checkout of the older commit, e.g. from
 # `git archive`> puts that tree's kubeinfer on the second port instead of vLLM (it is imported
 # through a `kubeinfer` package of links in front of the installed one), and each round runs
@@ -97,6 +101,20 @@ for round in $(seq "$ROUNDS"); do
   for port in $order; do
     name=${NAME_OF[$port]}
     echo "round $round $name $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
+    if [[ -n ${TTFT_LEVELS:-} ]]; then
+      for c in 1 4 16 32; do
+        for pattern in burst loop; do
+          [[ $c == 1 && $pattern == burst ]] && continue   # one request at a time is the loop
+          n=$c seed=$((round * 100 + c))   # no two runs share prompts
+          [[ $pattern == loop ]] && n=$(( 4 * c > 8 ? 4 * c : 8 )) seed=$((seed + 50))
+          echo "  random c=$c $pattern: $(bench $port $seed --dataset random --input-len 128 --output-len 64 \
+            --concurrency $c --num-prompts $n)"
+          echo "  shared c=$c $pattern: $(bench $port $seed --dataset shared-prefix --num-groups 4 --prefix-len 512 \
+            --input-len 32 --output-len 64 --concurrency $c --num-prompts $n)"
+        done
+      done
+      continue
+    fi
     if [[ -n $BASELINE ]]; then
       echo "  random c=1:   $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 1)"
       echo "  random c=32:  $(bench $port $((round * 100)) --dataset random --input-len 128 --output-len 128 --concurrency 32)"
