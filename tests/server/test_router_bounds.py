@@ -45,6 +45,9 @@ async def _hostile(port: int, path: str, chunked: bool) -> tuple[int, dict, int]
             writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n" if chunked else data)
             await writer.drain()
             sent += len(data)
+            # drain() returns at once while the router keeps reading (uvicorn discards the rest of
+            # a refused body): let the loop hand over an answer that has come meanwhile
+            await asyncio.sleep(0)
     except ConnectionError:
         pass   # the router answered and closed while we were still sending
     raw = await asyncio.wait_for(answer, 60)
