@@ -17,7 +17,7 @@ from .cpu.quant_linear_cpu import QuantizedWeight as GGUFTiles
 
 __all__ = ["GGUFTiles", "GGUF_BLOCK_BYTES", "LoRASlots", "PackedInt8", "any_kernel_building", "apply_token_bitmask",
            "attention_kernel", "gguf_can_pack", "gguf_dequantize", "gguf_kernel_available", "gguf_kernel_is_faster",
-           "gguf_linear", "gguf_pack", "int8_amx_silu_takes", "int8_amx_takes", "int8_kernel_ready", "int8_linear",
+           "gguf_linear", "gguf_pack", "int8_amx_silu_fits", "int8_amx_takes", "int8_kernel_ready", "int8_linear",
            "int8_linear_silu_and_mul", "int8_pack", "int8_quantize_rows",
            "int8_rescale", "int8_rescale_silu_and_mul", "lora_blocked_b_shape", "lora_compact_b", "lora_kernel_ready",
            "lora_token_order", "paged_decode", "paged_prefill", "recording_calls", "same_rows", "sample_rows",
@@ -95,9 +95,9 @@ def int8_linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None =
     return int8_linear_cpu.linear(x, weight, bias, input_scale, use_amx)
 
 
-def int8_amx_silu_takes(rows: int, weight: PackedInt8) -> bool:
-    """Whether a gate|up weight's rows run on AMX with the SiLU fused (`int8_linear_silu_and_mul`)."""
-    return int8_linear_cpu.amx_takes(rows, weight.in_features) and int8_linear_cpu.amx_silu_fits(weight)
+def int8_amx_silu_fits(weight: PackedInt8) -> bool:
+    """Whether a gate|up weight that `int8_amx_takes` can run with the SiLU fused (`int8_linear_silu_and_mul`)."""
+    return int8_linear_cpu.amx_silu_fits(weight)
 
 
 def int8_linear_silu_and_mul(x: torch.Tensor, weight: PackedInt8, input_scale: torch.Tensor | None = None

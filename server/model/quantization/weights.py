@@ -194,7 +194,7 @@ class Int8Weight(ScaledWeight):
         if not (self._cpu_kernels_take(rows) and rows.dtype == torch.bfloat16):
             return None
         if ops_cpu.int8_amx_takes(rows.shape[0], self.in_features):
-            if not ops_cpu.int8_amx_silu_takes(rows.shape[0], self.packed()):
+            if not ops_cpu.int8_amx_silu_fits(self.packed()):
                 return None
             out = ops_cpu.int8_linear_silu_and_mul(rows, self.packed(), self._static_scale)
             return out.view(*x.shape[:-1], self.out_features // 2)
