@@ -175,8 +175,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update(self, out: SchedulerOutput) -> None:
-        """Account for a finished forward pass: advance, cache full blocks, fork siblings."""
+        """Account for a finished forward pass: advance, cache full blocks, fork siblings. A
+        sequence retired during the step (its request failed: blocks already freed) is skipped."""
         for item in out.scheduled:
+            if item.seq.status is SequenceStatus.FINISHED:
+                continue
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_drafts
             self.kv.cache_full_blocks(item.seq)
         for sibling, parent_index in out.forks:

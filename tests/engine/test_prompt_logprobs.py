@@ -152,3 +152,35 @@ def test_embedded_smollm2_cold_and_warm(smollm2_reference):
     assert plain.num_cached_tokens >= 16 and warm.num_cached_tokens == 0   # cached, and recomputed
     for output, prompt in ((cold, prompts[0]), (warm, prompts[1])):
         assert_prompt_logprobs(output, reference_logprobs(smollm2_reference, prompt), prompt, 2)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_scoring_fault_fails_its_request_alone(tiny_llama, monkeypatch, n):
+    """Scoring a prompt raises mid-step: that request ends with an error (its n sequences retired
+    and their blocks freed before the step's bookkeeping, which must skip them), a request in the
+    same step completes, the engine takes the next request, and no block is leaked."""
+    from kubeinfer.server.engine import prompt_logprobs as prompt_logprobs_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected prompt-logprob fault")
+
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20,
+              enable_prefix_caching=True)
+    monkeypatch.setattr(prompt_logprobs_module, "logprob_entries", broken)
+    scored, plain = _prompts(2, 20, 30, seed=5)
+    engine = llm.engine
+    engine.add_request("scored", scored, SamplingParams(max_tokens=3, n=n, prompt_logprobs=0, **GREEDY))
+    engine.add_request("plain", plain, SamplingParams(max_tokens=3, **GREEDY))
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+    assert final["scored"].error and "RuntimeError" in final["scored"].error
+    assert final["plain"].error is None and len(final["plain"].outputs[0].token_ids) == 3
+    after = llm.generate([plain], SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert after.outputs[0].token_ids == final["plain"].outputs[0].token_ids
+    stats = engine.stats()
+    assert stats.num_blocks_free + stats.num_blocks_evictable == stats.num_blocks_total   # nothing leaked
