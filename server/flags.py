@@ -55,6 +55,14 @@ def parse_bool(text: str | bool) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def parse_seconds(text: str | float) -> float:
+    """A duration in seconds, 0 or more."""
+    seconds = float(text)
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
+    return seconds
+
+
 def parse_api_keys(text: str | list[str]) -> list[str]:
     """Keys separated by commas or newlines; blank lines and '#' comment lines are skipped.
 
@@ -297,7 +305,12 @@ SERVER_FLAGS: tuple[Flag, ...] = (
          "arguments show in ps."),
     Flag("api-keys-file", _optional(str), None,
          "File of API keys, one per line ('#' comments and blank lines ignored), added to "
-         "--api-keys; read at startup."),
+         "--api-keys; read at startup and again when it changes (--key-reload-seconds)."),
+    Flag("key-reload-seconds", parse_seconds, 10.0,
+         "How often, at most, --api-keys-file, --tenants-file and the tenants' key files are "
+         "looked at again, so a rotated key (a Secret the kubelet updates in place) takes effect "
+         "without a restart; a version that does not parse is refused and the keys in force "
+         "stay. 0: read them at startup only."),
     Flag("require-api-key", parse_bool, False,
          "Refuse to start when no API key is configured, so an empty key Secret cannot turn "
          "auth off (set by the operator when spec.auth is used)."),

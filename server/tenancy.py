@@ -143,17 +143,6 @@ def load_tenants(path: str | Path) -> TenantTable:
         raise ValueError(f"{path}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
-def table_from_args(args: argparse.Namespace) -> TenantTable | None:
-    """The --tenants-file table, for `kubeinfer serve` and `kubeinfer route`; exits with a
-    message (never a key) when the file is unusable."""
-    if not args.tenants_file:
-        return None
-    try:
-        return load_tenants(args.tenants_file)
-    except ValueError as error:
-        raise SystemExit(f"--tenants-file {error}") from None
-
-
 def tenancy_enabled(args: argparse.Namespace) -> bool:
     return bool(args.tenants_file) or bool(args.trust_tenant_header)
 
@@ -175,12 +164,16 @@ class TenantResolver:
     """Maps an API key (by its index among `keys()`) and the request's headers to an Identity."""
 
     def __init__(self, table: TenantTable | None, trust_header: bool) -> None:
-        self.table = table or TenantTable()
         self.trust_header = trust_header
-        self.tenants = self.table.by_name()
-        self._key_owner = [t for t in self.table.tenants for _ in t.keys]
         self._header_labels: set[str] = set()
         self._lock = threading.Lock()
+        self.update(table)
+
+    def update(self, table: TenantTable | None) -> None:
+        """Use a new table (the key files changed); `keys()` then lists its keys."""
+        self.table = table or TenantTable()
+        self.tenants = self.table.by_name()
+        self._key_owner = [t for t in self.table.tenants for _ in t.keys]
 
     def keys(self) -> list[str]:
         return [key for t in self.table.tenants for key in t.keys]
@@ -315,13 +308,26 @@ class RateLimiter:
     request may generate) and the unused part is given back when it finishes."""
 
     def __init__(self, table: TenantTable, share: float = 1.0, clock=time.monotonic) -> None:
-        self.clock, self._lock = clock, threading.Lock()
-        now = clock()
-        self.requests = {t.name: TokenBucket(t.quotas.requests_per_minute * share, now)
-                         for t in table.tenants if t.quotas.requests_per_minute}
-        self.tokens = {t.name: TokenBucket(t.quotas.tokens_per_minute * share, now)
-                       for t in table.tenants if t.quotas.tokens_per_minute}
-        self.limits = {t.name: t.quotas for t in table.tenants}
+        self.clock, self._lock, self.share = clock, threading.Lock(), share
+        self.requests: dict[str, TokenBucket] = {}
+        self.tokens: dict[str, TokenBucket] = {}
+        self.limits: dict[str, Quotas] = {}
+        self.update(table)
+
+    def update(self, table: TenantTable) -> None:
+        """Use a new table's quotas: a tenant whose quota is unchanged keeps its bucket (and
+        what it owes), a changed quota starts a full bucket, a removed one is gone."""
+        with self._lock:
+            now = self.clock()
+
+            def buckets(limit: str, current: dict[str, TokenBucket]) -> dict[str, TokenBucket]:
+                return {t.name: current[t.name] if getattr(self.limits.get(t.name), limit, None) == quota
+                        else TokenBucket(quota * self.share, now)
+                        for t in table.tenants if (quota := getattr(t.quotas, limit))}
+
+            self.requests = buckets("requests_per_minute", self.requests)
+            self.tokens = buckets("tokens_per_minute", self.tokens)
+            self.limits = {t.name: t.quotas for t in table.tenants}
 
     def check(self, tenant: str) -> Refusal | None:
         """A refusal when either bucket of `tenant` is empty; else take one request."""

@@ -158,15 +158,17 @@ def _admin_routes(app: FastAPI, state: ServerState, runtime_lora_updating: bool,
     app.include_router(cache_routes(state))
 
 
-def build_app(state: ServerState, api_keys: list[str], max_body_bytes: int | None = None,
+def build_app(state: ServerState, api_keys: list[str] | ApiKeyCheck, max_body_bytes: int | None = None,
               runtime_lora_updating: bool = False, admin_port: bool = False,
               tenancy: Tenancy | None = None) -> FastAPI:
-    """`max_body_bytes` defaults to `default_max_body_bytes` of the engine's context;
+    """`api_keys`: the keys, or the check that follows the key files; `max_body_bytes` defaults
+    to `default_max_body_bytes` of the engine's context;
     `runtime_lora_updating` mounts the LoRA load/unload routes (with --enable-lora);
     `admin_port`: those and the cache routes are left to `build_admin_app`; `tenancy` (the
     state's) checks keys and names tenants in place of the plain key check."""
     app = _app(state, max_body_bytes)
-    keyed = [Depends(tenancy.authenticate if tenancy is not None else ApiKeyCheck(api_keys))]
+    check = api_keys if isinstance(api_keys, ApiKeyCheck) else ApiKeyCheck(api_keys)
+    keyed = [Depends(tenancy.authenticate if tenancy is not None else check)]
     app.include_router(_api_routes(state), dependencies=keyed)
     app.include_router(_model_routes(state), dependencies=keyed)
     app.include_router(_ops_routes(state))

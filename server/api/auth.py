@@ -3,13 +3,11 @@ and Prometheus, like vLLM which guards only the API routes."""
 
 from __future__ import annotations
 
-import argparse
 import hmac
-from pathlib import Path
 
 from fastapi import Request
 
-from ..flags import parse_api_keys
+from ..credentials import CredentialFiles
 from .error_body import OpenAIError
 
 # Routes that never need a key: the kubelet's probes and Prometheus cannot send one, routers
@@ -20,33 +18,22 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/openapi.j
                         "/kv/blocks", "/tokenizer_info"})
 
 
-def api_keys_from_args(args: argparse.Namespace) -> list[str]:
-    """`--api-keys` plus the keys in `--api-keys-file`, for the CLIs.
-
-    Exits with a message (never a key) when the file cannot be read or holds no key, or when
-    `--require-api-key` is set and no key is configured at all: a service meant to be
-    protected must not come up open.
-    """
-    keys = list(args.api_keys)
-    if args.api_keys_file:
-        try:
-            file_keys = parse_api_keys(Path(args.api_keys_file).read_text())
-        except (OSError, UnicodeDecodeError) as error:
-            raise SystemExit(f"--api-keys-file {args.api_keys_file}: cannot read it "
-                             f"({type(error).__name__})") from None
-        if not file_keys:
-            raise SystemExit(f"--api-keys-file {args.api_keys_file} holds no API key")
-        keys += file_keys
-    if args.require_api_key and not keys:
-        raise SystemExit("--require-api-key is set but no API key is configured "
-                         "(--api-keys, KUBEINFER_API_KEYS or --api-keys-file)")
-    return keys
-
-
 class ApiKeyCheck:
-    """FastAPI dependency: refuses with 401 unless the request carries one of `keys`."""
+    """FastAPI dependency: refuses with 401 unless the request carries one of `keys`. With
+    `files`, each check first lets them apply a change (their subscribers call `update`)."""
 
-    def __init__(self, keys: list[str]) -> None:
+    def __init__(self, keys: list[str], files: CredentialFiles | None = None) -> None:
+        self.update(keys)
+        self.files = files
+
+    @classmethod
+    def following(cls, files: CredentialFiles) -> "ApiKeyCheck":
+        """The check of a process without a tenant table: the files' keys, as they change."""
+        check = cls(files.current.api_keys, files)
+        files.subscribe(lambda credentials: check.update(credentials.api_keys))
+        return check
+
+    def update(self, keys: list[str]) -> None:
         self.keys = [key.encode() for key in keys]
 
     async def __call__(self, request: Request) -> None:
@@ -54,6 +41,8 @@ class ApiKeyCheck:
 
     def matched(self, request: Request) -> int | None:
         """The index of the key the request carries (None when no key is configured); 401 otherwise."""
+        if self.files is not None:
+            self.files.refresh()   # may call update (and the tenant table's subscribers) first
         if not self.keys:
             return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")

@@ -29,7 +29,7 @@ from kubeinfer.kernels import ops_cpu
 from .. import exit_codes
 from ..flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 from .admission import Admission
-from .auth import api_keys_from_args
+from ..credentials import CredentialFiles
 from .errors import OpenAIError
 
 logger = logging.getLogger("kubeinfer.serve")
@@ -98,16 +98,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, ENGINE_FLAGS + SERVER_FLAGS)
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    """Serve until drained (0) or until the engine loop dies (1)."""
+async def _serve(args: argparse.Namespace, files: CredentialFiles) -> int:
+    """Serve until drained (0) or until the engine loop dies (1); `files`: the key files, read."""
     from ..engine.async_engine import AsyncEngine
     from ..engine.config import EngineConfig
     from .app import PortDispatch, build_admin_app, build_app
-    from ..tenancy import table_from_args, tenancy_enabled
+    from ..tenancy import tenancy_enabled
+    from .auth import ApiKeyCheck
     from .state import ServerState
     from .tenancy import Tenancy
 
-    table = table_from_args(args)
+    table = files.current.table
     if tenancy_enabled(args) and args.scheduling_policy == "auto":
         args.scheduling_policy = "fair"
     engine = AsyncEngine.from_config(EngineConfig.from_args(args))
@@ -121,13 +122,14 @@ async def _serve(args: argparse.Namespace) -> int:
 
             tracing = state.tracing = Tracing(args.otlp_traces_endpoint, args.otlp_traces_sampling_ratio,
                                               engine.served_model_name)
+        files.count_reloads(state.metrics.registry)
         if tenancy_enabled(args):
             state.tenancy = Tenancy.create(table, args.trust_tenant_header, args.api_keys, state.metrics.registry,
-                                           engine.served_model_name, args.log_usage)
+                                           engine.served_model_name, args.log_usage, files)
         from .lora import runtime_updating_allowed
 
         runtime_lora = runtime_updating_allowed(args.allow_runtime_lora_updating) and args.enable_lora
-        app = build_app(state, args.api_keys, args.max_request_body_bytes, runtime_lora,
+        app = build_app(state, ApiKeyCheck.following(files), args.max_request_body_bytes, runtime_lora,
                         admin_port=args.admin_port is not None, tenancy=state.tenancy)
         sockets = None
         if args.admin_port is not None:
@@ -156,7 +158,8 @@ async def _serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args.api_keys = api_keys_from_args(args)  # before the model loads: a bad key file fails fast
+    files = CredentialFiles.from_args(args)  # before the model loads: a bad key file fails fast
+    args.api_keys = files.current.api_keys
     if args.api_keys:
         logger.info("API keys required on the OpenAI routes (%d configured)", len(args.api_keys))
     if args.device in ("auto", "cpu"):   # compile while torch imports: a fresh pod's first start
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
                 logger.error("%s", exc)
                 exit_codes.write_termination_message(str(exc))
                 return 1
-        return asyncio.run(_serve(args))
+        return asyncio.run(_serve(args, files))
     except DeviceUnavailableError as exc:  # one line, not a traceback, and an exit code that says so
         logger.error("%s", exc)
         exit_codes.write_termination_message(str(exc))

@@ -17,8 +17,9 @@ from typing import Callable
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ..credentials import CredentialFiles, Credentials
 from ..engine.outputs import RequestOutput
-from ..tenancy import Identity, RateLimiter, TenantError, TenantResolver, TenantTable, load_tenants
+from ..tenancy import Identity, RateLimiter, TenantError, TenantResolver, TenantTable
 from .auth import ApiKeyCheck
 from .error_body import OpenAIError
 from .metrics import LATENCY_BUCKETS, TTFT_BUCKETS
@@ -73,11 +74,22 @@ class Tenancy:
 
     @classmethod
     def create(cls, table: TenantTable | None, trust_header: bool, api_keys: list[str],
-               registry: CollectorRegistry, model_name: str, log_usage: bool = False) -> "Tenancy":
-        """`api_keys` (--api-keys) stay valid and name no tenant; the table's keys name theirs."""
+               registry: CollectorRegistry, model_name: str, log_usage: bool = False,
+               files: CredentialFiles | None = None) -> "Tenancy":
+        """`api_keys` (--api-keys) stay valid and name no tenant; the table's keys name theirs.
+        With `files`, keys, tenants and quotas follow the files' changes."""
         resolver = TenantResolver(table, trust_header)
-        return cls(resolver, ApiKeyCheck(resolver.keys() + api_keys), RateLimiter(resolver.table),
-                   TenantMetrics(registry, model_name), log_usage)
+        tenancy = cls(resolver, ApiKeyCheck(resolver.keys() + api_keys, files), RateLimiter(resolver.table),
+                      TenantMetrics(registry, model_name), log_usage)
+        if files is not None:
+            files.subscribe(tenancy.update)
+        return tenancy
+
+    def update(self, credentials: Credentials) -> None:
+        """New keys, tenants and quotas, all at once (between two requests' checks)."""
+        self.resolver.update(credentials.table)
+        self.keys.update(self.resolver.keys() + credentials.api_keys)
+        self.limiter.update(self.resolver.table)
 
     async def authenticate(self, request: Request) -> None:
         """The API-key check, then the request's Identity on `request.state.identity`."""

@@ -22,11 +22,12 @@ from typing import Sequence
 import httpx
 import uvicorn
 
-from ..api.auth import api_keys_from_args
+from ..api.auth import ApiKeyCheck
+from ..credentials import CredentialFiles, Credentials
 from ..engine.kv_events import BlockHasher
 from ..flags import LONG_CONTEXT_TOKENS, add_flags, default_max_body_bytes
 from ..model.checkpoints.tokenizer_files import load_tokenizer
-from ..tenancy import table_from_args, tenancy_enabled
+from ..tenancy import tenancy_enabled
 from .activator import Activator, ActivatorConfig, GatewayMetrics
 from .backends import Backends, KubeBackends, StaticBackends
 from .engine_views import EngineViews
@@ -102,11 +103,23 @@ def build_routing(args: argparse.Namespace, client: httpx.AsyncClient, metrics: 
     return picker, routing
 
 
-def router_tenancy(args: argparse.Namespace, api_keys: list[str]) -> RouterTenancy | None:
+def router_tenancy(args: argparse.Namespace, files: CredentialFiles) -> RouterTenancy | None:
     """Tenants and quotas at the router, with --tenants-file or --trust-tenant-header."""
     if not tenancy_enabled(args):
         return None
-    return RouterTenancy(table_from_args(args), args.trust_tenant_header, args.quota_replicas, api_keys)
+    return RouterTenancy(files.current.table, args.trust_tenant_header, args.quota_replicas,
+                         files.current.api_keys, files)
+
+
+def follow_keys(files: CredentialFiles, routing: Routing, warmer_headers: dict[str, str] | None) -> None:
+    """The key the router sends to the engines (their adapter lists, warm-ups) follows rotation."""
+    def apply(credentials: Credentials) -> None:
+        key = next(iter(credentials.api_keys), None)
+        routing.views.api_key = key
+        if warmer_headers is not None and key is not None:
+            warmer_headers["Authorization"] = f"Bearer {key}"
+
+    files.subscribe(apply)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                                    keepalive_expiry=KEEPALIVE_SECONDS))
-    metrics, api_keys = GatewayMetrics(), api_keys_from_args(args)
+    files = CredentialFiles.from_args(args)
+    metrics, api_keys = GatewayMetrics(), files.current.api_keys
+    files.count_reloads(metrics.registry)
     picker, routing = build_routing(args, client, metrics, api_keys)
     backends: Backends
     if mode == "standalone":
@@ -141,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
         tracing = RouterTracing(args.otlp_traces_endpoint, args.otlp_traces_sampling_ratio)
     # the engines' limit (the operator passes theirs), for HTTP and ext_proc alike
     body_limit = args.max_request_body_bytes or default_max_body_bytes(LONG_CONTEXT_TOKENS)
-    app = build_app(activator, name, retry_after=args.retry_after, http=client, api_keys=api_keys,
-                    routing=routing, tenancy=router_tenancy(args, api_keys), tracing=tracing,
+    follow_keys(files, routing, routing.warmer.headers if routing.warmer is not None else None)
+    app = build_app(activator, name, retry_after=args.retry_after, http=client,
+                    api_keys=ApiKeyCheck.following(files), routing=routing,
+                    tenancy=router_tenancy(args, files), tracing=tracing,
                     max_body_bytes=body_limit)
     if args.ext_proc_port is None:
         if not args.http:

@@ -87,7 +87,7 @@ PROCESS_FLAGS: tuple[Flag, ...] = (
     # the engine's own flags, so the operator gives both processes the same env: the API keys,
     # the body limit, the secret of the block hashes
     *(f for f in SERVER_FLAGS if f.dest in ("api_keys", "api_keys_file", "require_api_key",
-                                            "max_request_body_bytes")),
+                                            "key_reload_seconds", "max_request_body_bytes")),
     *(f for f in ENGINE_FLAGS if f.dest == "kv_hash_key"),
     # the engine's tenant flags (docs/tenancy.md): quotas are enforced here too, per replica
     *(f for f in SERVER_FLAGS if f.dest in ("tenants_file", "trust_tenant_header")),

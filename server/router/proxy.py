@@ -93,11 +93,12 @@ async def request_body(request: Request) -> bytes | StreamedBody:
 
 
 def build_app(activator: Activator, name: str, retry_after: int = 10,
-              http: httpx.AsyncClient | None = None, api_keys: list[str] | None = None,
+              http: httpx.AsyncClient | None = None, api_keys: list[str] | ApiKeyCheck | None = None,
               routing: Routing | None = None, tenancy: RouterTenancy | None = None,
               tracing: RouterTracing | None = None,
               max_body_bytes: int | None = None) -> FastAPI:
-    """`name` is the InferenceService, for error messages. With `api_keys` (the engines' own),
+    """`name` is the InferenceService, for error messages. With `api_keys` (the engines' own, or
+    the check that follows their key files),
     a request without a valid key gets the engines' 401 here, before it can hold or wake
     anything; the Authorization header is forwarded untouched and the engine checks it again.
     With `routing`, requests carry routing keys and the engines' views are polled meanwhile.
@@ -120,7 +121,7 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(LONG_CONTEXT_TOKENS))
     client = http or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
     counts = activator.metrics.requests
-    check_key = ApiKeyCheck(api_keys or [])
+    check_key = api_keys if isinstance(api_keys, ApiKeyCheck) else ApiKeyCheck(api_keys or [])
 
     @app.exception_handler(OpenAIError)
     async def _refused(_: Request, error: OpenAIError) -> JSONResponse:

@@ -25,6 +25,7 @@ from fastapi import Request
 
 from ..api.auth import ApiKeyCheck
 from ..api.error_body import OpenAIError
+from ..credentials import CredentialFiles, Credentials
 from ..tenancy import Identity, RateLimiter, TenantError, TenantResolver, TenantTable
 from .queue import Ticket
 
@@ -36,12 +37,21 @@ MAX_ESTIMATE = 1 << 20    # a request's generated tokens estimated at most (a wi
 
 class RouterTenancy:
     def __init__(self, table: TenantTable | None, trust_header: bool, replicas: int,
-                 api_keys: list[str]) -> None:
+                 api_keys: list[str], files: CredentialFiles | None = None) -> None:
+        """With `files`, keys, tenants and quotas follow the files' changes."""
         if replicas < 1:
             raise ValueError(f"--quota-replicas must be >= 1, got {replicas}")
         self.resolver = TenantResolver(table, trust_header)
-        self.keys = ApiKeyCheck(self.resolver.keys() + api_keys)
+        self.keys = ApiKeyCheck(self.resolver.keys() + api_keys, files)
         self.limiter = RateLimiter(self.resolver.table, share=1.0 / replicas)
+        if files is not None:
+            files.subscribe(self.update)
+
+    def update(self, credentials: Credentials) -> None:
+        """New keys, tenants and quotas, all at once (between two requests' checks)."""
+        self.resolver.update(credentials.table)
+        self.keys.update(self.resolver.keys() + credentials.api_keys)
+        self.limiter.update(self.resolver.table)
 
     def admit(self, request: Request) -> Identity:
         """Check the key, name the tenant and take one request of its quota: 401, 400 or 429."""

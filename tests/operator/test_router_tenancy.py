@@ -9,14 +9,18 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from helpers.secret_volume import Clock, publish
+from prometheus_client import CollectorRegistry
 from test_autoscaler_scrape import serving
 from test_gateway import CHAT, FakeBackends
 
+from kubeinfer.server.credentials import CredentialFiles
 from kubeinfer.server.router.activator import Activator, ActivatorConfig, GatewayMetrics
 from kubeinfer.server.router.cli import add_arguments, router_tenancy
 from kubeinfer.server.router.proxy import build_app
@@ -152,5 +156,30 @@ def test_route_takes_the_engines_tenant_flags(argv: list[str], enabled: bool) ->
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--backend", "http://127.0.0.1:1", "--quota-replicas", "3", *argv])
-    tenancy = router_tenancy(args, [])
+    tenancy = router_tenancy(args, CredentialFiles.from_args(args))
     assert (tenancy is not None) == enabled
+
+
+def test_a_rotated_tenant_key_and_quota_reach_the_router_without_a_restart(tmp_path: Path) -> None:
+    """The tenants' key Secret and the table change under a running router (as the kubelet
+    updates a Secret volume): after --key-reload-seconds the old key gets 401, the new one
+    names its tenant, and the new quota applies."""
+    tenants = "tenants:\n  - name: chat\n    keys_file: keys/chat\n    quotas: {requests_per_minute: %d}\n"
+    publish(tmp_path, {"tenants.yaml": tenants % 600, "keys/chat": "sk-chat-old\n"})
+    clock = Clock()
+    files = CredentialFiles([], None, str(tmp_path / "tenants.yaml"), interval=5, clock=clock)
+    registry = CollectorRegistry()
+    files.count_reloads(registry)
+    with serving(engine()) as upstream:
+        app = router(f"http://127.0.0.1:{upstream}", RouterTenancy(files.current.table, False, 1, [], files))
+        with serving(app) as port:
+            assert post(port, "sk-chat-old").status_code == 200
+            publish(tmp_path, {"tenants.yaml": tenants % 6, "keys/chat": "sk-chat-new\n"})
+            assert post(port, "sk-chat-old").status_code == 200   # looked at again only after 5 s
+            clock.now += 5
+            refused = post(port, "sk-chat-old")
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            assert post(port, "sk-chat-new").status_code == 200
+            limited = post(port, "sk-chat-new")   # 6 a minute now: one per 10 s
+            assert limited.status_code == 429 and limited.headers["x-ratelimit-limit-requests"] == "6"
+    assert registry.get_sample_value("kubeinfer:credential_reloads_total", {"outcome": "applied"}) == 1

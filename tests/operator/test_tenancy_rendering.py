@@ -25,7 +25,7 @@ from kubeinfer.operator.router_build import gateway_deployment
 from kubeinfer.operator.spec import InferenceServiceSpec
 from kubeinfer.server.flags import ENGINE_FLAGS, SERVER_FLAGS, add_flags
 from kubeinfer.server.router.cli import add_arguments as route_arguments
-from kubeinfer.server.tenancy import table_from_args
+from kubeinfer.server.credentials import CredentialFiles
 
 pytestmark = pytest.mark.unit
 
@@ -126,7 +126,7 @@ def test_inline_table_reaches_the_engines_without_keys_and_parses_back(tmp_path:
     add_flags(parser, ENGINE_FLAGS + SERVER_FLAGS, environ=env_of(container))
     args = parser.parse_args([])
     args.tenants_file = at_root(args.tenants_file, materialize(template, tmp_path))
-    table = table_from_args(args)
+    table = CredentialFiles.from_args(args).current.table
     assert table is not None and table.priority_range == (0, 10) and table.objectives == {"interactive": 0, "batch": 8}
     tenants = table.by_name()
     assert tenants["team-a"].keys == ["sk-a-1", "sk-a-2"] and tenants["team-b"].keys == ["sk-b-1"]
@@ -151,7 +151,7 @@ def test_router_replicas_read_the_inline_table_and_enforce_their_share(
     args = parser.parse_args([])
     assert args.quota_replicas == 2
     args.tenants_file = at_root(args.tenants_file, materialize(template, tmp_path))
-    table = table_from_args(args)
+    table = CredentialFiles.from_args(args).current.table
     assert table is not None and table.by_name()["team-a"].keys == ["sk-a-1", "sk-a-2"]
 
 

@@ -6,14 +6,18 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import httpx
 import pytest
+from helpers.secret_volume import publish
 from helpers.serve_process import free_port, wait_until_ready
 
-from kubeinfer.server.api.auth import OPEN_PATHS, api_keys_from_args
+from kubeinfer.server.api.auth import OPEN_PATHS
+from kubeinfer.server.credentials import CredentialFiles
 from kubeinfer.server.flags import SERVER_FLAGS, add_flags, parse_api_keys
 
 pytestmark = pytest.mark.integration
@@ -27,6 +31,11 @@ def args_for(*argv: str, environ: dict[str, str] | None = None) -> argparse.Name
     parser = argparse.ArgumentParser()
     add_flags(parser, SERVER_FLAGS, environ=environ or {})
     return parser.parse_args(list(argv))
+
+
+def api_keys_from_args(args: argparse.Namespace) -> list[str]:
+    """The keys a `kubeinfer serve` or `route` with these flags starts with."""
+    return CredentialFiles.from_args(args).current.api_keys
 
 
 def test_keys_split_on_commas_and_lines_and_skip_comments() -> None:
@@ -125,3 +134,56 @@ def test_serve_with_a_key_file_guards_the_api_and_logs_no_key(tiny_model_path: s
     assert "API keys required on the OpenAI routes (2 configured)" in output
     for secret in ("sk-alpha", "sk-beta", "sk-revoked"):
         assert secret not in output and secret not in cmdline
+
+
+def test_serve_follows_a_rotated_key_secret_without_a_restart(tiny_model_path: str, tmp_path: Path) -> None:
+    """`kubeinfer serve` with its key file and tenant table in a Secret volume the kubelet
+    updates: the rotated keys open the API within --key-reload-seconds, the revoked ones get
+    401, a broken version is refused while the keys in force stay, and no key reaches the log."""
+    volume = tmp_path / "secret"
+    tenants = "tenants:\n  - name: team-a\n    keys_file: keys/team-a\n"
+    publish(volume, {"api-keys": "sk-admin-old\n", "tenants.yaml": tenants, "keys/team-a": "sk-team-a-old\n"})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubeinfer.server.cli", "serve", "--model", tiny_model_path,
+         "--port", str(port), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "8Mi",
+         "--max-model-len", "128", "--api-keys-file", str(volume / "api-keys"),
+         "--tenants-file", str(volume / "tenants.yaml"), "--require-api-key", "--key-reload-seconds", "0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def status(key: str) -> int:
+        return httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                          headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+
+    def reloads(outcome: str) -> float:
+        text = httpx.get(url + "/metrics").text
+        line = f'kubeinfer:credential_reloads_total{{outcome="{outcome}"}}'
+        return next(float(row.split()[-1]) for row in text.splitlines() if row.startswith(line))
+
+    def eventually(check: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 30
+        while not check():
+            assert time.monotonic() < deadline, "the rotation did not take effect in 30 s"
+            time.sleep(0.1)
+
+    try:
+        wait_until_ready(process, url, timeout=180)
+        before = {key: status(key) for key in ("sk-admin-old", "sk-team-a-old", "sk-team-a-new")}
+        publish(volume, {"api-keys": "sk-admin-new\n", "tenants.yaml": tenants, "keys/team-a": "sk-team-a-new\n"})
+        eventually(lambda: status("sk-team-a-new") == 200)
+        after = {key: status(key) for key in ("sk-admin-old", "sk-admin-new", "sk-team-a-old", "sk-team-a-new")}
+        publish(volume, {"api-keys": "# emptied by mistake\n", "tenants.yaml": tenants, "keys/team-a": "sk-x\n"})
+        eventually(lambda: status("sk-admin-new") == 200 and reloads("refused") == 1)   # looked at on a request
+        kept = {key: status(key) for key in ("sk-admin-new", "sk-team-a-new", "sk-x")}
+        metrics = httpx.get(url + "/metrics").text
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=60)[0]
+    assert before == {"sk-admin-old": 200, "sk-team-a-old": 200, "sk-team-a-new": 401}
+    assert after == {"sk-admin-old": 401, "sk-admin-new": 200, "sk-team-a-old": 401, "sk-team-a-new": 200}
+    assert kept == {"sk-admin-new": 200, "sk-team-a-new": 200, "sk-x": 401}
+    assert 'kubeinfer:tenant_requests_total{model_name=' in metrics and 'tenant="team-a"' in metrics
+    assert "--api-keys-file" in output and "holds no API key" in output   # the refusal, logged
+    for secret in ("sk-admin", "sk-team-a", "sk-x"):
+        assert secret not in output

@@ -253,8 +253,9 @@ def test_a_trusted_gateway_names_tenants_and_objectives(tiny_model_path, live_se
 def test_serve_refuses_an_unusable_tenant_file_before_loading(tmp_path: Path) -> None:
     import argparse
 
-    from kubeinfer.server.tenancy import table_from_args
+    from kubeinfer.server.credentials import CredentialFiles
 
     bad = write(tmp_path, "t.yaml", "tenants:\n- {name: a}\n- {name: a}\n")
     with pytest.raises(SystemExit, match=r"--tenants-file .*t.yaml: .*defined twice"):
-        table_from_args(argparse.Namespace(tenants_file=str(bad), trust_tenant_header=False))
+        CredentialFiles.from_args(argparse.Namespace(tenants_file=str(bad), trust_tenant_header=False, api_keys=[],
+                                                     api_keys_file=None, require_api_key=False))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kubeinfer.server.tenancy import TenantResolver, load_tenants, table_from_args
+from kubeinfer.server.credentials import CredentialFiles
+from kubeinfer.server.tenancy import TenantResolver, load_tenants
 
 pytestmark = pytest.mark.unit
 
@@ -55,9 +56,10 @@ def test_bad_keys_files_stop_startup_without_showing_a_key(
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    args = argparse.Namespace(tenants_file=str(write(tmp_path / "tenants.yaml", f"tenants:\n{tenants}\n")))
+    args = argparse.Namespace(tenants_file=str(write(tmp_path / "tenants.yaml", f"tenants:\n{tenants}\n")),
+                              api_keys=[], api_keys_file=None, require_api_key=False)
     with pytest.raises(SystemExit) as stopped:
-        table_from_args(args)
+        CredentialFiles.from_args(args)
     text = str(stopped.value)
     assert text.startswith("--tenants-file ")
     assert re.search(message, text), text
