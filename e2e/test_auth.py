@@ -226,3 +226,17 @@ def test_inline_tenant_table_names_tenants_by_keys_kept_in_a_secret(
     assert outcomes[("team-a", "rate_limited")] == 1 and served == {"team-a": 1, "team-b": 1}, outcomes
     pods = json.dumps(local_cluster.kubectl_json("get", "pods", "-n", namespace)["items"])
     assert team_key not in pods and "team-a" in pods
+
+    # Rotation: team-b's key changes in the Secret under the running pods; the synced volume
+    # reaches the engine and the router, which apply it without a restart.
+    running = {pod.metadata.uid for pod in local_cluster.pods(namespace)}
+    rotated = "sk-b-" + secrets.token_hex(8)
+    apply(local_cluster, namespace, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-keys"},
+                                     "stringData": {"team-a": f"{team_key}\n", "team-b": f"{rotated}\n"}})
+    wait_for(lambda: all(chat(url, rotated).status_code == 200 for url in (engine, router)),
+             "the rotated key admitted by the engine and the router", timeout=120, interval=1)
+    for url in (engine, router):
+        assert_refused(chat(url, "sk-b"))
+    pods = local_cluster.pods(namespace)
+    assert {pod.metadata.uid for pod in pods} == running
+    assert all(status.restart_count == 0 for pod in pods for status in pod.status.container_statuses or [])

@@ -24,12 +24,13 @@ from kubernetes import client
 from .pki import kubeconfig
 from .podenv import ConfigError, command_line, container_env
 from .podprocess import INHERITED_ENV, LocalContainer, now_iso
-from .podvolumes import VolumeNotReady, container_mounts, link_root, path_rewriter, volume_dirs
+from .podvolumes import VolumeNotReady, container_mounts, link_root, path_rewriter, sync_volume_files, volume_dirs
 from .runner_rules import image_prefixes
 
 WILDCARDS = ("0.0.0.0", "::", "")
 KWOK_GROUP, KWOK_VERSION = "kwok.x-k8s.io", "v1alpha1"
 SETUP_RETRY_SECONDS = 2.0  # how often an unbound claim or missing ConfigMap is looked at again
+VOLUME_SYNC_SECONDS = 5.0  # how often a running pod's Secret and ConfigMap volumes are synced
 
 
 def kernel_cache() -> str:
@@ -86,6 +87,7 @@ class LocalPod:
     mounted: bool = False  # volumes set up and containers built
     setup_error: str = ""  # why not yet (an unbound claim, a missing ConfigMap)
     next_setup: float = 0.0
+    next_volume_sync: float = 0.0
     stopped: bool = False
     published: bool = False
     core: client.CoreV1Api | None = None
@@ -267,6 +269,9 @@ class LocalPod:
             for container in (*self.init_containers.values(), *self.containers.values()):
                 container.tick()
             self._advance()
+            if time.monotonic() >= self.next_volume_sync:
+                self.next_volume_sync = time.monotonic() + VOLUME_SYNC_SECONDS
+                sync_volume_files(self.core, self.pod, self.dir)
 
     def stop(self) -> None:
         with self.lock:

@@ -14,7 +14,8 @@ Where the directories are, as on a real node:
 - ``configMap`` / ``secret``: ``<pod dir>/volumes/<volume>``, holding one file per key (or ``items``);
   ``downwardAPI`` likewise with one file per item (the pod's fields as ``env`` reads them), and
   ``projected`` with the files of all its sources (configMap, secret, downwardAPI; one with a
-  ``serviceAccountToken`` source is left empty);
+  ``serviceAccountToken`` source is left empty); kept up to date with their sources while the
+  pod runs (``sync_volume_files``);
 - ``persistentVolumeClaim``: the bound PersistentVolume's ``hostPath``/``local`` path, taken
   as a host path (the local provisioner, e2e/localcluster/provisioner.py, puts them under the cluster's
   state dir, reachable from every node like network storage). An unbound claim keeps the pod
@@ -24,6 +25,7 @@ Other volume types get a directory of their own, empty, so the pod still starts.
 from __future__ import annotations
 
 import base64
+import os
 import re
 import shutil
 from pathlib import Path
@@ -120,18 +122,55 @@ def volume_dirs(core: client.CoreV1Api, pod: dict, pod_dir: Path, nodes_dir: Pat
             dirs[name] = path
         elif "persistentVolumeClaim" in volume:
             dirs[name] = _claim_path(core, namespace, volume["persistentVolumeClaim"]["claimName"])
-        elif "configMap" in volume or "secret" in volume or "downwardAPI" in volume or _projected_files(volume):
+        elif _holds_files(volume):
             shutil.rmtree(own, ignore_errors=True)
-            projected = volume.get("projected") or {}
-            mode = projected.get("defaultMode", 0o644)
-            for source in projected.get("sources") or [volume]:
-                _source_files(core, pod, own, source, mode, name)
-            own.mkdir(parents=True, exist_ok=True)
+            _volume_files(core, pod, own, volume)
             dirs[name] = own
         else:  # emptyDir and anything else: a directory of the pod's own
             own.mkdir(parents=True, exist_ok=True)
             dirs[name] = own
     return dirs
+
+
+def _holds_files(volume: dict) -> bool:
+    return "configMap" in volume or "secret" in volume or "downwardAPI" in volume or _projected_files(volume)
+
+
+def _volume_files(core: client.CoreV1Api, pod: dict, directory: Path, volume: dict) -> None:
+    """A configMap, secret, downwardAPI or projected volume's files, written into `directory`."""
+    projected = volume.get("projected") or {}
+    mode = projected.get("defaultMode", 0o644)
+    for source in projected.get("sources") or [volume]:
+        _source_files(core, pod, directory, source, mode, volume["name"])
+    directory.mkdir(parents=True, exist_ok=True)
+
+
+def sync_volume_files(core: client.CoreV1Api, pod: dict, pod_dir: Path) -> None:
+    """Bring the pod's configMap, secret and projected volumes up to date with their sources,
+    as the kubelet's sync does while a pod runs (so a rotated Secret reaches it without a
+    restart): each changed file is replaced in one step (a rename), a file gone from the source
+    is removed; a source that cannot be read now leaves its files as they are."""
+    for volume in pod["spec"].get("volumes") or []:
+        if not _holds_files(volume):
+            continue
+        own = pod_dir / "volumes" / volume["name"]
+        staging = pod_dir / "volumes" / f".{volume['name']}.sync"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            _volume_files(core, pod, staging, volume)
+        except (VolumeNotReady, ConfigError):
+            shutil.rmtree(staging, ignore_errors=True)
+            continue
+        fresh = {path.relative_to(staging) for path in staging.rglob("*") if path.is_file()}
+        for rel in fresh:
+            target = own / rel
+            if not target.is_file() or target.read_bytes() != (staging / rel).read_bytes():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staging / rel, target)
+        for path in own.rglob("*"):
+            if path.is_file() and path.relative_to(own) not in fresh:
+                path.unlink()
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def container_mounts(container: dict, dirs: dict[str, Path]) -> dict[str, Path]:

@@ -12,7 +12,8 @@ from kubernetes import client
 
 from e2e.localcluster.localpod import Apiserver, LocalPod
 from e2e.localcluster.podenv import ConfigError
-from e2e.localcluster.podvolumes import VolumeNotReady, container_mounts, path_rewriter, volume_dirs
+from e2e.localcluster.podvolumes import (VolumeNotReady, container_mounts, path_rewriter, sync_volume_files,
+                                         volume_dirs)
 
 pytestmark = pytest.mark.integration
 
@@ -114,6 +115,32 @@ def test_projected_volume_holds_its_secrets_and_the_pods_annotations(tmp_path: P
     missing = [{"name": "t", "projected": {"sources": [{"secret": {"name": "gone"}}]}}]
     with pytest.raises(VolumeNotReady, match='secret "gone" not found'):
         volume_dirs(reads, pod("q", missing, []), tmp_path / "q", tmp_path)
+
+
+def test_a_running_pods_secret_volumes_follow_their_sources(tmp_path: Path) -> None:
+    """As the kubelet syncs them: a changed key's file is replaced in one step (a reader holding
+    the old file keeps it whole), a key gone from the Secret is removed, an unreadable source
+    leaves the files as they were, and files of unchanged keys are not rewritten."""
+    reads = Reads(secrets={"keys": {"team-a": "sk-a-1", "team-b": "sk-b-1"}})
+    volumes = [{"name": "t", "projected": {"sources": [{"secret": {"name": "keys"}}]}},
+               {"name": "s", "secret": {"secretName": "keys", "items": [{"key": "team-b", "path": "b"}]}}]
+    spec = pod("p", volumes, [])
+    dirs = volume_dirs(reads, spec, tmp_path / "p", tmp_path / "nodes")
+    unchanged = (dirs["t"] / "team-a").stat().st_ino
+    held = (dirs["s"] / "b").open()
+    reads.secrets["keys"] = {"team-a": "sk-a-1", "team-b": "sk-b-2"}
+    sync_volume_files(reads, spec, tmp_path / "p")
+    assert (dirs["t"] / "team-b").read_text() == (dirs["s"] / "b").read_text() == "sk-b-2"
+    assert held.read() == "sk-b-1"
+    held.close()
+    assert (dirs["t"] / "team-a").stat().st_ino == unchanged
+    reads.secrets["keys"] = {"team-b": "sk-b-2"}
+    sync_volume_files(reads, spec, tmp_path / "p")
+    assert not (dirs["t"] / "team-a").exists() and (dirs["t"] / "team-b").read_text() == "sk-b-2"
+    del reads.secrets["keys"]
+    sync_volume_files(reads, spec, tmp_path / "p")
+    assert (dirs["t"] / "team-b").read_text() == "sk-b-2"
+    assert sorted(path.name for path in (tmp_path / "p" / "volumes").iterdir()) == ["s", "t"]   # no staging left
 
 
 def test_claim_mounts_its_bound_volume_and_waits_while_unbound(tmp_path: Path) -> None:
