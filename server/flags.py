@@ -349,10 +349,16 @@ SERVER_FLAGS: tuple[Flag, ...] = (
 
 def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...],
               environ: Mapping[str, str] | None = None) -> None:
-    """Add flags to a parser; an environment variable, when set, replaces the default."""
+    """Add flags to a parser; an environment variable, when set, replaces the default (a value
+    that does not parse stops the CLI with a usage error naming the variable)."""
     environ = os.environ if environ is None else environ
     for flag in flags:
-        default = (flag.parse_env or flag.parse)(environ[flag.env]) if flag.env in environ else flag.default
+        default = flag.default
+        if flag.env in environ:
+            try:
+                default = (flag.parse_env or flag.parse)(environ[flag.env])
+            except (ValueError, argparse.ArgumentTypeError) as error:   # as argparse answers a bad --flag
+                parser.error(f"environment variable {flag.env}: {error}")
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": default,
                                   "help": f"{flag.help} [env {flag.env}]"}
         if flag.parse is parse_bool:

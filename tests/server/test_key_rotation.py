@@ -157,3 +157,22 @@ def test_any_sequence_of_versions_leaves_the_last_good_one_in_force(tmp_path_fac
         except ValueError:
             pass   # refused: the previous good version stays
         assert files.current == expected
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("KUBEINFER_KEY_RELOAD_SECONDS", "-3", "must be 0 or more seconds"),
+    ("KUBEINFER_KEY_RELOAD_SECONDS", "soon", "could not convert"),
+    ("KUBEINFER_MAX_QUEUED_REQUESTS", "many", "invalid literal"),
+])
+def test_an_env_value_that_does_not_parse_is_a_usage_error_naming_it(
+        capsys: pytest.CaptureFixture, variable: str, value: str, message: str) -> None:
+    """As argparse answers a bad --flag: exit status 2 and the variable's name, no traceback."""
+    import argparse
+
+    from kubeinfer.server.flags import SERVER_FLAGS, add_flags
+
+    with pytest.raises(SystemExit) as stopped:
+        add_flags(argparse.ArgumentParser(prog="kubeinfer serve"), SERVER_FLAGS, environ={variable: value})
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert f"kubeinfer serve: error: environment variable {variable}: " in error and message in error
