@@ -5,7 +5,10 @@ selector is the engine pods' labels (only leaders carry them with multi-pod repl
 engines' port, and kubeinfer's endpoint picker for it: `kubeinfer route --inferenceservice NAME
 --no-http --ext-proc-port 9002` (the router's picker and `spec.routing` knobs) with its
 ServiceAccount, a Role to read the InferenceService and watch its pods, and a Service the pool's
-`endpointPickerRef` names (h2c). The router Service stays as it is, beside the pool.
+`endpointPickerRef` names (h2c). The router Service stays as it is, beside the pool. The picker
+gets what the router gets of the engines' settings and `spec.tenancy` (keys, block-hash secret,
+tenant file; each picker replica enforcing its share of the quotas), so requests through the
+gateway meet the same tenants and quotas as those through the router.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from . import api
 from .resource import InferenceService, OperatorConfig
-from .router_build import COMPONENT, routing_args
+from .router_build import COMPONENT, router_tenancy_env, routing_args, tenancy_pod_parts
 from .security import restricted_container, restricted_pod
 
 POOL_API_VERSION = "inference.networking.k8s.io/v1"
@@ -55,7 +58,8 @@ def pool_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[s
         "command": ["kubeinfer"],
         "args": ["route", "--inferenceservice", isvc.name, "--no-http", "--ext-proc-port", str(EPP_PORT),
                  "--fallback-endpoints", str(isvc.spec.inference_pool.fallback_endpoints), *routing_args(isvc)],
-        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                *router_tenancy_env(isvc, isvc.spec.inference_pool.replicas)],
         "ports": [{"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "readinessProbe": probe, "livenessProbe": {"grpc": {"port": EPP_PORT, "service": "liveness"},
@@ -63,6 +67,9 @@ def pool_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[s
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": restricted_container(),
     }
+    annotations, volumes, mounts = tenancy_pod_parts(isvc)
+    if mounts:
+        container["volumeMounts"] = mounts
     selector = picker_labels(isvc)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
@@ -72,9 +79,10 @@ def pool_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[s
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}]},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
          "spec": {"replicas": isvc.spec.inference_pool.replicas, "selector": {"matchLabels": selector},
-                  "template": {"metadata": {"labels": labels},
+                  "template": {"metadata": {"labels": labels, **({"annotations": annotations} if annotations else {})},
                                "spec": {"serviceAccountName": name, "enableServiceLinks": False,
-                                        "securityContext": restricted_pod(), "containers": [container]}}}},
+                                        "securityContext": restricted_pod(), "containers": [container],
+                                        **({"volumes": volumes} if volumes else {})}}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": meta,
          "spec": {"selector": selector, "ports": [{"name": "grpc", "port": EPP_PORT, "targetPort": "grpc",
                                                    "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}]}},

@@ -112,12 +112,22 @@ def routing_args(isvc: InferenceService) -> list[str]:
     return to_args(values, ROUTING_FLAGS) + to_args(queue, PROCESS_FLAGS)
 
 
-def router_quota_env(isvc: InferenceService) -> list[dict[str, Any]]:
-    """With a tenant table (a Secret's or inline), each router replica enforces its share of the quotas."""
-    if tenants_file(isvc) is None:
-        return []
-    env = next(f.env for f in PROCESS_FLAGS if f.dest == "quota_replicas")
-    return [{"name": env, "value": str(max(1, gateway_replicas(isvc)))}]
+def router_tenancy_env(isvc: InferenceService, replicas: int) -> list[dict[str, Any]]:
+    """What a router needs of the engines' settings and `spec.tenancy` (the HTTP gateway and the
+    endpoint picker alike): the engines' API keys, body limit and block-hash secret, the tenant
+    file and header trust, and, with a tenant table (a Secret's or inline), each of its
+    `replicas` enforcing its share of the quotas."""
+    env = [{"name": name, **source} for name, source in shared_env(isvc) + tenancy_env(isvc)]
+    if tenants_file(isvc) is not None:
+        quota_replicas = next(f.env for f in PROCESS_FLAGS if f.dest == "quota_replicas")
+        env.append({"name": quota_replicas, "value": str(max(1, replicas))})
+    return env
+
+
+def tenancy_pod_parts(isvc: InferenceService) -> tuple[dict[str, str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod annotations, volumes, container mounts) that carry the tenant file to a router pod."""
+    volumes, mounts = tenancy_volumes(isvc)
+    return tenancy_annotations(isvc), volumes, mounts
 
 
 def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
@@ -134,8 +144,7 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
         # engines' secret. The kubelet reads the Secrets, the Role needs no access to them.
         "env": [{"name": "POD_NAMESPACE",
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-                *({"name": name, **source} for name, source in shared_env(isvc) + tenancy_env(isvc)),
-                *router_quota_env(isvc)],
+                *router_tenancy_env(isvc, gateway_replicas(isvc))],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",  # crash reasons reach status
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
@@ -143,7 +152,7 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
         "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 10},
         "securityContext": restricted_container(),
     }
-    tenant_volumes, tenant_mounts = tenancy_volumes(isvc)
+    tenant_annotations, tenant_volumes, tenant_mounts = tenancy_pod_parts(isvc)
     if tenant_mounts:
         container["volumeMounts"] = tenant_mounts
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(GATEWAY_PORT),
@@ -154,7 +163,7 @@ def gateway_deployment(isvc: InferenceService, config: OperatorConfig,
             "replicas": gateway_replicas(isvc),
             "selector": {"matchLabels": gateway_selector_labels(isvc.name)},
             "template": {
-                "metadata": {"labels": meta["labels"], "annotations": {**annotations, **tenancy_annotations(isvc)}},
+                "metadata": {"labels": meta["labels"], "annotations": {**annotations, **tenant_annotations}},
                 "spec": {"serviceAccountName": meta["name"], "enableServiceLinks": False,
                          "securityContext": restricted_pod(), "containers": [container],
                          **({"volumes": tenant_volumes} if tenant_volumes else {}),

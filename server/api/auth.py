@@ -4,6 +4,7 @@ and Prometheus, like vLLM which guards only the API routes."""
 from __future__ import annotations
 
 import hmac
+from typing import Mapping
 
 from fastapi import Request
 
@@ -37,15 +38,16 @@ class ApiKeyCheck:
         self.keys = [key.encode() for key in keys]
 
     async def __call__(self, request: Request) -> None:
-        self.matched(request)
+        self.matched(request.headers)
 
-    def matched(self, request: Request) -> int | None:
-        """The index of the key the request carries (None when no key is configured); 401 otherwise."""
+    def matched(self, headers: Mapping[str, str]) -> int | None:
+        """The index of the key the request's `headers` carry (None when no key is configured);
+        401 otherwise. Headers, not a Request: the endpoint picker checks what Envoy forwards."""
         if self.files is not None:
             self.files.refresh()   # may call update (and the tenant table's subscribers) first
         if not self.keys:
             return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -93,7 +93,7 @@ class Tenancy:
 
     async def authenticate(self, request: Request) -> None:
         """The API-key check, then the request's Identity on `request.state.identity`."""
-        index = self.keys.matched(request)
+        index = self.keys.matched(request.headers)
         try:
             request.state.identity = self.resolver.identify(index, request.headers)
         except TenantError as error:

@@ -103,12 +103,14 @@ def build_routing(args: argparse.Namespace, client: httpx.AsyncClient, metrics: 
     return picker, routing
 
 
-def router_tenancy(args: argparse.Namespace, files: CredentialFiles) -> RouterTenancy | None:
-    """Tenants and quotas at the router, with --tenants-file or --trust-tenant-header."""
+def router_tenancy(args: argparse.Namespace, files: CredentialFiles,
+                   metrics: GatewayMetrics) -> RouterTenancy | None:
+    """Tenants and quotas at the router (its HTTP face and its endpoint picker alike), with
+    --tenants-file or --trust-tenant-header."""
     if not tenancy_enabled(args):
         return None
     return RouterTenancy(files.current.table, args.trust_tenant_header, args.quota_replicas,
-                         files.current.api_keys, files)
+                         files.current.api_keys, files, metrics.registry)
 
 
 def follow_keys(files: CredentialFiles, routing: Routing, warmer_headers: dict[str, str] | None) -> None:
@@ -157,9 +159,10 @@ def run(args: argparse.Namespace) -> int:
     # the engines' limit (the operator passes theirs), for HTTP and ext_proc alike
     body_limit = args.max_request_body_bytes or default_max_body_bytes(LONG_CONTEXT_TOKENS)
     follow_keys(files, routing, routing.warmer.headers if routing.warmer is not None else None)
+    tenancy = router_tenancy(args, files, metrics)
     app = build_app(activator, name, retry_after=args.retry_after, http=client,
                     api_keys=ApiKeyCheck.following(files), routing=routing,
-                    tenancy=router_tenancy(args, files), tracing=tracing,
+                    tenancy=tenancy, tracing=tracing,
                     max_body_bytes=body_limit)
     if args.ext_proc_port is None:
         if not args.http:
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
     endpoint_picker = EndpointPicker(activator, routing, PickerSettings(
         fallbacks=args.fallback_endpoints, shed_queue_depth=args.shed_queue_depth,
-        max_body_bytes=body_limit, retry_after=args.retry_after))
+        max_body_bytes=body_limit, retry_after=args.retry_after), tenancy)
     asyncio.run(serve(endpoint_picker, args.host, args.ext_proc_port, app if args.http else None,
                       args.port, args.log_level, routing))
     return 0

@@ -18,6 +18,14 @@ FULL_DUPLEX_STREAMED (GIE's): the request body is held until complete (it holds 
 BUFFERED: headers pass at once and the body answer carries the destination. Requests whose body
 is not JSON, names a model no engine serves or is too large get an OpenAI error as an immediate
 response; a stream that breaks the protocol ends with INVALID_ARGUMENT. Neither touches others.
+
+With tenants (`--tenants-file` / `--trust-tenant-header`) the picker applies the HTTP router's
+`RouterTenancy` to the headers Envoy forwards: the key and the tenant on the request headers
+(401, 400), the priority and the token estimate on the body (400), the quotas (429 with
+Retry-After and the limit's headers), all as immediate responses in OpenAI's error JSON. The
+estimate is reserved when the request is routed and settled with the `usage` in the answer's
+body as it streams back; an answer without usage, not a 200, or a stream that ends early gives
+it back.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import json
 import logging
 import re
 import time
-from typing import AsyncIterator, Collection, Mapping, Sequence
+from typing import AsyncIterator, Callable, Collection, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import grpc
@@ -39,10 +47,13 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..api.error_body import error_body
+from ..api.auth import OPEN_PATHS
+from ..api.error_body import OpenAIError, error_body
+from ..tenancy import Identity
 from .activator import Activator
 from .routing import Routing
 from .routing_key import RoutingKey
+from .tenancy import RouterTenancy
 
 log = logging.getLogger(__name__)
 
@@ -62,28 +73,19 @@ class ProtocolError(Exception):
     """The gateway sent what the ext_proc protocol does not allow here."""
 
 
-class Refusal(Exception):
-    """The request gets an immediate HTTP answer (status, OpenAI error body)."""
-
-    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.retry_after = status, code, retry_after
-
-
 def host_port(url: str) -> str:
     """`http://10.0.0.7:8000` -> `10.0.0.7:8000` (the protocol's endpoint form)."""
     parts = urlsplit(url)
     return parts.netloc or url
 
 
-def immediate(refusal: Refusal) -> pb.ProcessingResponse:
-    body = error_body(refusal.status, str(refusal), code=refusal.code)
-    headers = [("content-type", "application/json")]
-    if refusal.retry_after is not None:
-        headers.append(("retry-after", str(refusal.retry_after)))
+def immediate(error: OpenAIError) -> pb.ProcessingResponse:
+    """The error as Envoy's immediate answer: its status, OpenAI's body and its headers."""
+    body = error_body(error.status, error.message, error.param, error.code, error.error_type)
+    headers = [("content-type", "application/json"), *((k.lower(), v) for k, v in error.headers.items())]
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=refusal.status), body=json.dumps(body).encode(),
-        headers=_mutation(headers), details=f"kubeinfer-epp: {refusal.code}"))
+        status=http_status_pb2.HttpStatus(code=error.status), body=json.dumps(body).encode(),
+        headers=_mutation(headers), details=f"kubeinfer-epp: {error.code}"))
 
 
 def _mutation(headers: Sequence[tuple[str, str]]) -> pb.HeaderMutation:
@@ -121,8 +123,13 @@ class PickerSettings:
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, activator: Activator, routing: Routing | None, settings: PickerSettings = PickerSettings()) -> None:
-        self.activator, self.routing, self.settings = activator, routing, settings
+    def __init__(self, activator: Activator, routing: Routing | None, settings: PickerSettings = PickerSettings(),
+                 tenancy: RouterTenancy | None = None) -> None:
+        """`tenancy`: the HTTP router's tenants and quotas (the same object when both faces run)."""
+        self.activator, self.routing, self.settings, self.tenancy = activator, routing, settings, tenancy
+
+    def _retry_later(self) -> dict[str, str]:
+        return {"Retry-After": str(self.settings.retry_after)}
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
@@ -146,15 +153,15 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         if subset is not None:
             urls = [url for url in urls if host_port(url) in subset]
         if not urls:
-            raise Refusal(503, "no ready endpoint in the pool" + (" subset" if subset is not None else ""),
-                          "no_ready_endpoint", self.settings.retry_after)
+            raise OpenAIError(503, "no ready endpoint in the pool" + (" subset" if subset is not None else ""),
+                              code="no_ready_endpoint", headers=self._retry_later())
         return urls
 
     def check_model(self, model: object) -> None:
         views = self.routing.views if self.routing is not None else None
         known = views.models() if views is not None else frozenset()
         if isinstance(model, str) and known and model not in known:
-            raise Refusal(404, f"The model `{model}` does not exist.", "model_not_found")
+            raise OpenAIError(404, f"The model `{model}` does not exist.", code="model_not_found")
 
     def shed(self, urls: Sequence[str]) -> None:
         depth = self.settings.shed_queue_depth
@@ -162,8 +169,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         if depth <= 0 or views is None:
             return
         if all(views.get(url).waiting >= depth for url in urls):
-            raise Refusal(429, f"every endpoint has {depth} or more requests waiting; retry later",
-                          "overloaded", self.settings.retry_after)
+            raise OpenAIError(429, f"every endpoint has {depth} or more requests waiting; retry later",
+                              code="overloaded", headers=self._retry_later())
 
     def fallbacks(self, urls: Sequence[str], primary: str) -> list[str]:
         """The other endpoints, least loaded first (no side effects on the picker's state)."""
@@ -185,6 +192,9 @@ class _Exchange:
         self.subset: set[str] | None = None
         self.body = bytearray()
         self.held: tuple[str, RoutingKey | None] | None = None   # (url, key) counted in flight
+        self.identity: Identity | None = None   # with tenants: who sends it
+        self.settle: Callable[[bytes | None], None] | None = None   # its reserved tokens, to settle
+        self.answered = False   # a 200 whose body the picker can read (not compressed)
         self.finished = False
         self.tail = b""
         self.started = time.perf_counter()
@@ -200,7 +210,7 @@ class _Exchange:
             raise ProtocolError(f"{kind} before request_headers")
         try:
             return await getattr(self, "_" + kind)(message)
-        except Refusal as refusal:
+        except OpenAIError as refusal:
             self.finished = True
             self.picker.activator.metrics.requests.labels(str(refusal.status)).inc()
             return [immediate(refusal)]
@@ -210,6 +220,9 @@ class _Exchange:
             raise ProtocolError("request_headers twice in one stream")
         self.headers = _headers(message.request_headers)
         self.subset = _subset(message)
+        tenancy = self.picker.tenancy
+        if tenancy is not None and self._path() not in OPEN_PATHS:
+            self.identity = tenancy.admit(self.headers)
         if message.request_headers.end_of_stream or self.request_mode == _Mode.NONE:
             return [await self._routed_headers(None)]
         if self.request_mode in (_Mode.BUFFERED, _Mode.BUFFERED_PARTIAL, _Mode.STREAMED):
@@ -222,8 +235,8 @@ class _Exchange:
             raise ProtocolError("request_body after the request body ended")
         self.body += chunk.body
         if len(self.body) > self.picker.settings.max_body_bytes:
-            raise Refusal(413, f"request body over {self.picker.settings.max_body_bytes} bytes",
-                          "request_too_large")
+            raise OpenAIError(413, f"request body over {self.picker.settings.max_body_bytes} bytes",
+                              code="request_too_large")
         if self.request_mode == _Mode.STREAMED:   # each chunk passes; the pick is made on headers only
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
         if not chunk.end_of_stream:
@@ -237,15 +250,15 @@ class _Exchange:
     async def _complete(self) -> list[pb.ProcessingResponse]:
         """The whole request body is here: parse it, pick, and let the request go."""
         assert self.headers is not None
-        path = self.headers.get(":path", "/").split("?", 1)[0]
+        path = self._path()
         key = None
         if self.headers.get(":method", "POST") == "POST" and self.body:
             try:
                 parsed = json.loads(self.body)
             except ValueError:
-                raise Refusal(400, "the request body is not JSON", "invalid_request_error") from None
+                raise OpenAIError(400, "the request body is not JSON", code="invalid_request_error") from None
             if not isinstance(parsed, dict):
-                raise Refusal(400, "the request body must be a JSON object", "invalid_request_error")
+                raise OpenAIError(400, "the request body must be a JSON object", code="invalid_request_error")
             self.picker.check_model(parsed.get("model"))
             routing = self.picker.routing
             if routing is not None:
@@ -263,14 +276,22 @@ class _Exchange:
                 body=piece, end_of_stream=index == len(pieces) - 1)))))
             for index, piece in enumerate(pieces)]
 
+    def _path(self) -> str:
+        return (self.headers or {}).get(":path", "/").split("?", 1)[0]
+
     async def _routed_headers(self, key: RoutingKey | None) -> pb.ProcessingResponse:
         picker = self.picker
+        ticket = None
+        if picker.tenancy is not None and self.identity is not None:   # its priority: 400 before the pick
+            ticket = picker.tenancy.ticket(self.identity, self._path(), bytes(self.body))
         urls = await picker.candidates(self.subset)
         picker.shed(urls)
         activator = picker.activator
         url = activator.pick(urls, key, time.perf_counter() - self.started)
         activator.hold(url)
         self.held = (url, key)
+        if ticket is not None:
+            self.settle = picker.tenancy.reservation(self.identity, ticket)
         endpoints = ",".join(host_port(u) for u in [url, *picker.fallbacks(urls, url)])
         headers = [(DESTINATION, endpoints)]
         if self.body and self.request_mode == _Mode.FULL_DUPLEX_STREAMED:
@@ -286,7 +307,9 @@ class _Exchange:
 
     async def _response_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         served = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
-        status = _headers(message.response_headers).get(":status", "")
+        headers = _headers(message.response_headers)
+        status = headers.get(":status", "")
+        self.answered = status == "200" and "content-encoding" not in headers
         if status:
             self.picker.activator.metrics.requests.labels(status).inc()
         if served is not None and SERVED in served.fields and self.held is not None:
@@ -298,6 +321,8 @@ class _Exchange:
         self.tail = (self.tail + chunk.body)[-USAGE_TAIL:]
         if chunk.end_of_stream:
             self._observe_usage()
+            if self.settle is not None:
+                self.settle(self.tail if self.answered else None)
         if self.response_mode == _Mode.FULL_DUPLEX_STREAMED:
             return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
                 body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
@@ -314,6 +339,9 @@ class _Exchange:
                 self.picker.activator.metrics.actual_cached.observe(int(found[-1]))
 
     def release(self) -> None:
+        """The stream ended: a reservation not settled by the answer's usage is given back."""
+        if self.settle is not None:
+            self.settle(None)
         if self.held is not None:
             url, key = self.held
             self.held = None

@@ -149,7 +149,7 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
         identity = None
         if "/" + path not in OPEN_PATHS:
             if tenancy is not None:
-                identity = tenancy.admit(request)
+                identity = tenancy.admit(request.headers)
             else:
                 await check_key(request)
         span = tracing.start(path, request.headers) if tracing is not None else None
@@ -180,7 +180,8 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
         ticket, settle = Ticket(), None
         if tenancy is not None and identity is not None:
             ticket = tenancy.ticket(identity, path, body)
-            settle = _settler(tenancy, identity, activator, ticket)   # its estimate is reserved now
+            # its estimate is reserved now; the usage also corrects its tenant's fair share
+            settle = tenancy.reservation(identity, ticket, lambda tokens: activator.settle(ticket, tokens))
         try:
             response = await _send(path, request, headers, body, key, spent, ticket, span, settle)
         except BaseException:
@@ -244,24 +245,6 @@ def build_app(activator: Activator, name: str, retry_after: int = 10,
         return JSONResponse(error_body(502, "no engine pod could be reached"), status_code=502)
 
     return app
-
-
-def _settler(tenancy: RouterTenancy, identity: Identity, activator: Activator,
-             ticket: Ticket) -> Callable[[bytes | None], None]:
-    """Reserves the request's estimated tokens of its tenant's quota now; the function returned,
-    called once with the answer's tail (None: no answer, or one without usage), puts the usage in
-    place of the estimate in the quota and in the tenant's fair share."""
-    tenancy.reserve(identity, ticket)
-    settled = False
-
-    def settle(tail: bytes | None) -> None:
-        nonlocal settled
-        if not settled:
-            settled = True
-            tokens = tenancy.settle(identity, ticket, tail)
-            if tokens is not None:
-                activator.settle(ticket, tokens)
-    return settle
 
 
 async def _relay(upstream: httpx.Response, stack: AsyncExitStack,

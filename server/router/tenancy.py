@@ -14,14 +14,23 @@ requests in flight count before their answers end, and when it ends the tokens i
 take the estimate's place. Without usage (an error, a stream without it, a client gone) the
 estimate is given back: such a request counts against the requests-per-minute quota only, and
 the engine's own limit (same table) counts its tokens.
+
+Both of the router's faces use this one class: the HTTP proxy (proxy.py) and the endpoint
+picker behind Envoy (ext_proc.py), which sees the same headers (Envoy forwards them) and the
+answer's body as it streams back. Refusals are counted per tenant in
+`kubeinfer:tenant_requests_total{outcome="rate_limited"|"invalid_priority"}`, the engine's
+counter: a refused request never reaches an engine, so summed over the router and engine pods
+each request counts once.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
+from typing import Callable, Mapping
 
-from fastapi import Request
+from prometheus_client import CollectorRegistry, Counter
 
 from ..api.auth import ApiKeyCheck
 from ..api.error_body import OpenAIError
@@ -37,13 +46,18 @@ MAX_ESTIMATE = 1 << 20    # a request's generated tokens estimated at most (a wi
 
 class RouterTenancy:
     def __init__(self, table: TenantTable | None, trust_header: bool, replicas: int,
-                 api_keys: list[str], files: CredentialFiles | None = None) -> None:
-        """With `files`, keys, tenants and quotas follow the files' changes."""
+                 api_keys: list[str], files: CredentialFiles | None = None,
+                 registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """With `files`, keys, tenants and quotas follow the files' changes. `registry`: the
+        router's metrics, where the per-tenant refusals are counted; `clock`: the quotas'."""
         if replicas < 1:
             raise ValueError(f"--quota-replicas must be >= 1, got {replicas}")
+        self.refused = Counter("kubeinfer:tenant_requests", "Requests refused at the router, per tenant, by "
+                               "outcome (rate_limited, invalid_priority); the engines count the rest.",
+                               ["tenant", "outcome"], registry=registry or CollectorRegistry())
         self.resolver = TenantResolver(table, trust_header)
         self.keys = ApiKeyCheck(self.resolver.keys() + api_keys, files)
-        self.limiter = RateLimiter(self.resolver.table, share=1.0 / replicas)
+        self.limiter = RateLimiter(self.resolver.table, share=1.0 / replicas, clock=clock)
         if files is not None:
             files.subscribe(self.update)
 
@@ -53,15 +67,16 @@ class RouterTenancy:
         self.keys.update(self.resolver.keys() + credentials.api_keys)
         self.limiter.update(self.resolver.table)
 
-    def admit(self, request: Request) -> Identity:
+    def admit(self, headers: Mapping[str, str]) -> Identity:
         """Check the key, name the tenant and take one request of its quota: 401, 400 or 429."""
-        index = self.keys.matched(request)
+        index = self.keys.matched(headers)
         try:
-            identity = self.resolver.identify(index, request.headers)
+            identity = self.resolver.identify(index, headers)
         except TenantError as error:
             raise OpenAIError(400, str(error), param=error.param, code="invalid_tenant") from None
         refusal = self.limiter.check(identity.name)
         if refusal is not None:
+            self.refused.labels(identity.label, "rate_limited").inc()
             raise OpenAIError(429, refusal.message, code="rate_limit_exceeded", headers=refusal.headers(),
                               error_type="tokens" if refusal.limit == "tokens_per_minute" else "requests")
         return identity
@@ -83,6 +98,7 @@ class RouterTenancy:
         try:
             priority = self.resolver.priority(identity, requested if isinstance(requested, int) else None)
         except TenantError as error:
+            self.refused.labels(identity.label, "invalid_priority").inc()
             raise OpenAIError(400, str(error), param=error.param, code="invalid_priority") from None
         most, count = fields.get("max_completion_tokens", fields.get("max_tokens")), fields.get("n")
         generated = ((most if isinstance(most, int) and most > 0 else 0)
@@ -90,10 +106,23 @@ class RouterTenancy:
         prompt = len(body) // 4 if isinstance(body, bytes) else REPLAY_ESTIMATE
         return Ticket(identity.name, priority, prompt + min(generated, MAX_ESTIMATE))
 
-    def reserve(self, identity: Identity, ticket: Ticket) -> None:
-        """Take the request's estimated tokens from its tenant's bucket as it is admitted, so
-        requests in flight count before their answers end."""
+    def reservation(self, identity: Identity, ticket: Ticket,
+                    on_tokens: Callable[[int], None] | None = None) -> Callable[[bytes | None], None]:
+        """Takes the request's estimated tokens from its tenant's bucket now, so requests in
+        flight count before their answers end. The function returned, called with the answer's
+        tail (None: no answer, or one without usage; only the first call counts), puts the
+        usage in place of the estimate and passes the tokens to `on_tokens`."""
         self.limiter.reserve(identity.name, ticket.cost)
+        settled = False
+
+        def settle(tail: bytes | None) -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                tokens = self.settle(identity, ticket, tail)
+                if tokens is not None and on_tokens is not None:
+                    on_tokens(tokens)
+        return settle
 
     def settle(self, identity: Identity, ticket: Ticket, tail: bytes | None) -> int | None:
         """Put the tokens of the answer's usage (its last object, in `tail`) in place of the

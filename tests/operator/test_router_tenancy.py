@@ -156,7 +156,7 @@ def test_route_takes_the_engines_tenant_flags(argv: list[str], enabled: bool) ->
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--backend", "http://127.0.0.1:1", "--quota-replicas", "3", *argv])
-    tenancy = router_tenancy(args, CredentialFiles.from_args(args))
+    tenancy = router_tenancy(args, CredentialFiles.from_args(args), GatewayMetrics())
     assert (tenancy is not None) == enabled
 
 

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from kubeinfer.operator import api
 from kubeinfer.operator.build import TENANTS_DIR, deployment, leader_worker_set
+from kubeinfer.operator.children import desired_children
 from kubeinfer.operator.crd import crd
 from kubeinfer.operator.reconcile import pod_templates, spec_error
 from kubeinfer.operator.router_build import gateway_deployment
@@ -153,6 +154,43 @@ def test_router_replicas_read_the_inline_table_and_enforce_their_share(
     args.tenants_file = at_root(args.tenants_file, materialize(template, tmp_path))
     table = CredentialFiles.from_args(args).current.table
     assert table is not None and table.by_name()["team-a"].keys == ["sk-a-1", "sk-a-2"]
+
+
+def test_the_endpoint_picker_reads_the_table_and_enforces_its_share(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `spec.inferencePool`, the endpoint picker (the router behind Envoy's ext_proc) gets
+    what the router gets: the table, the tenants' key Secrets, header trust, the engines' keys
+    and block-hash secret, and its replicas' share of the quotas."""
+    isvc = make_isvc({**INLINE, "tenancy": {**INLINE["tenancy"], "trustTenantHeader": True},
+                      "inferencePool": {"enabled": True, "replicas": 3}})
+    children = {(c["kind"], c["metadata"]["name"]): c for c in desired_children(isvc, CONFIG)}
+    template = children[("Deployment", "chat-epp")]["spec"]["template"]
+    router = gateway_deployment(isvc, CONFIG, {"name": "chat-gateway", "labels": {}})["spec"]["template"]
+    assert template["metadata"]["annotations"][api.TENANTS_ANNOTATION] == \
+        router["metadata"]["annotations"][api.TENANTS_ANNOTATION]
+    assert template["spec"]["volumes"] == router["spec"]["volumes"]
+    container, router_container = template["spec"]["containers"][0], router["spec"]["containers"][0]
+    assert container["volumeMounts"] == [{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}]
+    secret_env = [e for e in router_container["env"] if "valueFrom" in e and e["name"] != "POD_NAMESPACE"]
+    assert secret_env and all(e in container["env"] for e in secret_env)   # block-hash secret, keys
+    for name, value in env_of(container).items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    route_arguments(parser)
+    args = parser.parse_args(container["args"][1:])
+    assert args.ext_proc_port == 9002 and args.trust_tenant_header is True and args.quota_replicas == 3
+    args.tenants_file = at_root(args.tenants_file, materialize(template, tmp_path))
+    table = CredentialFiles.from_args(args).current.table
+    assert table is not None and table.by_name()["team-b"].keys == ["sk-b-1"]
+
+
+def test_without_tenancy_the_endpoint_picker_gets_no_tenant_file() -> None:
+    children = {(c["kind"], c["metadata"]["name"]): c
+                for c in desired_children(make_isvc({"inferencePool": {"enabled": True}}), CONFIG)}
+    template = children[("Deployment", "chat-epp")]["spec"]["template"]
+    assert "volumes" not in template["spec"] and "annotations" not in template["metadata"]
+    names = {e["name"] for e in template["spec"]["containers"][0]["env"]}
+    assert not names & {"KUBEINFER_TENANTS_FILE", "KUBEINFER_TRUST_TENANT_HEADER", "KUBEINFER_QUOTA_REPLICAS"}
 
 
 def test_a_tenants_keys_secret_is_projected_once_per_key() -> None:
