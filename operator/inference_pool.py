@@ -6,6 +6,7 @@ engines' port, and kubeinfer's endpoint picker for it: `kubeinfer route --infere
 --no-http --ext-proc-port 9002` (the router's picker and `spec.routing` knobs) with its
 ServiceAccount, a Role to read the InferenceService and watch its pods, and a Service the pool's
 `endpointPickerRef` names (h2c). The router Service stays as it is, beside the pool. The picker
+serves its metrics on 9090 (as GIE's EPP; scraped by annotation, not on the Service). It
 gets what the router gets of the engines' settings and `spec.tenancy` (keys, block-hash secret,
 tenant file; each picker replica enforcing its share of the quotas), so requests through the
 gateway meet the same tenants and quotas as those through the router.
@@ -24,6 +25,7 @@ POOL_API_VERSION = "inference.networking.k8s.io/v1"
 POOL_KIND = "InferencePool"
 POOL_CRD = "inferencepools.inference.networking.k8s.io"
 EPP_PORT = 9002
+METRICS_PORT = 9090   # GIE's EPP's; not on the picker's Service
 PICKER_KINDS = ("Service", "Deployment", "RoleBinding", "Role", "ServiceAccount")   # deletion order
 
 
@@ -57,19 +59,23 @@ def pool_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[s
         "name": "endpoint-picker", "image": isvc.spec.engine.image or config.engine_image,
         "command": ["kubeinfer"],
         "args": ["route", "--inferenceservice", isvc.name, "--no-http", "--ext-proc-port", str(EPP_PORT),
-                 "--fallback-endpoints", str(isvc.spec.inference_pool.fallback_endpoints), *routing_args(isvc)],
+                 "--fallback-endpoints", str(isvc.spec.inference_pool.fallback_endpoints),
+                 "--metrics-port", str(METRICS_PORT), *routing_args(isvc)],
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                 *router_tenancy_env(isvc, isvc.spec.inference_pool.replicas)],
-        "ports": [{"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "readinessProbe": probe, "livenessProbe": {"grpc": {"port": EPP_PORT, "service": "liveness"},
                                                    "periodSeconds": 10},
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": restricted_container(),
     }
-    annotations, volumes, mounts = tenancy_pod_parts(isvc)
+    tenant_annotations, volumes, mounts = tenancy_pod_parts(isvc)
     if mounts:
         container["volumeMounts"] = mounts
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+                   "prometheus.io/path": "/metrics", **tenant_annotations}
     selector = picker_labels(isvc)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
@@ -79,7 +85,7 @@ def pool_children(isvc: InferenceService, config: OperatorConfig) -> list[dict[s
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}]},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
          "spec": {"replicas": isvc.spec.inference_pool.replicas, "selector": {"matchLabels": selector},
-                  "template": {"metadata": {"labels": labels, **({"annotations": annotations} if annotations else {})},
+                  "template": {"metadata": {"labels": labels, "annotations": annotations},
                                "spec": {"serviceAccountName": name, "enableServiceLinks": False,
                                         "securityContext": restricted_pod(), "containers": [container],
                                         **({"volumes": volumes} if volumes else {})}}}},

@@ -179,5 +179,5 @@ def run(args: argparse.Namespace) -> int:
         fallbacks=args.fallback_endpoints, shed_queue_depth=args.shed_queue_depth,
         max_body_bytes=body_limit, retry_after=args.retry_after), tenancy)
     asyncio.run(serve(endpoint_picker, args.host, args.ext_proc_port, app if args.http else None,
-                      args.port, args.log_level, routing))
+                      args.port, args.log_level, routing, args.metrics_port))
     return 0

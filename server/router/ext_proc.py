@@ -362,19 +362,24 @@ async def start_server(picker: EndpointPicker, host: str, port: int) -> tuple[gr
 
 
 async def serve(picker: EndpointPicker, host: str, port: int, app: object | None, http_port: int,
-                log_level: str, routing: Routing | None) -> None:
+                log_level: str, routing: Routing | None, metrics_port: int | None = None) -> None:
     """The ext_proc server, beside the HTTP router `app` (None: ext_proc only, which then runs the
-    engines' polling itself), until SIGTERM or SIGINT."""
+    engines' polling itself, and serves the metrics on `metrics_port` when given), until SIGTERM
+    or SIGINT."""
     import signal
 
     import uvicorn
+    from prometheus_client import start_http_server
 
     server, bound = await start_server(picker, host, port)
     log.info("endpoint picker (ext_proc) on %s:%d", host, bound)
+    metrics = None
     try:
         if app is not None:
             await uvicorn.Server(uvicorn.Config(app, host=host, port=http_port, log_level=log_level)).serve()
             return
+        if metrics_port is not None:
+            metrics, _ = start_http_server(metrics_port, host, registry=picker.activator.metrics.registry)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -387,4 +392,6 @@ async def serve(picker: EndpointPicker, host: str, port: int, app: object | None
             if routing is not None:
                 await routing.stop()
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         await server.stop(grace=5)

@@ -102,6 +102,9 @@ EPP_FLAGS: tuple[Flag, ...] = (
          "Also serve Envoy's ext_proc on this port: the router as a Gateway API Inference Extension "
          "endpoint picker (GIE's EPP protocol and gRPC health), with the same picker as the HTTP mode."),
     Flag("http", parse_bool, True, "Serve the HTTP router on --port (--no-http: ext_proc only)."),
+    Flag("metrics-port", _optional(int), None,
+         "ext_proc with --no-http: serve the router's Prometheus metrics (/metrics) on this port, as GIE's "
+         "EPP does on 9090; with the HTTP router they are on --port."),
     Flag("fallback-endpoints", int, 0,
          "ext_proc: endpoints listed after the picked one in x-gateway-destination-endpoint and the "
          "envoy.lb metadata, least loaded first, for gateways that retry down the list (0: the picked "

@@ -55,6 +55,17 @@ def test_the_picker_runs_kubeinfer_route_as_an_ext_proc_server_with_least_privil
         "serviceAccountName"] == "chat-epp"
 
 
+def test_the_picker_serves_its_metrics_for_prometheus_but_not_on_its_service() -> None:
+    children = by_key(desired_children(make_isvc(POOL), CONFIG))
+    template = children[("Deployment", "chat-epp")]["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    assert container["args"][container["args"].index("--metrics-port") + 1] == "9090"
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
+    annotations = template["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == ("true", "9090")
+    assert [p["port"] for p in children[("Service", "chat-epp")]["spec"]["ports"]] == [9002]
+
+
 def test_multi_pod_replicas_put_only_leaders_in_the_pool() -> None:
     isvc = make_isvc({**POOL, "engine": {"tensorParallelSize": 2, "podsPerReplica": 2}})
     children = by_key(desired_children(isvc, CONFIG, lws_installed=True))

@@ -188,7 +188,7 @@ def test_without_tenancy_the_endpoint_picker_gets_no_tenant_file() -> None:
     children = {(c["kind"], c["metadata"]["name"]): c
                 for c in desired_children(make_isvc({"inferencePool": {"enabled": True}}), CONFIG)}
     template = children[("Deployment", "chat-epp")]["spec"]["template"]
-    assert "volumes" not in template["spec"] and "annotations" not in template["metadata"]
+    assert "volumes" not in template["spec"] and api.TENANTS_ANNOTATION not in template["metadata"]["annotations"]
     names = {e["name"] for e in template["spec"]["containers"][0]["env"]}
     assert not names & {"KUBEINFER_TENANTS_FILE", "KUBEINFER_TRUST_TENANT_HEADER", "KUBEINFER_QUOTA_REPLICAS"}
 

@@ -15,6 +15,7 @@ the picker's `envoy.lb` list with retries down it).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -190,6 +191,37 @@ def test_no_ready_endpoint_is_a_503_through_envoy(tmp_path: Path) -> None:
         response = httpx.post(f"{gateway}/v1/completions", json={"prompt": "x"}, timeout=30)
         assert response.status_code == 503 and response.json()["error"]["code"] == "no_ready_endpoint"
         assert response.headers["retry-after"] == "10"
+
+
+def test_tenant_quotas_through_envoy_refuse_with_429_and_settle_on_the_answers_usage(pool, tmp_path: Path) -> None:
+    """The picker's tenancy behind a real Envoy: its immediate 401/429 reach the client with
+    their headers, and Envoy streams the answer back through the picker, whose usage replaces
+    the reserved estimate (here ~10,000 tokens of JSON whitespace against 60 a minute)."""
+    engines, _, _, _ = pool
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [
+        {"name": "team-r", "keys": ["sk-r"], "quotas": {"requests_per_minute": 1}},
+        {"name": "team-t", "keys": ["sk-t"], "quotas": {"tokens_per_minute": 60}}]}))
+    with ExitStack() as stack:
+        picker = _picker(engines[:1], stack, "--tenants-file", str(tenants))
+        gateway = _gateway(picker, engines[:1], stack, tmp_path)
+        with httpx.Client(base_url=gateway, timeout=60) as client:
+            def ask(key: str | None, body: str = '{"prompt": "x", "max_tokens": 2}') -> httpx.Response:
+                auth = {"authorization": f"Bearer {key}"} if key else {}
+                return client.post("/v1/completions", content=body, headers={"content-type": "application/json", **auth})
+
+            missing = ask(None)
+            assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+            assert ask("sk-r").status_code == 200
+            refused = ask("sk-r")
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+            assert 50 <= int(refused.headers["retry-after"]) <= 60
+            assert refused.headers["x-kubeinfer-rate-limit"] == "requests_per_minute"
+            answer = ask("sk-t", '{"prompt": "Hello", "max_tokens": 8, "ignore_eos": true}' + " " * 40_000)
+            assert answer.status_code == 200
+            used = answer.json()["usage"]["total_tokens"]
+            after = ask("sk-t")   # charged its usage (> 8 tokens, not the estimate, nor nothing): seconds to wait
+            assert after.status_code == 429 and 1 <= int(after.headers["retry-after"]) <= used, after.headers
 
 
 def test_a_killed_engine_leaves_the_picks_within_2_seconds(pool, tmp_path: Path) -> None:
