@@ -35,7 +35,7 @@ import json
 import logging
 import re
 import time
-from typing import AsyncIterator, Callable, Collection, Mapping, Sequence
+from typing import AsyncIterator, Callable, Sequence
 from urllib.parse import urlsplit
 
 import grpc
