@@ -76,6 +76,24 @@ def test_each_replica_enforces_its_share_of_the_request_quota() -> None:
             assert post(first, "sk-batch").status_code == 200   # another tenant is not affected
 
 
+def test_refusals_are_counted_per_tenant_on_the_routers_metrics() -> None:
+    """The router's refusals never reach an engine: it counts them, in the engines' counter."""
+    metrics = GatewayMetrics()
+    tenancy = RouterTenancy(TABLE, False, 1, [], registry=metrics.registry)
+    with serving(engine()) as upstream:
+        config = ActivatorConfig(activation_timeout=1, poll_interval=0.05, wake_interval=60)
+        app = build_app(Activator(FakeBackends([f"http://127.0.0.1:{upstream}"]), config, metrics), "llm",
+                        tenancy=tenancy)
+        with serving(app) as port:
+            assert [post(port, "sk-chat").status_code for _ in range(2)] == [200, 429]   # 2 a minute, evenly
+            bad = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**CHAT, "priority": 1000},
+                             headers={"Authorization": "Bearer sk-batch"}, timeout=10)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    assert 'kubeinfer:tenant_requests_total{outcome="rate_limited",tenant="chat"} 1.0' in text
+    assert 'kubeinfer:tenant_requests_total{outcome="invalid_priority",tenant="batch"} 1.0' in text
+
+
 def test_tokens_are_charged_from_the_answers_usage() -> None:
     with serving(engine()) as upstream:
         app = router(f"http://127.0.0.1:{upstream}", RouterTenancy(TABLE, False, 1, []))
