@@ -114,8 +114,10 @@ def test_monitoring_objects_are_optional(helm: str) -> None:
     assert by_kind(docs, "PodMonitor")[0]["spec"]["namespaceSelector"] == {"any": True}
     components = {m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: m
                   for m in by_kind(docs, "PodMonitor")}
-    assert set(components) == {"engine", "gateway"}   # the engines and the routers in front of them
+    # the engines, the routers in front of them and spec.inferencePool's endpoint pickers
+    assert set(components) == {"engine", "gateway", "endpoint-picker"}
     assert components["gateway"]["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["targetLabel"] == "inferenceservice"
+    assert components["endpoint-picker"]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     assert by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "metrics"
 
 
