@@ -75,6 +75,29 @@ def assert_refused(response: httpx.Response) -> None:
     assert response.headers["www-authenticate"] == "Bearer"
 
 
+def picker_answer(address: str, key: str | None) -> tuple[int, dict[str, str]]:
+    """What kubeinfer's endpoint picker (`address`: its ext_proc ip:port) tells Envoy about a chat
+    request with `key`: (0, the headers it sets) when it routes it, else (the immediate
+    response's status, its headers)."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    pairs = [(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json"),
+             *([("authorization", f"Bearer {key}")] if key else [])]
+    messages = [pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]))),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(CHAT).encode(), end_of_stream=True))]
+    with grpc.insecure_channel(address) as channel:
+        first = next(iter(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages), timeout=30)))
+    if first.HasField("immediate_response"):
+        answer = first.immediate_response
+        return answer.status.code, {h.header.key: h.header.raw_value.decode() for h in answer.headers.set_headers}
+    return 0, {h.header.key: h.header.raw_value.decode()
+               for h in first.request_headers.response.header_mutation.set_headers}
+
+
 def assert_admin_refused(url: str) -> None:
     """Issue #37: what only the operator and the routers use is refused with a user's key too."""
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -178,9 +201,10 @@ def test_a_missing_or_keyless_secret_never_serves_open(
 def test_inline_tenant_table_names_tenants_by_keys_kept_in_a_secret(
         local_cluster: Cluster, operator: str, namespace: str) -> None:
     """spec.tenancy.tenants: the names, priorities and quotas in the spec, the keys in a Secret
-    the pods mount (the operator never reads it); the router and the engine both admit a
-    tenant's key, refuse a wrong one (401) and hold a request-per-minute quota (429). The API
-    server refuses inconsistent tables with the CRD's messages."""
+    the pods mount (the operator never reads it); the router, the endpoint picker
+    (spec.inferencePool: what Envoy asks over ext_proc) and the engine all admit a tenant's key,
+    refuse a wrong one (401) and hold a request-per-minute quota (429). The API server refuses
+    inconsistent tables with the CRD's messages."""
     for tenancy, message in (
             ({"tenantsSecretRef": {"name": "teams"}, "tenants": [{"name": "team-a"}]}, "mutually exclusive"),
             ({"tenants": [{"name": "team-a"}, {"name": "team-a"}]}, "tenancy.tenants[].name must be unique"),
@@ -201,14 +225,28 @@ def test_inline_tenant_table_names_tenants_by_keys_kept_in_a_secret(
         "spec": {"model": {"source": "embedded", "servedName": "smollm2", "maxModelLen": 512},
                  "engine": {"device": "cpu", "kvCacheMemory": "64Mi", "maxNumSeqs": 2, "maxNumBatchedTokens": 256},
                  "resources": {"cpu": "1", "memory": "2Gi"}, "replicas": 1, "routing": {"replicas": 1},
+                 "inferencePool": {"enabled": True},
                  "tenancy": {"priorityRange": {"min": 0, "max": 10}, "tenants": [
                      {"name": "team-a", "priority": 2, "quotas": {"requestsPerMinute": 2},
                       "apiKeysSecretRef": {"name": "team-keys", "key": "team-a"}},
                      {"name": "team-b", "apiKeysSecretRef": {"name": "team-keys", "key": "team-b"}}]}}})
     engine = ready_pod_url(local_cluster, namespace, "app.kubernetes.io/component=engine", 8000)
     router = ready_pod_url(local_cluster, namespace, "app.kubernetes.io/component=gateway", 8080)
+    picker = ready_pod_url(local_cluster, namespace, "app.kubernetes.io/component=endpoint-picker", 9002)
+    picker = picker.removeprefix("http://")
     assert_refused(chat(router, "sk-wrong"))
     assert_refused(chat(engine, "sk-wrong"))
+    status, headers = picker_answer(picker, "sk-wrong")
+    assert status == 401 and headers["www-authenticate"] == "Bearer"
+    status, headers = picker_answer(picker, team_key)   # routed to the engine, then held to its share
+    assert status == 0 and headers["x-gateway-destination-endpoint"] == engine.removeprefix("http://")
+    status, headers = picker_answer(picker, team_key)
+    assert status == 429 and headers["x-kubeinfer-rate-limit"] == "requests_per_minute", headers
+    refused = {(s.labels["tenant"], s.labels["outcome"]): s.value
+               for family in text_string_to_metric_families(httpx.get(
+                   f"http://{picker.rsplit(':', 1)[0]}:9090/metrics", timeout=10).text)
+               if family.name == "kubeinfer:tenant_requests" for s in family.samples if s.name.endswith("_total")}
+    assert refused == {("team-a", "rate_limited"): 1}
     answer = chat(router, team_key)   # admitted by the router, then by the engine
     assert answer.status_code == 200, answer.text
     # 2 a minute, spread evenly: each of them now refuses team-a for ~30 s
@@ -233,10 +271,12 @@ def test_inline_tenant_table_names_tenants_by_keys_kept_in_a_secret(
     rotated = "sk-b-" + secrets.token_hex(8)
     apply(local_cluster, namespace, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-keys"},
                                      "stringData": {"team-a": f"{team_key}\n", "team-b": f"{rotated}\n"}})
-    wait_for(lambda: all(chat(url, rotated).status_code == 200 for url in (engine, router)),
-             "the rotated key admitted by the engine and the router", timeout=120, interval=1)
+    wait_for(lambda: all(chat(url, rotated).status_code == 200 for url in (engine, router))
+             and picker_answer(picker, rotated)[0] == 0,
+             "the rotated key admitted by the engine, the router and the endpoint picker", timeout=120, interval=1)
     for url in (engine, router):
         assert_refused(chat(url, "sk-b"))
+    assert picker_answer(picker, "sk-b")[0] == 401
     pods = local_cluster.pods(namespace)
     assert {pod.metadata.uid for pod in pods} == running
     assert all(status.restart_count == 0 for pod in pods for status in pod.status.container_statuses or [])
