@@ -75,8 +75,8 @@ class CredentialFiles:
         """The CLI's files (`--api-keys`, `--api-keys-file`, `--tenants-file`); exits with a
         message (never a key) when they are unusable at startup."""
         try:
-            return cls(list(args.api_keys), args.api_keys_file, getattr(args, "tenants_file", None),
-                       args.require_api_key, getattr(args, "key_reload_seconds", 0.0))
+            return cls(list(args.api_keys), args.api_keys_file, args.tenants_file, args.require_api_key,
+                       args.key_reload_seconds)
         except ValueError as error:
             raise SystemExit(str(error)) from None
 

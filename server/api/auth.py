@@ -4,11 +4,13 @@ and Prometheus, like vLLM which guards only the API routes."""
 from __future__ import annotations
 
 import hmac
-from typing import Mapping
+import time
+from typing import Callable, Mapping
 
 from fastapi import Request
 
-from ..credentials import CredentialFiles
+from ..credentials import CredentialFiles, Credentials
+from ..tenancy import Identity, RateLimiter, TenantError, TenantResolver, TenantTable
 from .error_body import OpenAIError
 
 # Routes that never need a key: the kubelet's probes and Prometheus cannot send one, routers
@@ -58,3 +60,33 @@ class ApiKeyCheck:
             raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
         return matched.index(True)
+
+
+class TenantGate:
+    """The key check, the tenant table and the quotas, made and replaced together (a key's index
+    in `keys` names its owner in `resolver`): the engine's front (api/tenancy.py) and the router
+    (router/tenancy.py) each keep one. `api_keys` (--api-keys) stay valid and name no tenant;
+    with `files`, all three follow the key files' changes; `share` divides every quota."""
+
+    def __init__(self, table: TenantTable | None, trust_header: bool, api_keys: list[str],
+                 files: CredentialFiles | None = None, share: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.resolver = TenantResolver(table, trust_header)
+        self.keys = ApiKeyCheck(self.resolver.keys() + api_keys, files)
+        self.limiter = RateLimiter(self.resolver.table, share=share, clock=clock)
+        if files is not None:
+            files.subscribe(self.update)
+
+    def update(self, credentials: Credentials) -> None:
+        """New keys, tenants and quotas, all at once (between two requests' checks)."""
+        self.resolver.update(credentials.table)
+        self.keys.update(self.resolver.keys() + credentials.api_keys)
+        self.limiter.update(self.resolver.table)
+
+    def identify(self, headers: Mapping[str, str]) -> Identity:
+        """Check the key (401) and name the request's tenant (400 for a bad tenant header)."""
+        index = self.keys.matched(headers)
+        try:
+            return self.resolver.identify(index, headers)
+        except TenantError as error:
+            raise OpenAIError(400, str(error), param=error.param, code="invalid_tenant") from None

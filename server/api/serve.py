@@ -124,7 +124,7 @@ async def _serve(args: argparse.Namespace, files: CredentialFiles) -> int:
                                               engine.served_model_name)
         files.count_reloads(state.metrics.registry)
         if tenancy_enabled(args):
-            state.tenancy = Tenancy.create(table, args.trust_tenant_header, args.api_keys, state.metrics.registry,
+            state.tenancy = Tenancy(table, args.trust_tenant_header, args.api_keys, state.metrics.registry,
                                            engine.served_model_name, args.log_usage, files)
         from .lora import runtime_updating_allowed
 

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from ..credentials import CredentialFiles, Credentials
+from ..credentials import CredentialFiles
 from ..engine.outputs import RequestOutput
-from ..tenancy import Identity, RateLimiter, TenantError, TenantResolver, TenantTable
-from .auth import ApiKeyCheck
+from ..tenancy import Identity, TenantError, TenantTable
+from .auth import TenantGate
 from .error_body import OpenAIError
 from .metrics import LATENCY_BUCKETS, TTFT_BUCKETS
 
@@ -64,40 +63,19 @@ class TenantMetrics:
         self.requests.labels(self.model_name, label, outcome).inc(count)
 
 
-@dataclass
-class Tenancy:
-    resolver: TenantResolver
-    keys: ApiKeyCheck
-    limiter: RateLimiter
-    metrics: TenantMetrics
-    log_usage: bool = False
+class Tenancy(TenantGate):
+    """The engine's front: the gate, per-tenant metering, and the usage log when asked."""
 
-    @classmethod
-    def create(cls, table: TenantTable | None, trust_header: bool, api_keys: list[str],
-               registry: CollectorRegistry, model_name: str, log_usage: bool = False,
-               files: CredentialFiles | None = None) -> "Tenancy":
-        """`api_keys` (--api-keys) stay valid and name no tenant; the table's keys name theirs.
-        With `files`, keys, tenants and quotas follow the files' changes."""
-        resolver = TenantResolver(table, trust_header)
-        tenancy = cls(resolver, ApiKeyCheck(resolver.keys() + api_keys, files), RateLimiter(resolver.table),
-                      TenantMetrics(registry, model_name), log_usage)
-        if files is not None:
-            files.subscribe(tenancy.update)
-        return tenancy
-
-    def update(self, credentials: Credentials) -> None:
-        """New keys, tenants and quotas, all at once (between two requests' checks)."""
-        self.resolver.update(credentials.table)
-        self.keys.update(self.resolver.keys() + credentials.api_keys)
-        self.limiter.update(self.resolver.table)
+    def __init__(self, table: TenantTable | None, trust_header: bool, api_keys: list[str],
+                 registry: CollectorRegistry, model_name: str, log_usage: bool = False,
+                 files: CredentialFiles | None = None) -> None:
+        super().__init__(table, trust_header, api_keys, files)
+        self.metrics = TenantMetrics(registry, model_name)
+        self.log_usage = log_usage
 
     async def authenticate(self, request: Request) -> None:
         """The API-key check, then the request's Identity on `request.state.identity`."""
-        index = self.keys.matched(request.headers)
-        try:
-            request.state.identity = self.resolver.identify(index, request.headers)
-        except TenantError as error:
-            raise OpenAIError(400, str(error), param=error.param, code="invalid_tenant") from None
+        request.state.identity = self.identify(request.headers)
 
     def admit(self, identity: Identity, requested_priority: int | None, num_prompts: int) -> int:
         """The priority to run at; raises 400 (priority out of range) or 429 (over quota)."""

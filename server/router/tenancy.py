@@ -32,10 +32,10 @@ from typing import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter
 
-from ..api.auth import ApiKeyCheck
+from ..api.auth import TenantGate
 from ..api.error_body import OpenAIError
-from ..credentials import CredentialFiles, Credentials
-from ..tenancy import Identity, RateLimiter, TenantError, TenantResolver, TenantTable
+from ..credentials import CredentialFiles
+from ..tenancy import Identity, TenantError, TenantTable
 from .queue import Ticket
 
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -44,36 +44,22 @@ REPLAY_ESTIMATE = 16384   # tokens estimated for a body too large to hold (over 
 MAX_ESTIMATE = 1 << 20    # a request's generated tokens estimated at most (a wild max_tokens)
 
 
-class RouterTenancy:
+class RouterTenancy(TenantGate):
     def __init__(self, table: TenantTable | None, trust_header: bool, replicas: int,
                  api_keys: list[str], files: CredentialFiles | None = None,
                  registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        """With `files`, keys, tenants and quotas follow the files' changes. `registry`: the
-        router's metrics, where the per-tenant refusals are counted; `clock`: the quotas'."""
+        """Each replica enforces 1/`replicas` of every quota. `registry`: the router's metrics,
+        where the per-tenant refusals are counted; `clock`: the quotas'."""
         if replicas < 1:
             raise ValueError(f"--quota-replicas must be >= 1, got {replicas}")
+        super().__init__(table, trust_header, api_keys, files, share=1.0 / replicas, clock=clock)
         self.refused = Counter("kubeinfer:tenant_requests", "Requests refused at the router, per tenant, by "
                                "outcome (rate_limited, invalid_priority); the engines count the rest.",
                                ["tenant", "outcome"], registry=registry or CollectorRegistry())
-        self.resolver = TenantResolver(table, trust_header)
-        self.keys = ApiKeyCheck(self.resolver.keys() + api_keys, files)
-        self.limiter = RateLimiter(self.resolver.table, share=1.0 / replicas, clock=clock)
-        if files is not None:
-            files.subscribe(self.update)
-
-    def update(self, credentials: Credentials) -> None:
-        """New keys, tenants and quotas, all at once (between two requests' checks)."""
-        self.resolver.update(credentials.table)
-        self.keys.update(self.resolver.keys() + credentials.api_keys)
-        self.limiter.update(self.resolver.table)
 
     def admit(self, headers: Mapping[str, str]) -> Identity:
         """Check the key, name the tenant and take one request of its quota: 401, 400 or 429."""
-        index = self.keys.matched(headers)
-        try:
-            identity = self.resolver.identify(index, headers)
-        except TenantError as error:
-            raise OpenAIError(400, str(error), param=error.param, code="invalid_tenant") from None
+        identity = self.identify(headers)
         refusal = self.limiter.check(identity.name)
         if refusal is not None:
             self.refused.labels(identity.label, "rate_limited").inc()

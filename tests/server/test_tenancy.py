@@ -158,7 +158,7 @@ def tenant_server(model: str, live_server, table: TenantTable | None, trust_head
     engine = AsyncEngine.from_config(config)
     try:
         state = ServerState.create(engine, model, 1024)
-        state.tenancy = Tenancy.create(table, trust_header, [], state.metrics.registry, engine.served_model_name)
+        state.tenancy = Tenancy(table, trust_header, [], state.metrics.registry, engine.served_model_name)
         with live_server(build_app(state, [], tenancy=state.tenancy)) as url:
             yield url, state
     finally:
@@ -258,4 +258,5 @@ def test_serve_refuses_an_unusable_tenant_file_before_loading(tmp_path: Path) ->
     bad = write(tmp_path, "t.yaml", "tenants:\n- {name: a}\n- {name: a}\n")
     with pytest.raises(SystemExit, match=r"--tenants-file .*t.yaml: .*defined twice"):
         CredentialFiles.from_args(argparse.Namespace(tenants_file=str(bad), trust_tenant_header=False, api_keys=[],
-                                                     api_keys_file=None, require_api_key=False))
+                                                     api_keys_file=None, require_api_key=False,
+                                                     key_reload_seconds=0))

@@ -57,7 +57,8 @@ def test_bad_keys_files_stop_startup_without_showing_a_key(
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
     args = argparse.Namespace(tenants_file=str(write(tmp_path / "tenants.yaml", f"tenants:\n{tenants}\n")),
-                              api_keys=[], api_keys_file=None, require_api_key=False)
+                              api_keys=[], api_keys_file=None, require_api_key=False,
+                              key_reload_seconds=0)
     with pytest.raises(SystemExit) as stopped:
         CredentialFiles.from_args(args)
     text = str(stopped.value)
