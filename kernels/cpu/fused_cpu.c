@@ -63,8 +63,51 @@ int NAME(const T *x, T *out, int64_t rows, int64_t inter) {                     
     return 0;                                                                                  \
 }
 
-DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16, BF16_ROUND)
 DEFINE_RMS_NORM(rms_norm_f32, float, ID, ID, ID)
+#if defined(__AVX512BF16__)
+static inline void bf16x16_store(uint16_t *p, __mmask16 lanes, __m512 v) {
+    _mm256_mask_storeu_epi16(p, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#define LANES(n, i) ((n) - (i) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ((n) - (i))) - 1))
+
+/* rms_norm_bf16 16 lanes at a time: the scalar loop's float_to_bf16 (a NaN branch and integer
+ * rounding per element) kept the compiler from vectorising it. The summed row is read back as the
+ * values to normalise (they are bf16 already), so no float copy of the row is kept. */
+int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *summed, const uint16_t *weight,
+                  uint16_t *out, int64_t rows, int64_t hidden, float eps) {
+    _Pragma("omp parallel for if(rows * hidden >= PARALLEL_ELEMENTS)")
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * hidden, *h = xr;
+        uint16_t *orow = out + r * hidden;
+        __m512 squares = _mm512_setzero_ps();
+        if (residual) {
+            const uint16_t *rr = residual + r * hidden;
+            uint16_t *sr = summed + r * hidden;
+            for (int64_t i = 0; i < hidden; i += 16) {
+                const __mmask16 lanes = LANES(hidden, i);
+                const __m512 v = bf16x16_round(_mm512_add_ps(bf16x16_load(xr + i, lanes), bf16x16_load(rr + i, lanes)));
+                bf16x16_store(sr + i, lanes, v);
+                squares = _mm512_fmadd_ps(v, v, squares);
+            }
+            h = sr;
+        } else {
+            for (int64_t i = 0; i < hidden; i += 16) {
+                const __m512 v = bf16x16_load(xr + i, LANES(hidden, i));
+                squares = _mm512_fmadd_ps(v, v, squares);
+            }
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps));
+        for (int64_t i = 0; i < hidden; i += 16) {
+            const __mmask16 lanes = LANES(hidden, i);
+            bf16x16_store(orow + i, lanes, _mm512_mul_ps(bf16x16_load(weight + i, lanes),
+                                                         bf16x16_round(_mm512_mul_ps(bf16x16_load(h + i, lanes), inv))));
+        }
+    }
+    return 0;
+}
+#else
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16, BF16_ROUND)
+#endif
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, ID, ID, ID)
 #if defined(__AVX512BF16__)
 /* silu_and_mul_bf16 16 lanes at a time (`silu_mul16`): the scalar loop's branches and
@@ -108,8 +151,34 @@ int NAME(T *x, const T *cos, const T *sin, int64_t rows, int64_t row_stride, int
     return 0;                                                                                  \
 }
 
-DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_float, float_to_bf16, BF16_ROUND)
 DEFINE_ROTARY(rotary_f32, float, ID, ID, ID)
+#if defined(__AVX512BF16__)
+/* rotary_bf16 16 lanes at a time, for the same reason as rms_norm_bf16. */
+int rotary_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t rows, int64_t row_stride,
+                int64_t heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    _Pragma("omp parallel for if(rows * heads * head_dim >= PARALLEL_ELEMENTS)")
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *c = cos + r * head_dim, *s = sin + r * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *v = x + r * row_stride + h * head_dim;
+            for (int64_t i = 0; i < half; i += 16) {
+                const __mmask16 lanes = LANES(half, i);
+                const __m512 x1 = bf16x16_load(v + i, lanes), x2 = bf16x16_load(v + i + half, lanes);
+                const __m512 first = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(x1, bf16x16_load(c + i, lanes))),
+                                                   bf16x16_round(_mm512_mul_ps(x2, bf16x16_load(s + i, lanes))));
+                const __m512 second = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(x2, bf16x16_load(c + i + half, lanes))),
+                                                    bf16x16_round(_mm512_mul_ps(x1, bf16x16_load(s + i + half, lanes))));
+                bf16x16_store(v + i, lanes, first);
+                bf16x16_store(v + i + half, lanes, second);
+            }
+        }
+    }
+    return 0;
+}
+#else
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_float, float_to_bf16, BF16_ROUND)
+#endif
 
 /* Row t of k and v (`row_bytes` each, rows `row_stride` bytes apart) to slot slots[t] of the
  * caches (slot s at byte s * row_bytes); slots < 0 are skipped. Any dtype: rows are copied. */

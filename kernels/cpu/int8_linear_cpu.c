@@ -70,34 +70,51 @@ int int8_pack(const int8_t *w, int8_t *packed, int32_t *colsum, int64_t n, int64
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 int int8_supported(void) { return 1; }
 
-/* One row of x as q + offset (128: uint8 for VNNI, padding 128 = q 0 up to kp bytes; 0: int8);
- * returns its scale. */
-static float quantize_row(const float *row, int64_t k, int64_t kp, const float *static_scale, uint8_t *q,
-                          int offset) {
-    float scale;
-    if (static_scale) {
-        scale = *static_scale;
-    } else {
-        __m512 amax = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 16 <= k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
-        float m = _mm512_reduce_max_ps(amax);
-        for (; i < k; i++) m = fabsf(row[i]) > m ? fabsf(row[i]) : m;
-        scale = (m > EPS ? m : EPS) / 127.0f;
-    }
-    const __m512 s = _mm512_set1_ps(scale);
-    int64_t i = 0;
-    for (; i < k; i += 16) {
-        const __mmask16 lanes = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
-        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, row + i), s),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-128.f)), _mm512_set1_ps(127.f));
-        const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(offset));
-        _mm_mask_storeu_epi8(q + i, lanes, _mm512_cvtepi32_epi8(shifted));
-    }
-    for (int64_t j = k; j < kp; j++) q[j] = 128;
-    return scale;
+/* round-half-even(x / s) clamped to [-128, 127], + offset, as 16 bytes. Clamped before the
+ * conversion rounds (to nearest even), which gives the same integers as rounding first: the
+ * bounds are integers. */
+static inline __m128i quantize16(__m512 x, __m512 s, int offset) {
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x, s), _mm512_set1_ps(-128.f)), _mm512_set1_ps(127.f));
+    const __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(offset)));
 }
+
+/* One row of x (float32 or bf16, read as it is: no float copy of the row) as q + offset (128:
+ * uint8 for VNNI, padding 128 = q 0 up to kp bytes; 0: int8); returns its scale. The amax keeps
+ * four running maxima, so successive loads do not wait on one chain of max instructions. */
+#define DEFINE_QUANTIZE_ROW(NAME, T, LOAD16)                                                       \
+static float NAME(const T *row, int64_t k, int64_t kp, const float *static_scale, uint8_t *q, int offset) { \
+    float scale;                                                                                   \
+    if (static_scale) {                                                                            \
+        scale = *static_scale;                                                                     \
+    } else {                                                                                       \
+        __m512 amax[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}; \
+        int64_t i = 0;                                                                             \
+        for (; i + 64 <= k; i += 64)                                                               \
+            for (int a = 0; a < 4; a++)                                                            \
+                amax[a] = _mm512_max_ps(amax[a], _mm512_abs_ps(LOAD16(row + i + 16 * a, (__mmask16)0xFFFF))); \
+        for (; i < k; i += 16) {                                                                   \
+            const __mmask16 lanes = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1); \
+            amax[0] = _mm512_max_ps(amax[0], _mm512_abs_ps(LOAD16(row + i, lanes)));              \
+        }                                                                                          \
+        const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(amax[0], amax[1]),       \
+                                                           _mm512_max_ps(amax[2], amax[3])));    \
+        scale = (m > EPS ? m : EPS) / 127.0f;                                                      \
+    }                                                                                              \
+    const __m512 s = _mm512_set1_ps(scale);                                                        \
+    int64_t i = 0;                                                                                 \
+    for (; i + 16 <= k; i += 16)                                                                   \
+        _mm_storeu_si128((__m128i *)(q + i), quantize16(LOAD16(row + i, (__mmask16)0xFFFF), s, offset)); \
+    if (i < k) {                                                                                   \
+        const __mmask16 lanes = (__mmask16)((1u << (k - i)) - 1);                                  \
+        _mm_mask_storeu_epi8(q + i, lanes, quantize16(LOAD16(row + i, lanes), s, offset));        \
+    }                                                                                              \
+    for (int64_t j = k; j < kp; j++) q[j] = 128;                                                   \
+    return scale;                                                                                  \
+}
+static inline __m512 f32x16_load(const float *p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+DEFINE_QUANTIZE_ROW(quantize_row_f32, float, f32x16_load)
+DEFINE_QUANTIZE_ROW(quantize_row_bf16, uint16_t, bf16x16_load)
 
 /* sums[r][v] = the int32 dot products of rows `xq[r]` with the panel's columns 16 v .. 16 v + 15. */
 static inline void multiply_rows(const uint8_t *const xq[ROWS], const int8_t *panel, int64_t kp,
@@ -127,22 +144,13 @@ static inline __m512 rescale(__m512i sum, __m512i correction, float x_scale, __m
     return scaled(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, correction)), _mm512_set1_ps(x_scale), w_scale);
 }
 
-/* Every row of x quantized (quantize_row, rows of kp bytes) with its scale into scales[r]. */
-#define DEFINE_QUANTIZE_ROWS(NAME, T, TO_FLOAT_ROW)                                                 \
+/* Every row of x quantized (rows of kp bytes) with its scale into scales[r]. */
+#define DEFINE_QUANTIZE_ROWS(NAME, T, QUANTIZE_ROW)                                                 \
 static int NAME(const T *x, uint8_t *q, float *scales, const float *static_scale, int64_t m, int64_t k, \
                 int64_t kp, int64_t x_stride, int offset) {                                       \
-    float *rows = malloc((size_t)(omp_get_max_threads() * k) * sizeof(float));                   \
-    if (!rows) return NO_MEMORY;                                                                 \
-    _Pragma("omp parallel if(m * k >= 16384)")                                                  \
-    {                                                                                            \
-        float *row = rows + omp_get_thread_num() * k;                                            \
-        _Pragma("omp for schedule(static)")                                                     \
-        for (int64_t r = 0; r < m; r++) {                                                        \
-            TO_FLOAT_ROW(x + r * x_stride, row, k);                                              \
-            scales[r] = quantize_row(row, k, kp, static_scale, q + r * kp, offset);              \
-        }                                                                                        \
-    }                                                                                            \
-    free(rows);                                                                                  \
+    _Pragma("omp parallel for schedule(static) if(m * k >= 16384)")                             \
+    for (int64_t r = 0; r < m; r++)                                                              \
+        scales[r] = QUANTIZE_ROW(x + r * x_stride, k, kp, static_scale, q + r * kp, offset);     \
     return OK;                                                                                   \
 }
 
@@ -193,21 +201,13 @@ int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w
     return OK;                                                                                   \
 }
 
-static inline void bf16_row_to_float(const uint16_t *src, float *dst, int64_t k) {
-    for (int64_t i = 0; i < k; i += 16) {
-        const __mmask16 lanes = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
-        _mm512_mask_storeu_ps(dst + i, lanes, bf16x16_load(src + i, lanes));
-    }
-}
-static inline void f32_row_copy(const float *src, float *dst, int64_t k) { memcpy(dst, src, (size_t)k * sizeof(float)); }
 static inline void bf16x16_store(uint16_t *p, __mmask16 lanes, __m512 v) {
     _mm256_mask_storeu_epi16(p, lanes, (__m256i)_mm512_cvtneps_pbh(v));
 }
 static inline void f32x16_store(float *p, __mmask16 lanes, __m512 v) { _mm512_mask_storeu_ps(p, lanes, v); }
-static inline __m512 f32x16_load(const float *p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 
-DEFINE_QUANTIZE_ROWS(quantize_rows_bf16, uint16_t, bf16_row_to_float)
-DEFINE_QUANTIZE_ROWS(quantize_rows_f32, float, f32_row_copy)
+DEFINE_QUANTIZE_ROWS(quantize_rows_bf16, uint16_t, quantize_row_bf16)
+DEFINE_QUANTIZE_ROWS(quantize_rows_f32, float, quantize_row_f32)
 #define ROUND16 bf16x16_round
 DEFINE_INT8_LINEAR(int8_linear_bf16, uint16_t, quantize_rows_bf16, bf16x16_store, bf16x16_load)
 #undef ROUND16
