@@ -118,13 +118,43 @@ def test_amx_path_is_refused_where_it_cannot_run():
 
 
 def test_the_amx_row_threshold_is_measured_here():
-    """Where AMX runs, the threshold is one of the sampled row counts (or None when it never won);
-    without AMX there is none."""
+    """Where AMX runs, the threshold is one of the sampled row counts and `amx_takes` follows it
+    (None only when AMX never won); without AMX there is none."""
     threshold = int8_linear_cpu.amx_min_rows()
     if int8_linear_cpu.amx_available():
         assert threshold is None or threshold in int8_linear_cpu._PLAN_ROWS
+        for rows in int8_linear_cpu._PLAN_ROWS:
+            assert int8_linear_cpu.amx_takes(rows, 576) == (threshold is not None and rows >= threshold)
     else:
         assert threshold is None and not int8_linear_cpu.amx_takes(4096, 576)
+
+
+@pytest.mark.parametrize(("amx_wins_from", "noisy_loss", "want"), [
+    (16, None, 16),   # AMX faster from 16 rows on
+    (1, None, 1),     # faster everywhere
+    (16, 32, 64),     # one loss at 32 rows: the threshold is the first row count that wins from there on
+    (None, None, None),   # never faster: VNNI everywhere
+])
+def test_the_amx_threshold_is_the_first_row_count_amx_wins_from(monkeypatch, amx_wins_from, noisy_loss, want):
+    """The decision over the sampled timings, with the timings given: the smallest row count from
+    which every larger sample ran faster on AMX."""
+    if not (int8_linear_cpu.available() and int8_linear_cpu.amx_available()):
+        pytest.skip("needs AMX-INT8")
+    calls = []
+    monkeypatch.setattr(int8_linear_cpu, "linear", lambda x, weight, use_amx=False: calls.append((x.shape[0], use_amx)))
+
+    def seconds(run):
+        run()
+        rows, use_amx = calls[-1]
+        amx_faster = amx_wins_from is not None and rows >= amx_wins_from and rows != noisy_loss
+        return 1.0 if use_amx == amx_faster else 2.0
+
+    monkeypatch.setattr(int8_linear_cpu, "_best_seconds", seconds)
+    int8_linear_cpu.amx_min_rows.cache_clear()
+    try:
+        assert int8_linear_cpu.amx_min_rows() == want
+    finally:
+        int8_linear_cpu.amx_min_rows.cache_clear()
 
 
 def test_int8_weight_takes_amx_from_the_measured_row_count(monkeypatch):
