@@ -49,11 +49,20 @@ def deletion_costs(pods: Sequence[Mapping[str, Any]], samples: Sequence[PodSampl
     return changes
 
 
+def pods_per_replica(isvc: Mapping[str, Any]) -> int:
+    """A replica of more than one pod is a LeaderWorkerSet group, which scales down by group index
+    and never reads the annotation: its leaders are left to the autoscaler's own scrape."""
+    engine = (isvc.get("spec") or {}).get("engine") or {}
+    return int(engine.get("podsPerReplica") or 1)
+
+
 async def write_costs(kube: ScaleApi, http: httpx.AsyncClient, namespace: str, name: str,
                       scrape_timeout: float = 2.0) -> dict[str, int]:
     """Scrape the InferenceService's engine pods and patch the costs that changed (one merge
-    patch per pod); returns what was written."""
+    patch per pod); returns what was written (nothing for a multi-pod replica's groups)."""
     isvc = await kube.get(namespace, name)
+    if pods_per_replica(isvc) > 1:
+        return {}
     pods = await kube.list_pods(namespace, engine_selector(isvc))
     samples = await scrape(http, pod_targets(pods), (RECENT_HITS,), scrape_timeout)
     written = {}

@@ -114,3 +114,27 @@ def test_the_operator_scrapes_the_engines_and_patches_changed_costs() -> None:
     assert second == {}
     costs = {p["metadata"]["name"]: (p["metadata"].get("annotations") or {}).get(ANNOTATION) for p in kube.engines}
     assert costs == {"hot": "5120", "cold": "16", "starting": None}
+
+
+@pytest.mark.unit
+def test_groups_of_pods_per_replica_are_neither_scraped_nor_annotated() -> None:
+    """A multi-pod replica is a LeaderWorkerSet group: it scales down by index, so its leaders are
+    not scraped a second time (the autoscaler does) and no pod gets a cost nobody reads."""
+    kube = PatchedPods(2, POLICY)
+    kube.isvc["spec"]["engine"] = {"podsPerReplica": 2}
+    listings = []
+    with serving(page(5120.0)) as leader:
+        kube.engines = [pod("leader-0", leader)]
+
+        async def listed(namespace: str, selector: str) -> list[dict[str, Any]]:
+            listings.append(selector)
+            return kube.engines
+
+        kube.list_pods = listed   # type: ignore[method-assign]
+
+        async def once() -> dict[str, int]:
+            async with httpx.AsyncClient() as http:
+                return await write_costs(kube, http, NS, NAME)
+
+        assert asyncio.run(once()) == {}
+    assert listings == [] and "annotations" not in kube.engines[0]["metadata"]
