@@ -24,6 +24,8 @@ QUANTIZATION_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "int8")
 TASKS = ("auto", "generate", "embed")
 # --kv-cache-dtype values (vLLM's): auto = the model's dtype; fp8 = fp8_e4m3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --quantize-lm-head values (model/quantization/lm_head.py)
+LM_HEAD_QUANTIZATIONS = ("auto", "none", "q8_0")
 RUNNERS = ("auto", "generate", "pooling")   # vLLM's --runner, the same choice as --task
 # --scheduling-policy: auto = fair when the server names tenants (--tenants-file,
 # --trust-tenant-header), else priority (server/engine/scheduling_policy.py)
@@ -199,6 +201,14 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "awq = as auto, but refuse a checkpoint not quantized that way; fp8, int8 = quantize an "
          "unquantized checkpoint's linear weights at load (per output channel, dynamic per-token "
          "activations); fp8 also serves a checkpoint with quant_method fp8.", ("auto", "none", *QUANTIZATION_METHODS)),
+    Flag("quantize-lm-head", str, "auto",
+         "The output projection (lm_head, or the tied embedding matrix) read as GGUF Q8_0 blocks "
+         "(int8 in blocks of 32 with an fp16 scale, bf16 activations) on CPUs with AVX512-BF16, "
+         "about half the bytes a decode step reads for it: auto = only when its values are Q8_0 "
+         "values already (a model converted from a GGUF file with a Q8_0 output or embedding "
+         "tensor), the same logits; q8_0 = always, a weight-only precision change on other "
+         "models; none = never, the model's dtype (as vLLM keeps a quantized checkpoint's).",
+         LM_HEAD_QUANTIZATIONS),
     Flag("block-size", int, 16, "Tokens per KV-cache block."),
     Flag("kv-cache-dtype", str, "auto",
          "KV-cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 store K and V "

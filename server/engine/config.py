@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
-from ..flags import (ENGINE_FLAGS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, RUNNERS, SCHEDULING_POLICIES, TASKS,
-                     LoRAModuleSpec)
+from ..flags import (ENGINE_FLAGS, KV_CACHE_DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATION_METHODS, RUNNERS,
+                     SCHEDULING_POLICIES, TASKS, LoRAModuleSpec)
 from .kv_event_publisher import KVEventsConfig, parse_kv_events_config
 from .spec_decode.config import SpeculativeConfig, parse_speculative_config
 
@@ -20,6 +20,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     quantization: str = "auto"
+    quantize_lm_head: str = "auto"
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
@@ -70,6 +71,11 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of auto, none, {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")
+        if self.quantize_lm_head not in LM_HEAD_QUANTIZATIONS:
+            raise ValueError(f"quantize_lm_head must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}; "
+                             f"got {self.quantize_lm_head!r}")
+        if self.quantize_lm_head == "q8_0" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("quantize_lm_head q8_0 runs in one process: not with tensor or pipeline parallelism")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.task not in TASKS:

@@ -58,7 +58,7 @@ class LLMEngine:
             from ..model.loader import load_model
 
             loaded = load_model(config.model, config.dtype, config.device, config.quantization,
-                                embed=self.task == "embed")
+                                embed=self.task == "embed", quantize_head=config.quantize_lm_head)
         self.config = config
         self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer

@@ -29,6 +29,7 @@ from .families.causal_lm import CausalLM
 from .layers.attention import get_attention_backend
 from .layers.kv_cache_quant import KVScales, split_kv_scales
 from .quantization import QuantizedLoad, gguf_blocks, resolve_for_checkpoint
+from .quantization.lm_head import quantize_lm_head
 from .registry import model_family
 from .tokenizer.tokenizer import Tokenizer
 
@@ -145,11 +146,12 @@ def read_checkpoint(source: str) -> Checkpoint:
 
 
 def load_model(source: str = "embedded", dtype: str = "auto", device: str = "auto",
-               quantization: str = "auto", embed: bool = False) -> LoadedModel:
+               quantization: str = "auto", embed: bool = False, quantize_head: str = "none") -> LoadedModel:
     """Build the model of `source` on `device` in `dtype`; with quantization 'auto', GGUF matrices
     in a type the CPU kernel reads keep that form too (CPU, bf16, kernel available), and the
     linear layers of a quantized HF checkpoint stay quantized (see `quantization/`). `embed`: an
-    embedding model, which needs no LM head and may be saved as the bare decoder (`pooling.py`)."""
+    embedding model, which needs no LM head and may be saved as the bare decoder (`pooling.py`).
+    `quantize_head`: --quantize-lm-head (`quantization/lm_head.py`)."""
     start = time.perf_counter()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -190,6 +192,8 @@ def load_model(source: str = "embedded", dtype: str = "auto", device: str = "aut
         count = blocks.attach(model)
         logger.info("%d linear layers keep their GGUF quantization for decode (%.2fs)", count,
                     time.perf_counter() - stage)
+    if not embed:
+        quantize_lm_head(model, quantize_head)
     config.eos_token_ids = checkpoint.tokenizer.eos_token_ids
     return LoadedModel(model=model, config=config, tokenizer=checkpoint.tokenizer,
                        generation_defaults=checkpoint.generation_defaults, name=checkpoint.name,
