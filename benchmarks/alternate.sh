@@ -33,9 +33,9 @@
 # once) and as a closed loop (4c requests, at least 8, c at a time); every run draws its own prompts.
 #
 # Before/after a change: KUBEINFER_BASELINE=<a checkout of the older commit, e.g. from
-# `git archive`> puts that tree's kubeinfer on the second port instead of vLLM (it is imported
-# through a `kubeinfer` package of links in front of the installed one), and each round runs
-# random 128/128 at c=1 and at c=32 instead.
+# `git archive`> puts that tree's kubeinfer, with the arm's model arguments, on the second port
+# instead of vLLM (it is imported through a `kubeinfer` package of links in front of the
+# installed one), and each round runs random 128/128 at c=1 and at c=32 instead.
 set -euo pipefail
 ROUNDS="${1:-4}"
 PY="${KUBEINFER_PYTHON:-$HOME/.cache/kubeinfer/venv-bootstrap/bin/python}"
@@ -74,7 +74,7 @@ if [[ -n $BASELINE ]]; then
   # Its own kernel cache: an older tree deletes other sources' builds, and one deleted between
   # the other server's build and its load left that server on torch ops at half the speed.
   PYTHONPATH="$(dirname "$SHIM")" KUBEINFER_CACHE_DIR="$LOGS/alternate-baseline/cache" \
-    serve 8802 "$LOGS/alternate-baseline.log" --model "$GGUF"
+    serve 8802 "$LOGS/alternate-baseline.log" "${args[@]}"   # the one arm's model arguments
 else
 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE=$KV_CACHE_GIB VLLM_HOST_IP=$HOST \
   "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name smollm2 \
