@@ -26,7 +26,7 @@ import pytest
 from e2e.helpers import Cluster, wait_for
 
 pytestmark = pytest.mark.e2e
-INTERVAL, WINDOW, DELAY = 5, 10, 40
+INTERVAL, WINDOW, DELAY = 5, 10, 30
 
 
 def manifest(name: str, **autoscaling: Any) -> str:
@@ -185,14 +185,19 @@ def test_queue_growth_scales_up_then_down_after_the_delay_across_an_operator_res
     gateway, url = start_gateway(namespace, name, env, tmp_path / "gateway.log")
     timeline = Timeline(local_cluster, namespace, name)
     timeline.start()
-    bench = subprocess.run(
+    bench = Background(
         [sys.executable, "-m", "kubeinfer.server.cli", "bench", "serve", "--base-url", url,
          "--concurrency", "8", "--num-prompts", "24", "--input-len", "32", "--output-len", "48",
-         "--warmup", "0", "--no-progress", "--json", str(tmp_path / "bench.json")],
-        env=env, capture_output=True, text=True, timeout=1800)
-    assert bench.returncode == 0, bench.stderr[-2000:]
-    load_ended = time.time()
+         "--warmup", "0", "--no-progress"], tmp_path / "bench.log", env)
+    # The load lasts until the pods it scaled up have served some of it (or it runs out), so the
+    # scale-down phase starts as soon as the scale-up has shown what it is asserted to show.
+    wait_for(lambda: bench.process.poll() is not None or sum(
+                 1 for count in served_requests(local_cluster, namespace).values() if count > 0) >= 2,
+             "requests served by a second engine pod", timeout=1800, interval=1)
+    assert bench.process.poll() in (None, 0), (tmp_path / "bench.log").read_text()[-2000:]
     served = served_requests(local_cluster, namespace)
+    bench.stop()
+    load_ended = time.time()
 
     # The clock as it stands after the load (one may have started and reset during it).
     below = wait_for(lambda: timeline.rows and timeline.rows[-1]["time"] > load_ended
