@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
@@ -112,14 +113,18 @@ def served(engines: dict[str, str]) -> dict[str, float]:
 
 
 def routers_ready_for_keys(routers: list[str]) -> None:
-    """Each router has learned the engines' tokenizer: a probe request is routed by its key."""
-    for index, url in enumerate(routers):
+    """Each router has learned the engines' tokenizer: a probe request is routed by its key
+    (the routers are probed side by side)."""
+    def ready(index: int, url: str) -> None:
         def keyed() -> bool:
             httpx.post(f"{url}/v1/chat/completions", json=body(0, f"probe {time.time()}", f"probe-{index}"),
                        timeout=600)
             text = httpx.get(f"{url}/metrics", timeout=10).text
             return 'reason="affinity"' in text or 'reason="prefix"' in text
         wait_for(keyed, f"router {url} routing by key", timeout=120, interval=2)
+
+    with ThreadPoolExecutor(len(routers)) as pool:
+        list(pool.map(ready, range(len(routers)), routers))
 
 
 def label_query(selector: dict[str, Any]) -> str:
