@@ -360,7 +360,8 @@ SERVER_FLAGS: tuple[Flag, ...] = (
 def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...],
               environ: Mapping[str, str] | None = None) -> None:
     """Add flags to a parser; an environment variable, when set, replaces the default (a value
-    that does not parse stops the CLI with a usage error naming the variable)."""
+    that does not parse, or is not one of the flag's choices, stops the CLI with a usage error
+    naming the variable)."""
     environ = os.environ if environ is None else environ
     for flag in flags:
         default = flag.default
@@ -369,6 +370,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...],
                 default = (flag.parse_env or flag.parse)(environ[flag.env])
             except (ValueError, argparse.ArgumentTypeError) as error:   # as argparse answers a bad --flag
                 parser.error(f"environment variable {flag.env}: {error}")
+            if flag.choices and not flag.nargs and default not in flag.choices:   # argparse checks only --flag's
+                parser.error(f"environment variable {flag.env}: invalid choice: {environ[flag.env]!r} "
+                             f"(choose from {', '.join(flag.choices)})")
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": default,
                                   "help": f"{flag.help} [env {flag.env}]"}
         if flag.parse is parse_bool:

@@ -176,3 +176,33 @@ def test_an_env_value_that_does_not_parse_is_a_usage_error_naming_it(
     assert stopped.value.code == 2
     error = capsys.readouterr().err
     assert f"kubeinfer serve: error: environment variable {variable}: " in error and message in error
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("KUBEINFER_KV_CACHE_DTYPE", "bad"),
+    ("KUBEINFER_QUANTIZE_LM_HEAD", "q4"),
+    ("KUBEINFER_DTYPE", "int8"),
+])
+def test_an_env_value_outside_the_flags_choices_is_a_usage_error_naming_it(
+        capsys: pytest.CaptureFixture, variable: str, value: str) -> None:
+    """argparse checks a --flag's choices only on the command line: the environment's get the same."""
+    import argparse
+
+    from kubeinfer.server.flags import ENGINE_FLAGS, add_flags
+
+    with pytest.raises(SystemExit) as stopped:
+        add_flags(argparse.ArgumentParser(prog="kubeinfer serve"), ENGINE_FLAGS, environ={variable: value})
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert f"kubeinfer serve: error: environment variable {variable}: invalid choice: '{value}' (choose from " in error
+
+
+def test_an_env_value_among_the_choices_is_the_default() -> None:
+    import argparse
+
+    from kubeinfer.server.flags import ENGINE_FLAGS, add_flags
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ENGINE_FLAGS, environ={"KUBEINFER_QUANTIZE_LM_HEAD": "none", "KUBEINFER_KV_CACHE_DTYPE": "fp8"})
+    args = parser.parse_args([])
+    assert (args.quantize_lm_head, args.kv_cache_dtype) == ("none", "fp8")
