@@ -65,6 +65,11 @@ static inline __m512 bf16x16_load(const uint16_t *p, __mmask16 lanes) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
 }
 
+/* The 16 lanes of v as bf16 (nearest even) into `lanes` of p. */
+static inline void bf16x16_store(uint16_t *p, __mmask16 lanes, __m512 v) {
+    _mm256_mask_storeu_epi16(p, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 /* v rounded to bf16 (nearest even), as float32. */
 static inline __m512 bf16x16_round(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));

@@ -65,9 +65,6 @@ int NAME(const T *x, T *out, int64_t rows, int64_t inter) {                     
 
 DEFINE_RMS_NORM(rms_norm_f32, float, ID, ID, ID)
 #if defined(__AVX512BF16__)
-static inline void bf16x16_store(uint16_t *p, __mmask16 lanes, __m512 v) {
-    _mm256_mask_storeu_epi16(p, lanes, (__m256i)_mm512_cvtneps_pbh(v));
-}
 #define LANES(n, i) ((n) - (i) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ((n) - (i))) - 1))
 
 /* rms_norm_bf16 16 lanes at a time: the scalar loop's float_to_bf16 (a NaN branch and integer

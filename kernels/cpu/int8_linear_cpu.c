@@ -201,9 +201,6 @@ int NAME(const T *x, const int8_t *packed, const int32_t *colsum, const float *w
     return OK;                                                                                   \
 }
 
-static inline void bf16x16_store(uint16_t *p, __mmask16 lanes, __m512 v) {
-    _mm256_mask_storeu_epi16(p, lanes, (__m256i)_mm512_cvtneps_pbh(v));
-}
 static inline void f32x16_store(float *p, __mmask16 lanes, __m512 v) { _mm512_mask_storeu_ps(p, lanes, v); }
 
 DEFINE_QUANTIZE_ROWS(quantize_rows_bf16, uint16_t, quantize_row_bf16)

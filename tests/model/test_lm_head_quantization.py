@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, quants
 
 from kubeinfer.kernels import ops_cpu
 from kubeinfer.server.engine.config import EngineConfig
+from kubeinfer.server.model.layers.linear import can_pack, linear, pack_weight
 from kubeinfer.server.model.loader import load_model
 from kubeinfer.server.model.quantization.lm_head import quantize_lm_head
 from tests.helpers.tiny_models import build_tiny_llama
@@ -40,6 +41,12 @@ def test_logits_are_the_q8_0_matrix_at_every_batch_size(tmp_path, tied):
     want = F.linear(hidden.float(), matrix.float())
     for rows in (1, 4, 300):   # the tiles up to the kernel's row limit, the dense matrix beyond
         torch.testing.assert_close(quantized.logits(hidden[:rows]), want[:rows], rtol=1e-2, atol=2e-2)
+    # beyond the tiles' rows: exactly the model's own GEMM over the Q8_0 matrix, not the checkpoint's
+    original = plain.input_embeddings().weight if tied else plain.lm_head.weight
+    same_gemm = {name: linear(hidden, w, pack_weight(w) if can_pack(w) else None).float()
+                 for name, w in (("q8_0", matrix), ("checkpoint", original))}
+    assert torch.equal(quantized.logits(hidden), same_gemm["q8_0"])
+    assert not torch.equal(quantized.logits(hidden), same_gemm["checkpoint"])
     decode_sized, prefill_sized = quantized.logits(hidden[:4]), quantized.logits(hidden)[:4]
     torch.testing.assert_close(decode_sized, prefill_sized, rtol=1e-2, atol=2e-2)
     ids = torch.arange(matrix.shape[0])

@@ -100,5 +100,5 @@ def _holds_q8_0_values(weight: torch.Tensor) -> bool:
     (gguf-py alone: no kernel needed to decide)."""
     if weight.shape[1] % 32:
         return False
-    blocks = quants.quantize(weight.float().numpy(), GGMLQuantizationType.Q8_0)
-    return torch.equal(torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0)).to(weight.dtype), weight)
+    values = quants.dequantize(_q8_0_blocks(weight).numpy(), GGMLQuantizationType.Q8_0)
+    return torch.equal(torch.from_numpy(values).reshape(weight.shape).to(weight.dtype), weight)
