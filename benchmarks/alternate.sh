@@ -50,6 +50,9 @@ PEER=$([[ -n $BASELINE ]] && echo baseline || echo vllm)
 KV_CACHE_GIB="${KV_CACHE_GIB:-4}"
 ARMS="${KUBEINFER_ARMS:-kubeinfer=--model $GGUF}"
 [[ -n $BASELINE && $ARMS == *";"* ]] && { echo "KUBEINFER_BASELINE takes one arm" >&2; exit 2; }
+if [[ -z $BASELINE ]] && ! compgen -G "$PEERS/vllm-venv/lib/python3*/site-packages/vllm/libs/libtcmalloc*" > /dev/null; then
+  echo "vLLM has no tcmalloc to preload and would run on glibc malloc: run benchmarks/peers.sh install vllm" >&2; exit 2
+fi
 
 serve() {  # port log model-args...
   local port="$1" log="$2"; shift 2

