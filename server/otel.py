@@ -16,11 +16,22 @@ TRACEPARENT = re.compile(r"^[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{
 TRACEPARENT_HELP = ("traceparent: not a W3C Trace Context header (version-traceid-parentid-flags in "
                     "lowercase hex, e.g. 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01)")
 
+# xds-protos (the router's ext_proc stubs) ships an old copy of opentelemetry/proto/*, and the
+# wheel pip installs last owns those files.
+STALE_OTLP_PROTOS_HELP = ("another package (xds-protos) overwrote opentelemetry-proto's modules with an "
+                          "older copy; `pip install --force-reinstall --no-deps opentelemetry-proto` "
+                          "puts them back")
+
 
 def make_tracer(endpoint: str, sampling_ratio: float, service_name: str) -> tuple["TracerProvider", "Tracer"]:
     """A provider exporting to an OTLP/HTTP traces `endpoint` in batches, sampling new traces at
     `sampling_ratio` and following a sampled parent."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as error:
+        if "opentelemetry.proto" not in str(error):
+            raise
+        raise ImportError(f"{error}: {STALE_OTLP_PROTOS_HELP}") from error
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor

@@ -58,12 +58,14 @@ def _torch_site(target: Path) -> Path:
 @pytest.mark.unit
 def test_the_pins_are_what_the_tests_run_with() -> None:
     """docker/lock.py wrote them from this environment; a dependency upgraded since (or a new one)
-    must be locked again, or the image would ship what no test ran."""
+    must be locked again, or the image would ship what no test ran. The image serves the tracing
+    extra too: an InferenceService's spec.tracing turns the OTLP exporter on in its pods."""
     assert _pinned(ROOT / "docker/torch.txt")["torch"] == metadata.version("torch").split("+")[0]
     pins = _pinned(ROOT / "docker/requirements.txt")
     for requirement in map(Requirement, metadata.distribution("kubeinfer").requires or []):
         name = canonicalize_name(requirement.name)
-        if "extra" not in str(requirement.marker or "") and not TORCH_INDEX_WHEELS.match(name):
+        marker = str(requirement.marker or "")
+        if ("extra" not in marker or '"tracing"' in marker) and not TORCH_INDEX_WHEELS.match(name):
             assert name in pins and requirement.specifier.contains(pins[name]), (name, pins.get(name))
 
 
@@ -130,6 +132,8 @@ def test_image_install_steps_give_a_working_kubeinfer(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=600)
     assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr[-3000:]
     loads = subprocess.run([str(python), "-c", "import kubeinfer.operator.main, kubeinfer.server.router.cli, "
-                            "kubeinfer.server.api.app; print(kubeinfer.server.api.app.__file__)"],
+                            "kubeinfer.server.api.app, kubeinfer.server.otel as otel; "
+                            "otel.make_tracer('http://127.0.0.1:4318/v1/traces', 1.0, 'image'); "
+                            "print(kubeinfer.server.api.app.__file__)"],
                            env=env, capture_output=True, text=True, check=True).stdout
     assert loads.startswith(site)   # the installed copy, not this tree
